@@ -1,0 +1,12 @@
+"""pockjax: sparse, efficient fine-tuning for JAX, after PockEngine (MICRO 2023)."""
+from pockjax import schemes
+from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError
+from pockjax.transforms import (TransformInfo, apply_updates, sparse_grad, sparse_value_and_grad,
+                                trainable)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Scheme", "SchemeError", "Full", "Frozen", "Channels", "schemes",
+    "sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo",
+]

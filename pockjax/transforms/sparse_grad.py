@@ -1,0 +1,362 @@
+"""`sparse_grad`: gradients for the trainable part of the parameters only.
+
+How it works, in three steps on jaxprs:
+
+1. Reparametrise. Each `Channels` leaf `W` becomes `concatenate([t, f])` along its
+   axis, where only the kept slice `t` is differentiated; `Frozen` leaves are plain
+   inputs. Scans over a stacked weight whose layer axis is split this way are split
+   into one scan per part, so frozen layers are not differentiated (`scan_split`).
+2. Differentiate with `jax.value_and_grad` with respect to the kept slices only. JAX
+   leaves frozen tensors out of the backward pass; the gradient of a kept slice is a
+   slice of the full weight gradient.
+3. Push those slices up the backward graph (`pushdown`), so the weight gradient is
+   computed for the kept channels only; dead code disappears on the way, and the
+   forward `concatenate(slice(W), slice(W))` folds back into `W`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.interpreters import partial_eval as pe
+
+from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
+from pockjax.transforms import pushdown, scan_split
+
+__all__ = ["sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo"]
+
+
+# --------------------------------------------------------------------------- views
+
+
+def _resolved(params, scheme: Scheme | Any):
+    """Decision leaves for `params` (accepts a Scheme or an already-resolved tree)."""
+    if isinstance(scheme, Scheme):
+        return jax.tree_util.tree_leaves(scheme.resolve(params))
+    leaves = jax.tree_util.tree_leaves(scheme)
+    n = len(jax.tree_util.tree_leaves(params))
+    if len(leaves) != n or not all(isinstance(d, (Full, Frozen, Channels)) for d in leaves):
+        raise SchemeError("expected a pockjax.Scheme or the result of scheme.resolve(params) "
+                          f"({n} decisions); got {type(scheme).__name__}")
+    return leaves
+
+
+def _kept(x, d: Channels):
+    axis, start, stop = d.bounds(np.shape(x))
+    return lax.slice_in_dim(x, start, stop, axis=axis)
+
+
+def trainable(params, scheme):
+    """The trainable view of `params`: the tree `sparse_grad` returns gradients in.
+
+    Frozen leaves are `None`, Channels leaves hold the kept slice, Full leaves are whole.
+    """
+    named, treedef = leaves_with_paths(params)
+    decisions = _resolved(params, scheme)
+    view = [None if isinstance(d, Frozen) else _kept(x, d) if isinstance(d, Channels) else x
+            for (_, x), d in zip(named, decisions)]
+    return jax.tree_util.tree_unflatten(treedef, view)
+
+
+def apply_updates(params, updates, scheme):
+    """`params` plus `updates` given in the trainable view (like `optax.apply_updates`).
+
+    Channels leaves get their kept slice updated in place (`dynamic_update_slice`);
+    Frozen leaves are returned as they are.
+    """
+    named, treedef = leaves_with_paths(params)
+    decisions = _resolved(params, scheme)
+    upd = jax.tree_util.tree_leaves(updates, is_leaf=lambda x: x is None)
+    if len(upd) != len(named):
+        raise SchemeError(f"updates have {len(upd)} leaves but the parameters have {len(named)}; "
+                          "pass updates in the trainable view (pockjax.trainable(params, scheme))")
+    out = []
+    for (path, x), d, u in zip(named, decisions, upd):
+        if isinstance(d, Frozen):
+            out.append(x)
+            continue
+        if u is None:
+            raise SchemeError(f"parameter '{path}' trains ({d!r}) but its update is None")
+        if isinstance(d, Channels):
+            axis, start, stop = d.bounds(np.shape(x))
+            want = tuple(stop - start if i == axis else n for i, n in enumerate(np.shape(x)))
+            if tuple(np.shape(u)) != want:
+                raise SchemeError(f"update for '{path}' has shape {np.shape(u)}, expected the kept "
+                                  f"slice's shape {want}")
+            cur = _kept(x, d)
+            idx = [0] * np.ndim(x)
+            idx[axis] = start
+            out.append(lax.dynamic_update_slice(x, (cur + u).astype(x.dtype), idx))
+        else:
+            if tuple(np.shape(u)) != tuple(np.shape(x)):
+                raise SchemeError(f"update for '{path}' has shape {np.shape(u)}, expected {np.shape(x)}")
+            out.append((x + u).astype(x.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# --------------------------------------------------------------------------- the transform
+
+
+@dataclasses.dataclass
+class TransformInfo:
+    """What `sparse_grad` did to one traced gradient, for reports."""
+
+    jaxpr: jex.ClosedJaxpr
+    trainable_params: int
+    total_params: int
+    frozen: list[str]
+    channels: dict[str, Channels]
+    full: list[str]
+    rules: dict[str, int]
+    fallbacks: dict[str, int]
+    fallback_sources: dict[str, str]
+    eqns_before: int
+    eqns_after: int
+    scans_split: int
+
+    def __str__(self) -> str:
+        lines = [
+            f"trainable parameters: {self.trainable_params:,} of {self.total_params:,} "
+            f"({100.0 * self.trainable_params / max(self.total_params, 1):.2f}%)",
+            f"leaves: {len(self.full)} full, {len(self.channels)} channels, {len(self.frozen)} frozen",
+            f"equations: {self.eqns_before} before push-down, {self.eqns_after} after",
+            f"scans split at a frozen/trained layer boundary: {self.scans_split}",
+            "slice rules applied: " + (", ".join(f"{k} x{v}" for k, v in sorted(self.rules.items()))
+                                       or "none"),
+            "fallbacks (computed whole, then sliced): " + (
+                ", ".join(f"{k} x{v} (e.g. {self.fallback_sources.get(k, '?')})"
+                          for k, v in sorted(self.fallbacks.items())) or "none"),
+        ]
+        return "\n".join(lines)
+
+
+def _is_dynamic(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, jax.core.Tracer)
+
+
+class _SparseGradFn:
+    def __init__(self, fun, scheme, argnums, has_aux, with_value):
+        if not isinstance(scheme, Scheme):
+            raise SchemeError(f"scheme must be a pockjax.Scheme, got {type(scheme).__name__}")
+        if isinstance(argnums, (list, tuple)):
+            argnums = tuple(int(a) for a in argnums)
+        elif not isinstance(argnums, (int, np.integer)):
+            raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
+        self.fun, self.scheme, self.argnums = fun, scheme, argnums
+        self.has_aux, self.with_value = has_aux, with_value
+        self._cache: dict = {}
+        functools.update_wrapper(self, fun)
+
+    # -- tracing ---------------------------------------------------------------
+
+    def _split_args(self, args, kwargs):
+        nums = self.argnums if isinstance(self.argnums, tuple) else (self.argnums,)
+        for a in nums:
+            if not -len(args) <= a < len(args):
+                raise TypeError(f"argnums={self.argnums} but the function was called with "
+                                f"{len(args)} positional arguments")
+        nums = tuple(a % len(args) for a in nums)
+        diff = tuple(args[a] for a in nums) if isinstance(self.argnums, tuple) else args[nums[0]]
+        rest = [None if i in nums else x for i, x in enumerate(args)]
+        return nums, diff, rest
+
+    def _build(self, args, kwargs):
+        nums, diff, rest = self._split_args(args, kwargs)
+        named, diff_def = leaves_with_paths(diff)
+        decisions = _resolved(diff, self.scheme)
+        other_leaves, other_def = jax.tree_util.tree_flatten((rest, kwargs))
+        dyn_mask = [_is_dynamic(x) for x in other_leaves]
+        static = tuple(None if m else x for x, m in zip(other_leaves, dyn_mask))
+        avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for _, x in named)
+        dyn_avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x)))
+                          for x, m in zip(other_leaves, dyn_mask) if m)
+        try:
+            key = (diff_def, tuple(decisions), avals, other_def, tuple(dyn_mask), static, dyn_avals)
+            hash(key)
+        except TypeError:
+            raise TypeError("non-array arguments of a sparse_grad function must be hashable "
+                            "(they are treated as static, like jax.jit's static arguments)") from None
+        if key in self._cache:
+            return self._cache[key]
+        entry = self._trace(nums, named, diff_def, decisions, other_leaves, other_def, dyn_mask)
+        self._cache[key] = entry
+        return entry
+
+    def _trace(self, nums, named, diff_def, decisions, other_leaves, other_def, dyn_mask):
+        fun, has_aux = self.fun, self.has_aux
+        train_idx = [i for i, d in enumerate(decisions) if not isinstance(d, Frozen)]
+
+        def rebuild(t, frozen_parts):
+            """Full leaves from kept slices `t` and the frozen parts."""
+            out, it = [], iter(t)
+            for d, fpart in zip(decisions, frozen_parts):
+                if isinstance(d, Frozen):
+                    out.append(fpart)
+                elif isinstance(d, Full):
+                    out.append(next(it))
+                else:
+                    kept = next(it)
+                    pieces = [fpart, kept] if d.last else [kept, fpart]
+                    out.append(lax.concatenate(pieces, d.axis))
+            return out
+
+        def call_user(leaves, dyn):
+            dyn_it = iter(dyn)
+            others = [next(dyn_it) if m else x for x, m in zip(other_leaves, dyn_mask)]
+            rest, kwargs = jax.tree_util.tree_unflatten(other_def, others)
+            diff = jax.tree_util.tree_unflatten(diff_def, leaves)
+            args = list(rest)
+            if isinstance(self.argnums, tuple):
+                for a, sub in zip(nums, diff):
+                    args[a] = sub
+            else:
+                args[nums[0]] = diff
+            return fun(*args, **kwargs)
+
+        out_info = {}
+
+        def outer(leaves, dyn):
+            t, frozen_parts = [], []
+            for x, d in zip(leaves, decisions):
+                if isinstance(d, Frozen):
+                    frozen_parts.append(x)
+                elif isinstance(d, Full):
+                    t.append(x)
+                    frozen_parts.append(None)
+                else:
+                    axis, start, stop = d.bounds(np.shape(x))
+                    n = np.shape(x)[axis]
+                    t.append(lax.slice_in_dim(x, start, stop, axis=axis))
+                    frozen_parts.append(lax.slice_in_dim(x, 0, start, axis=axis) if d.last
+                                        else lax.slice_in_dim(x, stop, n, axis=axis))
+
+            def forward(t, frozen_parts, dyn):
+                return call_user(rebuild(t, frozen_parts), dyn)
+
+            # The forward, traced once, with scans split where a stacked weight's layer
+            # axis is partly trained; then differentiated with respect to `t` only.
+            fwd_closed, fwd_tree = _trace_with_tree(forward, t, frozen_parts, dyn)
+            split_closed, n_split = scan_split.split_scans(fwd_closed)
+            out_info["scans_split"] = n_split
+            n_t = len(jax.tree_util.tree_leaves(t))
+            f_leaves = jax.tree_util.tree_leaves((frozen_parts, dyn))
+
+            def forward_flat(t_list):
+                outs = jex.jaxpr_as_fun(split_closed)(*t_list, *f_leaves)
+                return jax.tree_util.tree_unflatten(fwd_tree, outs)
+
+            if has_aux:
+                (value, aux), g = jax.value_and_grad(forward_flat, has_aux=True)(list(t))
+            else:
+                value, g = jax.value_and_grad(forward_flat)(list(t))
+                aux = None
+            aux_leaves, aux_def = jax.tree_util.tree_flatten(aux)
+            out_info["aux_def"] = aux_def
+            assert len(g) == n_t
+            return [value, *aux_leaves, *g]
+
+        leaves = [x for _, x in named]
+        dyn = [x for x, m in zip(other_leaves, dyn_mask) if m]
+        if has_aux:
+            _check_aux_fun(fun)
+        closed = jax.make_jaxpr(outer)(leaves, dyn)
+        stats = pushdown.Stats()
+        stats.eqns_in = pushdown.count_eqns(closed.jaxpr)
+        rewritten = pushdown.rewrite(closed, None, stats)
+        dced, _ = pe.dce_jaxpr(rewritten.jaxpr, [True] * len(rewritten.jaxpr.outvars),
+                               instantiate=True)
+        # dce_jaxpr drops unused inputs; keep the signature so callers pass every leaf.
+        dced = dced.replace(invars=rewritten.jaxpr.invars) if len(dced.invars) != len(
+            rewritten.jaxpr.invars) else dced
+        final = jex.ClosedJaxpr(dced, rewritten.consts)
+        stats.eqns_out = pushdown.count_eqns(final.jaxpr)
+
+        total = sum(int(np.prod(np.shape(x))) for _, x in named)
+        n_train = 0
+        for (_, x), d in zip(named, decisions):
+            if isinstance(d, Full):
+                n_train += int(np.prod(np.shape(x)))
+            elif isinstance(d, Channels):
+                axis, s, e = d.bounds(np.shape(x))
+                n_train += int(np.prod(np.shape(x))) // np.shape(x)[axis] * (e - s)
+        info = TransformInfo(
+            jaxpr=final, trainable_params=n_train, total_params=total,
+            frozen=[p for (p, _), d in zip(named, decisions) if isinstance(d, Frozen)],
+            channels={p: d for (p, _), d in zip(named, decisions) if isinstance(d, Channels)},
+            full=[p for (p, _), d in zip(named, decisions) if isinstance(d, Full)],
+            rules=dict(stats.rules), fallbacks=dict(stats.fallbacks),
+            fallback_sources=dict(stats.fallback_sources),
+            eqns_before=stats.eqns_in, eqns_after=stats.eqns_out,
+            scans_split=out_info.get("scans_split", 0))
+        runner = jax.jit(jex.jaxpr_as_fun(final))
+        return runner, info, out_info["aux_def"], decisions, diff_def
+
+    # -- calling ---------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        runner, info, aux_def, decisions, diff_def = self._build(args, kwargs)
+        nums, diff, rest = self._split_args(args, kwargs)
+        leaves = jax.tree_util.tree_leaves(diff)
+        other_leaves = jax.tree_util.tree_leaves((rest, kwargs))
+        dyn = [x for x in other_leaves if _is_dynamic(x)]
+        outs = runner(*leaves, *dyn)
+        value, outs = outs[0], outs[1:]
+        n_aux = aux_def.num_leaves
+        aux = jax.tree_util.tree_unflatten(aux_def, outs[:n_aux])
+        g_it = iter(outs[n_aux:])
+        grads = jax.tree_util.tree_unflatten(
+            diff_def, [None if isinstance(d, Frozen) else next(g_it) for d in decisions])
+        if not self.with_value:
+            return (grads, aux) if self.has_aux else grads
+        return ((value, aux), grads) if self.has_aux else (value, grads)
+
+    def explain(self, *args, **kwargs) -> TransformInfo:
+        """What the transform did for these arguments (rules, fallbacks, the jaxpr)."""
+        return self._build(args, kwargs)[1]
+
+
+def _trace_with_tree(f, *args):
+    tree_box = {}
+
+    def flat(*flat_args):
+        out = f(*jax.tree_util.tree_unflatten(in_def, flat_args))
+        leaves, tree_box["def"] = jax.tree_util.tree_flatten(out)
+        return leaves
+
+    flat_args, in_def = jax.tree_util.tree_flatten(args)
+    closed = jax.make_jaxpr(flat)(*flat_args)
+    return closed, tree_box["def"]
+
+
+def _check_aux_fun(fun):
+    return None
+
+
+def sparse_grad(fun: Callable, scheme: Scheme, argnums: int | Sequence[int] = 0,
+                has_aux: bool = False) -> Callable:
+    """Like `jax.grad`, but only for what `scheme` trains, and without the frozen work.
+
+    The gradient has the parameters' tree structure: Frozen leaves are `None`, Channels
+    leaves hold the kept slice only, Full leaves are whole. It equals `jax.grad(fun)`
+    sliced the same way (see `trainable`). Works inside and outside `jax.jit`; the
+    returned function has `.explain(*args)` describing the rewrite.
+
+    >>> import jax.numpy as jnp, pockjax as pj
+    >>> loss = lambda p, x: jnp.sum((x @ p["w"]) ** 2)
+    >>> g = pj.sparse_grad(loss, pj.Scheme({"w": pj.Channels(count=1, axis="out")}))
+    >>> g({"w": jnp.ones((3, 4))}, jnp.ones((2, 3)))["w"].shape
+    (3, 1)
+    """
+    return _SparseGradFn(fun, scheme, argnums, has_aux, with_value=False)
+
+
+def sparse_value_and_grad(fun: Callable, scheme: Scheme, argnums: int | Sequence[int] = 0,
+                          has_aux: bool = False) -> Callable:
+    """Like `jax.value_and_grad`, with the gradient of `sparse_grad`."""
+    return _SparseGradFn(fun, scheme, argnums, has_aux, with_value=True)
