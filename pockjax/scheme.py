@@ -299,7 +299,7 @@ class Scheme:
             d = self.match(path)
             shape = tuple(np.shape(leaf))
             if not isinstance(d, Frozen):
-                dtype = np.dtype(getattr(leaf, "dtype", np.asarray(leaf).dtype))
+                dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
                 if not np.issubdtype(dtype, np.floating):
                     raise SchemeError(f"parameter '{path}' has dtype {dtype} and cannot train ({d!r}); "
                                       f"only floating-point parameters train. Mark it Frozen()")

@@ -493,7 +493,7 @@ def _conv_plan(eqn, box):
     if (fs, fe) != (0, O):
         groups = max(G, B)
         gsize = O // groups
-        if fs % gsize or fe % gsize:
+        if groups > 1 and (fs % gsize or fe % gsize):
             return None  # only whole groups can be kept
         rbox[rspec[0]] = (fs, fe)
         g0, g1 = fs // gsize, fe // gsize
@@ -786,15 +786,15 @@ def _scan_rule(ctx, eqn, needs, stats):
         consts = list(new.consts)
         outs = P.scan_p.bind(*consts, *ops, **{
             **p, "jaxpr": jex.ClosedJaxpr(_consts_to_invars(new), []),
-            "num_consts": p["num_consts"] + len(consts),
-            "linear": (False,) * len(consts) + tuple(p["linear"])})
+            "num_consts": p["num_consts"] + len(consts)})
     _store(ctx, eqn, body_needs, outs,
            lambda i, b: b if i < nc else ((0, _shape(eqn.outvars[i])[0]),) + tuple(b))
 
 
 def _consts_to_invars(closed: jex.ClosedJaxpr):
-    from jax.interpreters import partial_eval as pe
-    return pe.convert_constvars_jaxpr(closed.jaxpr)
+    """The open jaxpr of `closed` with its constants turned into leading inputs."""
+    j = closed.jaxpr
+    return j.replace(constvars=[], invars=list(j.constvars) + list(j.invars))
 
 
 def _remat_rule(ctx, eqn, needs, stats):
