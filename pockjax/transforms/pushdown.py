@@ -191,29 +191,76 @@ def _squeeze_apply(ctx, eqn, i, box):
 register("squeeze", _squeeze_pull, _squeeze_apply)
 
 
-def _reshape_map(in_shape, out_shape):
-    """out dim -> in dim for dimensions a row-major reshape carries over unchanged."""
-    mapping = {}
-    for d, n in enumerate(out_shape):
-        before = math.prod(out_shape[:d])
-        for e, m in enumerate(in_shape):
-            if m == n and math.prod(in_shape[:e]) == before:
-                mapping[d] = e
-                break
-    return mapping
+def _reshape_groups(in_shape, out_shape):
+    """Pairs of (in dims, out dims) ranges with equal products: how a row-major reshape
+    regroups dimensions."""
+    groups, i, j = [], 0, 0
+    while i < len(in_shape) and j < len(out_shape):
+        i0, j0 = i, j
+        pi, po = in_shape[i], out_shape[j]
+        while pi != po:
+            if pi < po:
+                i += 1
+                pi *= in_shape[i]
+            else:
+                j += 1
+                po *= out_shape[j]
+        i, j = i + 1, j + 1
+        groups.append([range(i0, i), range(j0, j)])
+    if groups:  # trailing size-1 dims join the last group
+        groups[-1][0] = range(groups[-1][0].start, len(in_shape))
+        groups[-1][1] = range(groups[-1][1].start, len(out_shape))
+    return groups
+
+
+def _box_to_flat(box, dims):
+    """The flat [a, b) range a box covers, if it is contiguous in row-major order."""
+    partial = [k for k, ((s, e), n) in enumerate(zip(box, dims)) if (s, e) != (0, n)]
+    if not partial:
+        return 0, math.prod(dims)
+    k = partial[0]
+    if any(box[m][1] - box[m][0] != 1 for m in partial[1:]) or any(
+            box[m] != (0, dims[m]) for m in range(k + 1, len(dims))):
+        return None
+    if any(box[m][1] - box[m][0] != 1 for m in range(k)):
+        return None
+    stride = math.prod(dims[k + 1:])
+    base = sum(box[m][0] * math.prod(dims[m + 1:]) for m in range(k))
+    return base + box[k][0] * stride, base + box[k][1] * stride
+
+
+def _flat_to_box(a, b, dims):
+    """A box covering exactly the flat range [a, b) of row-major `dims`, if there is one."""
+    for k in range(len(dims)):
+        stride = math.prod(dims[k + 1:])
+        if a % stride or b % stride:
+            continue
+        q0, q1 = a // stride, b // stride
+        if q0 // dims[k] != (q1 - 1) // dims[k]:
+            continue
+        box, rest = [], q0 // dims[k]
+        for m in range(k - 1, -1, -1):
+            box.insert(0, (rest % dims[m], rest % dims[m] + 1))
+            rest //= dims[m]
+        box.append((q0 % dims[k], q0 % dims[k] + (q1 - q0)))
+        box += [(0, n) for n in dims[k + 1:]]
+        return tuple(box)
+    return None
 
 
 def _reshape_pull(eqn, i, box):
     if eqn.params.get("dimensions") is not None:
         return None
     in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
-    mapping = _reshape_map(in_shape, out_shape)
-    opbox = list(full_box(in_shape))
-    for d, (b, n) in enumerate(zip(box, out_shape)):
-        if b != (0, n):
-            if d not in mapping:
-                return None
-            opbox[mapping[d]] = b
+    if 0 in in_shape:
+        return None
+    opbox = []
+    for ins, outs in _reshape_groups(in_shape, out_shape):
+        flat = _box_to_flat([box[d] for d in outs], [out_shape[d] for d in outs])
+        sub = None if flat is None else _flat_to_box(*flat, [in_shape[d] for d in ins])
+        if sub is None:
+            return None
+        opbox += list(sub)
     return [(eqn.invars[0], tuple(opbox))]
 
 
@@ -422,13 +469,20 @@ def _dus_pull(eqn, i, box):
         if (s, e) != (0, n) and u != n:
             return None
     needs = [(x, box)] if _is_var(x) else []
-    needs += [(upd, box)] if _is_var(upd) else []
+    needs += [(upd, _dus_update_box(eqn, box))] if _is_var(upd) else []
     return needs + [(v, ()) for v in idx if _is_var(v)]
+
+
+def _dus_update_box(eqn, box):
+    """The update's box: narrowed only where the update spans the whole axis."""
+    x, upd = eqn.invars[:2]
+    return tuple(b if u == n else (0, u) for b, n, u in zip(box, _shape(x), _shape(upd)))
 
 
 def _dus_apply(ctx, eqn, i, box):
     x, upd, *idx = eqn.invars
-    return _bind(eqn, [ctx.get(x, box), ctx.get(upd, box)] + [ctx.get(v, ()) for v in idx])
+    return _bind(eqn, [ctx.get(x, box), ctx.get(upd, _dus_update_box(eqn, box))]
+                 + [ctx.get(v, ()) for v in idx])
 
 
 register("dynamic_update_slice", _dus_pull, _dus_apply)

@@ -1,0 +1,52 @@
+"""Shared checks: a sparse gradient must equal dense `jax.grad` sliced the same way."""
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+import pockjax as pj
+
+
+def dense_view(fun, scheme, params, *args, argnums=0, has_aux=False):
+    """`jax.grad` of `fun`, sliced to the trainable view of `scheme`."""
+    g = jax.grad(fun, argnums=argnums, has_aux=has_aux)(params, *args)
+    if has_aux:
+        g = g[0]
+    return pj.trainable(g, scheme)
+
+
+def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
+    got_leaves, got_def = jax.tree_util.tree_flatten(got, is_leaf=lambda x: x is None)
+    want_leaves, want_def = jax.tree_util.tree_flatten(want, is_leaf=lambda x: x is None)
+    assert got_def == want_def, f"tree structures differ:\n{got_def}\n{want_def}"
+    for path_g, (a, b) in zip(jax.tree_util.tree_flatten_with_path(
+            got, is_leaf=lambda x: x is None)[0], zip(got_leaves, want_leaves)):
+        if b is None:
+            assert a is None, f"{path_g[0]}: expected None, got {type(a)}"
+            continue
+        assert np.shape(a) == np.shape(b), f"{path_g[0]}: shape {np.shape(a)} vs {np.shape(b)}"
+        scale = float(np.max(np.abs(np.asarray(b)))) if np.size(b) else 0.0
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol,
+                                   atol=atol + rtol * scale, err_msg=str(path_g[0]))
+
+
+def assert_matches_dense(fun, scheme, params, *args, rtol=1e-5, atol=1e-6):
+    """sparse_grad equals sliced jax.grad, called directly and under jax.jit.
+
+    Returns the transform's `TransformInfo` for further checks.
+    """
+    want = dense_view(fun, scheme, params, *args)
+    sg = pj.sparse_grad(fun, scheme)
+    assert_trees_close(sg(params, *args), want, rtol, atol)
+    assert_trees_close(jax.jit(sg)(params, *args), want, rtol, atol)
+    return sg.explain(params, *args)
+
+
+def flops(fn, *args) -> float:
+    analysis = jax.jit(fn).lower(*args).compile().cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, list) else analysis
+    return float(analysis["flops"])
+
+
+def temp_bytes(fn, *args) -> int:
+    return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
