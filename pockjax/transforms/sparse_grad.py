@@ -263,8 +263,6 @@ class _SparseGradFn:
 
         leaves = [x for _, x in named]
         dyn = [x for x, m in zip(other_leaves, dyn_mask) if m]
-        if has_aux:
-            _check_aux_fun(fun)
         closed = jax.make_jaxpr(outer)(leaves, dyn)
         stats = pushdown.Stats()
         stats.eqns_in = pushdown.count_eqns(closed.jaxpr)
@@ -332,10 +330,6 @@ def _trace_with_tree(f, *args):
     flat_args, in_def = jax.tree_util.tree_flatten(args)
     closed = jax.make_jaxpr(flat)(*flat_args)
     return closed, tree_box["def"]
-
-
-def _check_aux_fun(fun):
-    return None
 
 
 def sparse_grad(fun: Callable, scheme: Scheme, argnums: int | Sequence[int] = 0,
