@@ -761,25 +761,32 @@ def _inline_jit(jaxpr, consts) -> jex.ClosedJaxpr:
     if not any(e.primitive is P.jit_p for e in jaxpr.eqns):
         return jex.ClosedJaxpr(jaxpr, list(consts))
 
-    def run(jaxpr, consts, args):
-        env = {}
-        read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
-        for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args)):
-            env[v] = x
-        for e in jaxpr.eqns:
-            ins = [read(v) for v in e.invars]
-            if e.primitive is P.jit_p:
-                sub = e.params["jaxpr"]
-                outs = run(sub.jaxpr, sub.consts, ins)
-            else:
-                outs = _bind(e, ins)
-                outs = outs if e.primitive.multiple_results else [outs]
-            for v, o in zip(e.outvars, outs):
-                if _is_var(v):
-                    env[v] = o
-        return [read(v) for v in jaxpr.outvars]
+    def inline(e, ins, read):
+        if e.primitive is P.jit_p:
+            sub = e.params["jaxpr"]
+            return interpret(sub.jaxpr, sub.consts, ins, inline)
+        return None
 
-    return jax.make_jaxpr(lambda *a: run(jaxpr, consts, a))(*_avals(jaxpr.invars))
+    return jax.make_jaxpr(lambda *a: interpret(jaxpr, consts, a, inline))(*_avals(jaxpr.invars))
+
+
+def interpret(jaxpr, consts, args, override=None):
+    """Evaluate `jaxpr` by binding each equation; `override(eqn, ins, read)` may return
+    the equation's outputs itself (or None to bind it as it is)."""
+    env = {}
+    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
+    for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args)):
+        env[v] = x
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        outs = override(e, ins, read) if override else None
+        if outs is None:
+            outs = _bind(e, ins)
+            outs = outs if e.primitive.multiple_results else [outs]
+        for v, o in zip(e.outvars, outs):
+            if _is_var(v):
+                env[v] = o
+    return [read(v) for v in jaxpr.outvars]
 
 
 # --------------------------------------------------------------------------- calls

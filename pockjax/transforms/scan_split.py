@@ -18,7 +18,7 @@ import jax.extend.core as jex
 from jax import lax
 from jax.extend.core import primitives as P
 
-from pockjax.transforms.pushdown import _bind, _inline_jit, _is_var, _avals
+from pockjax.transforms.pushdown import _avals, _inline_jit, _is_var, interpret
 
 __all__ = ["split_scans"]
 
@@ -51,25 +51,13 @@ def split_scans(closed: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, int]:
         return closed, 0
     count = [0]
 
-    def run(*args):
-        env = {}
-        read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
-        for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(closed.consts) + list(args)):
-            env[v] = x
-        for e in jaxpr.eqns:
-            ins = [read(v) for v in e.invars]
-            if id(e) in todo:
-                outs = _split_one(e, ins, todo[id(e)], producers, read)
-                count[0] += 1
-            else:
-                outs = _bind(e, ins)
-                outs = outs if e.primitive.multiple_results else [outs]
-            for v, o in zip(e.outvars, outs):
-                if _is_var(v):
-                    env[v] = o
-        return [read(v) for v in jaxpr.outvars]
+    def split(e, ins, read):
+        if id(e) not in todo:
+            return None
+        count[0] += 1
+        return _split_one(e, ins, todo[id(e)], producers, read)
 
-    new = jax.make_jaxpr(run)(*_avals(jaxpr.invars))
+    new = jax.make_jaxpr(lambda *a: interpret(jaxpr, closed.consts, a, split))(*_avals(jaxpr.invars))
     return new, count[0]
 
 
