@@ -20,6 +20,7 @@ import re
 from typing import Any, Mapping, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -299,8 +300,9 @@ class Scheme:
             d = self.match(path)
             shape = tuple(np.shape(leaf))
             if not isinstance(d, Frozen):
-                dtype = np.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
-                if not np.issubdtype(dtype, np.floating):
+                dtype = jnp.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
+                # jnp.issubdtype knows bfloat16 and the float8 types are floating.
+                if not jnp.issubdtype(dtype, jnp.floating):
                     raise SchemeError(f"parameter '{path}' has dtype {dtype} and cannot train ({d!r}); "
                                       f"only floating-point parameters train. Mark it Frozen()")
             if isinstance(d, Channels):

@@ -124,6 +124,11 @@ def test_integer_leaf_cannot_train():
         pj.Scheme({"step": pj.Full()}).resolve(PARAMS)
 
 
+def test_low_precision_float_leaves_can_train():
+    params = {"bf16": jnp.ones(3, jnp.bfloat16), "f16": jnp.ones(3, jnp.float16)}
+    assert pj.Scheme(default=pj.Full()).resolve(params) == {"bf16": pj.Full(), "f16": pj.Full()}
+
+
 def test_bad_decision_and_json():
     with pytest.raises(pj.SchemeError, match="expected pockjax.Full"):
         pj.Scheme({"a": "full"})

@@ -770,14 +770,17 @@ def _inline_jit(jaxpr, consts) -> jex.ClosedJaxpr:
     return jax.make_jaxpr(lambda *a: interpret(jaxpr, consts, a, inline))(*_avals(jaxpr.invars))
 
 
-def interpret(jaxpr, consts, args, override=None):
+def interpret(jaxpr, consts, args, override=None, after=None):
     """Evaluate `jaxpr` by binding each equation; `override(eqn, ins, read)` may return
-    the equation's outputs itself (or None to bind it as it is)."""
+    the equation's outputs itself (or None to bind it as it is); `after(i, read)` runs
+    after equation `i` (and once with i = -1 before the first)."""
     env = {}
     read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
     for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args)):
         env[v] = x
-    for e in jaxpr.eqns:
+    if after:
+        after(-1, read)
+    for i, e in enumerate(jaxpr.eqns):
         ins = [read(v) for v in e.invars]
         outs = override(e, ins, read) if override else None
         if outs is None:
@@ -786,6 +789,8 @@ def interpret(jaxpr, consts, args, override=None):
         for v, o in zip(e.outvars, outs):
             if _is_var(v):
                 env[v] = o
+        if after:
+            after(i, read)
     return [read(v) for v in jaxpr.outvars]
 
 

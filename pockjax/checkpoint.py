@@ -1,0 +1,149 @@
+"""Checkpoints: a `TrainState` (or any pytree of arrays) as one safetensors file.
+
+Tensors are named by their "/"-joined pytree paths ("params/blocks_0/attn/q/kernel",
+"opt_state/0/mu/..."); the metadata holds the format, the step and the scheme as JSON.
+Files are written to a temporary file in the same directory and renamed into place,
+so a crash never leaves a half-written checkpoint under the final name.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pockjax.scheme import Scheme, leaves_with_paths
+
+__all__ = ["save", "load", "read_metadata", "CheckpointError"]
+
+FORMAT = "pockjax.checkpoint"
+VERSION = "1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be written, read, or does not fit the expected state."""
+
+
+def _named(tree) -> tuple[dict[str, Any], Any]:
+    named, treedef = leaves_with_paths(tree)
+    out: dict[str, Any] = {}
+    for path, leaf in named:
+        name = path or "value"
+        if name in out:
+            raise CheckpointError(f"two leaves share the name '{name}'; checkpoint names must be unique")
+        out[name] = leaf
+    return out, treedef
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file in the same directory."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save(path: str | os.PathLike, state, *, scheme: Scheme | None = None,
+         metadata: dict[str, str] | None = None) -> None:
+    """Save `state` (a `TrainState` or any pytree of arrays) to a safetensors file.
+
+    The scheme is taken from `state.scheme` unless given. Extra `metadata` strings
+    are stored beside the format's own keys.
+    """
+    from safetensors.numpy import save as st_save
+
+    scheme = scheme if scheme is not None else getattr(state, "scheme", None)
+    tensors, _ = _named(state)
+    arrays = {k: np.array(jax.device_get(v), order="C") for k, v in tensors.items()}
+    meta = {"format": FORMAT, "version": VERSION}
+    step = getattr(state, "step", None)
+    if step is not None:
+        meta["step"] = str(int(np.asarray(step)))
+    if scheme is not None:
+        meta["scheme"] = scheme.to_json()
+    for k, v in (metadata or {}).items():
+        if k in meta:
+            raise CheckpointError(f"metadata key '{k}' is reserved by the checkpoint format")
+        meta[str(k)] = str(v)
+    write_atomic(path, st_save(arrays, metadata=meta))
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The metadata of a checkpoint (format, version, step, scheme, user keys)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(os.fspath(path), framework="numpy") as f:
+            return dict(f.metadata() or {})
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint '{path}' does not exist") from None
+    except Exception as e:  # safetensors raises its own error type for bad headers
+        raise CheckpointError(f"checkpoint '{path}' is not a readable safetensors file "
+                              f"(truncated or corrupt?): {e}") from None
+
+
+def load(path: str | os.PathLike, like):
+    """Load a checkpoint into the structure of `like` (a state of the same model).
+
+    Every tensor is read and checked before anything is returned: a file whose
+    names, shapes or dtypes differ from `like` fails with the full list of
+    differences, and a truncated or corrupt file fails with `CheckpointError`.
+    """
+    from safetensors import safe_open
+
+    path = os.fspath(path)
+    meta = read_metadata(path)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"'{path}' is a safetensors file but not a pockjax checkpoint "
+                              f"(metadata format={meta.get('format')!r})")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"'{path}' has checkpoint version {meta.get('version')!r}; this "
+                              f"pockjax reads version {VERSION}")
+    want, treedef = _named(like)
+    try:
+        with safe_open(path, framework="numpy") as f:
+            have = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:
+        raise CheckpointError(f"checkpoint '{path}' could not be read (truncated or corrupt?): "
+                              f"{e}") from None
+
+    problems = []
+    for name in want:
+        if name not in have:
+            problems.append(f"missing in file: '{name}'")
+    for name in have:
+        if name not in want:
+            problems.append(f"not in the state: '{name}'")
+    for name, leaf in want.items():
+        if name in have:
+            a = have[name]
+            shape, dtype = tuple(np.shape(leaf)), jnp.dtype(jnp.result_type(leaf))
+            if tuple(a.shape) != shape or a.dtype != dtype:
+                problems.append(f"'{name}': file has {a.dtype}{list(a.shape)}, "
+                                f"state has {dtype}{list(shape)}")
+    like_scheme = getattr(like, "scheme", None)
+    if "scheme" in meta and like_scheme is not None:
+        file_scheme = Scheme.from_json(meta["scheme"])
+        if file_scheme != like_scheme:
+            problems.append(f"scheme differs: file has {file_scheme!r}, state has {like_scheme!r}")
+    if problems:
+        shown = "\n  ".join(problems[:50])
+        more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        raise CheckpointError(f"checkpoint '{path}' does not fit the given state "
+                              f"({len(problems)} differences):\n  {shown}{more}")
+    leaves = [jnp.asarray(have[name]) for name in want]
+    return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -1,0 +1,219 @@
+"""Is an optax update per-leaf? If so, split it into one small update per parameter.
+
+An optax `update(grads, state, params)` is traced to a jaxpr over the flat inputs
+`grads + state + params` of the trainable view. Dependencies are propagated through
+its equations; the chain is *per-leaf* when every trainable leaf's update, and the
+state it writes, depend only on that leaf's gradient, parameter and state, plus
+*shared* state (state whose new value depends on no gradient or parameter, such as
+adam's step count or a schedule's counter). Then each leaf gets its own jaxpr (a DCE
+of the whole one), which the fused step runs as soon as that leaf's gradient exists.
+
+A chain such as `clip_by_global_norm` makes every update depend on every gradient;
+it is reported as global, with the two parameters that tie it together.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.extend.core as jex
+from jax.interpreters import partial_eval as pe
+
+__all__ = ["LeafUpdate", "UpdatePlan", "plan_updates"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafUpdate:
+    """The update of one trainable leaf.
+
+    `jaxpr` takes `inputs` (indices into the flat `grads + state + params` inputs of
+    the whole update) and returns the leaf's update followed by its new state leaves
+    (`state_out`, indices into the flat state).
+    """
+
+    leaf: int
+    jaxpr: jex.ClosedJaxpr
+    inputs: tuple[int, ...]
+    state_out: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdatePlan:
+    """How a training step applies its optimizer: `mode` is "fused" or "global"."""
+
+    mode: str
+    reason: str
+    leaves: tuple[LeafUpdate, ...] = ()
+    shared: jex.ClosedJaxpr | None = None       # shared state in -> shared state out
+    shared_inputs: tuple[int, ...] = ()
+    shared_out: tuple[int, ...] = ()
+
+
+def _deps(jaxpr: jex.Jaxpr, in_masks: Sequence[int]) -> list[int]:
+    """Bitmask of the inputs each output depends on (through nested jit bodies)."""
+    env: dict = {}
+    for v, m in zip(jaxpr.invars, in_masks):
+        env[v] = m
+    for v in jaxpr.constvars:
+        env[v] = 0
+    read = lambda v: 0 if isinstance(v, jex.Literal) else env.get(v, 0)
+    for e in jaxpr.eqns:
+        ins = [read(v) for v in e.invars]
+        sub = e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit", "closed_call") else None
+        if isinstance(sub, jex.ClosedJaxpr):
+            outs = _deps(sub.jaxpr, ins)
+        else:
+            # Other higher-order primitives (scan, while, cond): every output depends
+            # on every input, which can only make a chain look global, never per-leaf.
+            m = 0
+            for x in ins:
+                m |= x
+            outs = [m] * len(e.outvars)
+        for v, m in zip(e.outvars, outs):
+            env[v] = m
+    return [read(v) for v in jaxpr.outvars]
+
+
+class _UnionFind:
+    def __init__(self, n):
+        self.parent = list(range(n))
+
+    def find(self, a):
+        while self.parent[a] != a:
+            self.parent[a] = self.parent[self.parent[a]]
+            a = self.parent[a]
+        return a
+
+    def union(self, a, b):
+        self.parent[self.find(a)] = self.find(b)
+
+
+def _consts_as_inputs(jaxpr: jex.Jaxpr) -> jex.Jaxpr:
+    return jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
+
+
+def _sub_jaxpr(closed: jex.ClosedJaxpr, outputs: Sequence[int]) -> tuple[jex.ClosedJaxpr, list[int]]:
+    """`closed` restricted to `outputs`, and the inputs it still reads."""
+    jaxpr = _consts_as_inputs(closed.jaxpr)
+    n_consts = len(closed.consts)
+    jaxpr = jaxpr.replace(outvars=[jaxpr.outvars[i] for i in outputs])
+    dced, used = pe.dce_jaxpr(jaxpr, [True] * len(outputs))
+    used_consts = [c for c, u in zip(closed.consts, used[:n_consts]) if u]
+    inputs = [i for i, u in enumerate(used[n_consts:]) if u]
+    # Turn the used constants back into constants of the sub-jaxpr.
+    n_used_consts = len(used_consts)
+    dced = dced.replace(constvars=dced.invars[:n_used_consts], invars=dced.invars[n_used_consts:])
+    return jex.ClosedJaxpr(dced, used_consts), inputs
+
+
+def plan_updates(optimizer, grads_view, state, params_view, names: Sequence[str]) -> UpdatePlan:
+    """Trace `optimizer.update` on the trainable view and decide fused or global.
+
+    `grads_view` and `params_view` have the same structure (the trainable view, with
+    None for frozen leaves); `names` are the paths of its array leaves, for messages.
+    """
+    g_leaves, view_def = jax.tree_util.tree_flatten(grads_view)
+    p_leaves = jax.tree_util.tree_leaves(params_view)
+    s_leaves, s_def = jax.tree_util.tree_flatten(state)
+    n, m = len(g_leaves), len(s_leaves)
+
+    def flat_update(*flat):
+        g = jax.tree_util.tree_unflatten(view_def, flat[:n])
+        s = jax.tree_util.tree_unflatten(s_def, flat[n:n + m])
+        p = jax.tree_util.tree_unflatten(view_def, flat[n + m:])
+        u, s2 = optimizer.update(g, s, p)
+        u_leaves, u_def = jax.tree_util.tree_flatten(u)
+        s2_leaves, s2_def = jax.tree_util.tree_flatten(s2)
+        if u_def != view_def:
+            raise ValueError(f"the optimizer returned updates with structure {u_def}, "
+                             f"expected the trainable view's {view_def}")
+        if s2_def != s_def:
+            raise ValueError("the optimizer's update changed the structure of its state "
+                             f"from {s_def} to {s2_def}")
+        return [*u_leaves, *s2_leaves]
+
+    closed = jax.make_jaxpr(flat_update)(*g_leaves, *s_leaves, *p_leaves)
+    n_in = 2 * n + m
+    masks = _deps(_consts_as_inputs(closed.jaxpr),
+                  [0] * len(closed.consts) + [1 << i for i in range(n_in)])
+    u_deps, s_deps = masks[:n], masks[n:]
+
+    leaf_bits = 0
+    for i in range(n):
+        leaf_bits |= (1 << i) | (1 << (n + m + i))
+    state_bit = lambda j: 1 << (n + j)
+
+    # Shared state: its new value depends on no gradient or parameter, and only on
+    # other shared state (fixpoint from "all candidates").
+    shared = {j for j in range(m) if not s_deps[j] & leaf_bits}
+    changed = True
+    while changed:
+        changed = False
+        for j in sorted(shared):
+            others = [k for k in range(m) if s_deps[j] & state_bit(k) and k not in shared]
+            if others:
+                shared.discard(j)
+                changed = True
+    shared_mask = 0
+    for j in shared:
+        shared_mask |= state_bit(j)
+
+    # Components over leaves (0..n-1) and non-shared state (n..n+m-1).
+    uf = _UnionFind(n + m)
+
+    def items(mask):
+        out = []
+        for i in range(n):
+            if mask & ((1 << i) | (1 << (n + m + i))):
+                out.append(i)
+        for j in range(m):
+            if j not in shared and mask & state_bit(j):
+                out.append(n + j)
+        return out
+
+    for i in range(n):
+        for it in items(u_deps[i]):
+            uf.union(i, it)
+    for j in range(m):
+        if j not in shared:
+            for it in items(s_deps[j]):
+                uf.union(n + j, it)
+
+    groups: dict[int, list[int]] = {}
+    for i in range(n):
+        groups.setdefault(uf.find(i), []).append(i)
+    for leaves in groups.values():
+        if len(leaves) > 1:
+            a, b = names[leaves[0]], names[leaves[1]]
+            return UpdatePlan(
+                mode="global",
+                reason=f"the update of '{a}' depends on the gradient, parameter or state of "
+                       f"'{b}' ({len(leaves)} parameters are tied, e.g. by a global norm); "
+                       "the optimizer runs after the whole backward pass")
+    # Non-shared state not tied to any leaf is computed with the shared state.
+    comp_of_leaf = {uf.find(i): i for i in range(n)}
+    leaf_state: dict[int, list[int]] = {i: [] for i in range(n)}
+    extra_shared = []
+    for j in range(m):
+        if j in shared:
+            continue
+        owner = comp_of_leaf.get(uf.find(n + j))
+        if owner is None:
+            extra_shared.append(j)
+        else:
+            leaf_state[owner].append(j)
+
+    leaf_updates = []
+    for i in range(n):
+        outs = [i] + [n + j for j in leaf_state[i]]
+        sub, inputs = _sub_jaxpr(closed, outs)
+        leaf_updates.append(LeafUpdate(i, sub, tuple(inputs), tuple(leaf_state[i])))
+    shared_out = sorted(shared) + extra_shared
+    shared_jaxpr, shared_inputs = (_sub_jaxpr(closed, [n + j for j in shared_out])
+                                   if shared_out else (None, []))
+    return UpdatePlan(mode="fused",
+                      reason="every parameter's update depends only on its own gradient, "
+                             "parameter and state, and on shared scalars",
+                      leaves=tuple(leaf_updates), shared=shared_jaxpr,
+                      shared_inputs=tuple(shared_inputs), shared_out=tuple(shared_out))

@@ -1,0 +1,356 @@
+"""`@sparse_train`: one compiled training step with fused, in-place optimizer updates.
+
+    @pj.sparse_train(optimizer=optax.adamw(1e-3), scheme=scheme)
+    def trainer(params, batch):
+        return loss
+
+    state = trainer.init(params)
+    state, metrics = trainer(state, batch)
+
+The step is one `jax.jit` program: the forward, the sparse backward of `sparse_grad`,
+and the optimizer on the trainable view. If the optax chain is per-leaf (decided by
+`pockjax.optim.perleaf`), each parameter is updated right after its gradient and its
+last read (`pockjax.optim.fused`); otherwise after the whole backward pass. The state
+is donated, so parameters and optimizer state are updated in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import time
+import warnings
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from pockjax.optim import fused, perleaf
+from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
+from pockjax.transforms.sparse_grad import TransformInfo, _SparseGradFn, _is_dynamic, trainable
+
+__all__ = ["TrainState", "SparseTrainer", "sparse_train", "fit", "History", "TrainReport"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Step counter, full parameters, and optimizer state for the trainable view.
+
+    A pytree (the scheme is static metadata, used by `pockjax.save`).
+    """
+
+    step: Any
+    params: Any
+    opt_state: Any
+    scheme: Scheme | None = None
+
+    def replace(self, **changes) -> "TrainState":
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(TrainState, data_fields=["step", "params", "opt_state"],
+                                 meta_fields=["scheme"])
+
+
+def _avals(tree):
+    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
+                                  tree)
+
+
+def _nbytes(tree) -> int:
+    return sum(int(np.prod(np.shape(x))) * jnp.dtype(jnp.result_type(x)).itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
+class SparseTrainer:
+    """A compiled sparse training step; make one with `pockjax.sparse_train`."""
+
+    def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
+                 scheme: Scheme, has_aux: bool = False, donate: bool = True):
+        if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+            raise TypeError(f"optimizer must be an optax GradientTransformation (with init and "
+                            f"update), got {type(optimizer).__name__}")
+        if not isinstance(scheme, Scheme):
+            raise SchemeError(f"scheme must be a pockjax.Scheme, got {type(scheme).__name__}")
+        self.loss_fn, self.optimizer, self.scheme = loss_fn, optimizer, scheme
+        self.has_aux, self.donate = has_aux, donate
+        self._grad = _SparseGradFn(loss_fn, scheme, 0, has_aux, with_value=True)
+        self._plans: dict = {}
+        self._step_jit = jax.jit(self._step, donate_argnums=(0,) if donate else ())
+        functools.update_wrapper(self, loss_fn)
+
+    def __repr__(self) -> str:
+        name = getattr(self.loss_fn, "__name__", "loss")
+        return f"SparseTrainer({name}, scheme={self.scheme!r}, donate={self.donate})"
+
+    # -- state -----------------------------------------------------------------
+
+    def init(self, params, *, copy: bool = True) -> TrainState:
+        """The initial state: optimizer state for the trainable view only.
+
+        With `copy=True` the parameters are copied, so donating the state in later
+        steps never deletes the caller's arrays; pass `copy=False` to hand them over
+        (saves one copy of the model).
+        """
+        view = trainable(params, self.scheme)
+        opt_state = self.optimizer.init(view)
+        if copy:
+            params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
+        # Each leaf gets its own buffer: donation rejects one buffer passed twice.
+        opt_state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), opt_state)
+        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, self.scheme)
+
+    # -- the step --------------------------------------------------------------
+
+    def _plan(self, view, opt_state) -> perleaf.UpdatePlan:
+        view_avals, state_avals = _avals(view), _avals(opt_state)
+        key = (jax.tree_util.tree_structure(view, is_leaf=lambda x: x is None),
+               tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(view_avals)),
+               jax.tree_util.tree_structure(opt_state),
+               tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(state_avals)))
+        if key not in self._plans:
+            names = [p for p, _ in leaves_with_paths(view)[0]]
+            self._plans[key] = perleaf.plan_updates(self.optimizer, view_avals, state_avals,
+                                                    view_avals, names)
+        return self._plans[key]
+
+    def _check_state(self, state):
+        if not isinstance(state, TrainState):
+            raise TypeError(f"expected a pockjax.TrainState (from trainer.init(params)), "
+                            f"got {type(state).__name__}")
+
+    def _step(self, state: TrainState, batch):
+        _, info, aux_def, decisions, _ = self._grad._build((state.params, batch), {})
+        param_leaves = jax.tree_util.tree_leaves(state.params)
+        other = [x for x in jax.tree_util.tree_leaves(([None, batch], {})) if _is_dynamic(x)]
+        view = trainable(state.params, decisions_tree(state.params, decisions))
+        plan = self._plan(view, state.opt_state)
+        n_head = 1 + aux_def.num_leaves
+        state_leaves, state_def = jax.tree_util.tree_flatten(state.opt_state)
+        if plan.mode == "fused":
+            head, new_params, new_state = fused.fused_step(
+                info.jaxpr, param_leaves, other, decisions, plan, state_leaves, n_head)
+            new_state = jax.tree_util.tree_unflatten(state_def, new_state)
+        else:
+            view_def = jax.tree_util.tree_structure(view)
+            head, new_params, new_state = fused.global_step(
+                info.jaxpr, param_leaves, other, decisions, self.optimizer, state.opt_state,
+                view_def, n_head)
+        params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.params),
+                                              new_params)
+        metrics = {"loss": head[0]}
+        if self.has_aux:
+            metrics["aux"] = jax.tree_util.tree_unflatten(aux_def, head[1:])
+        return TrainState(state.step + 1, params, new_state, state.scheme), metrics
+
+    def __call__(self, state: TrainState, batch):
+        """One training step: `(state, batch) -> (new state, {"loss": ..., "aux": ...})`."""
+        self._check_state(state)
+        return self._step_jit(state, batch)
+
+    def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
+        """The lowered step, for `.as_text()`, `.compile().memory_analysis()`, ..."""
+        self._check_state(state)
+        return self._step_jit.lower(state, batch)
+
+    def update_mode(self, state: TrainState, batch) -> tuple[str, str]:
+        """("fused" | "global", why) for this state's trainable view."""
+        view = trainable(state.params, self.scheme)
+        plan = self._plan(view, state.opt_state)
+        return plan.mode, plan.reason
+
+    def explain(self, state: TrainState, batch) -> TransformInfo:
+        """What `sparse_grad` did to this step's backward pass."""
+        return self._grad.explain(state.params, batch)
+
+    # -- reports ---------------------------------------------------------------
+
+    def _full_lowered(self, state: TrainState, batch) -> jax.stages.Lowered:
+        """The same model trained in full with plain `jax.value_and_grad` + optax."""
+        loss_fn, optimizer, has_aux = self.loss_fn, self.optimizer, self.has_aux
+
+        def full_step(params, opt_state, batch):
+            out, g = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+            updates, opt_state = optimizer.update(g, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, out
+
+        params = _avals(state.params)
+        opt_state = jax.eval_shape(optimizer.init, params)
+        donate = (0, 1) if self.donate else ()
+        return jax.jit(full_step, donate_argnums=donate).lower(params, opt_state, _avals(batch))
+
+    def report(self, state: TrainState, batch) -> "TrainReport":
+        """Trainable vs total parameters, FLOPs and compiled memory of this step against
+        the same model trained in full, the update mode, and what the transform did."""
+        self._check_state(state)
+        sparse = self._step_jit.lower(_avals(state), _avals(batch)).compile()
+        full = self._full_lowered(state, batch).compile()
+        mode, reason = self.update_mode(state, batch)
+        info = self.explain(state, batch)
+        full_state = jax.eval_shape(self.optimizer.init, _avals(state.params))
+        return TrainReport(
+            trainable_params=info.trainable_params, total_params=info.total_params,
+            mode=mode, mode_reason=reason,
+            flops=_flops(sparse), flops_full=_flops(full),
+            memory=_memory(sparse), memory_full=_memory(full),
+            opt_state_bytes=_nbytes(state.opt_state), opt_state_bytes_full=_nbytes(full_state),
+            transform=info)
+
+
+def decisions_tree(params, decisions):
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), decisions)
+
+
+def _flops(compiled) -> float:
+    a = compiled.cost_analysis()
+    a = a[0] if isinstance(a, list) else a
+    return float(a.get("flops", float("nan"))) if a else float("nan")
+
+
+def _memory(compiled) -> dict[str, int]:
+    m = compiled.memory_analysis()
+    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output", "alias")}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+@dataclasses.dataclass
+class TrainReport:
+    """What `trainer.report()` measured; `str()` renders it as a table."""
+
+    trainable_params: int
+    total_params: int
+    mode: str
+    mode_reason: str
+    flops: float
+    flops_full: float
+    memory: dict[str, int]
+    memory_full: dict[str, int]
+    opt_state_bytes: int
+    opt_state_bytes_full: int
+    transform: TransformInfo
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["memory"], d["memory_full"] = dict(self.memory), dict(self.memory_full)
+        t = self.transform
+        d["transform"] = {"rules": t.rules, "fallbacks": t.fallbacks,
+                          "fallback_sources": t.fallback_sources,
+                          "eqns_before": t.eqns_before, "eqns_after": t.eqns_after,
+                          "scans_split": t.scans_split, "frozen": t.frozen,
+                          "channels": {k: repr(v) for k, v in t.channels.items()}, "full": t.full}
+        return d
+
+    def __str__(self) -> str:
+        ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
+        rows = [("", "this step", "full training", "ratio"),
+                ("parameters trained", f"{self.trainable_params:,}", f"{self.total_params:,}",
+                 f"{100 * self.trainable_params / max(self.total_params, 1):.2f}%"),
+                ("FLOPs", f"{self.flops / 1e9:,.3f} G", f"{self.flops_full / 1e9:,.3f} G",
+                 ratio(self.flops, self.flops_full)),
+                ("optimizer state", _mib(self.opt_state_bytes), _mib(self.opt_state_bytes_full),
+                 ratio(self.opt_state_bytes, self.opt_state_bytes_full))]
+        for k, label in (("temp", "temporary memory"), ("argument", "arguments"),
+                         ("output", "outputs"), ("alias", "donated (aliased)"),
+                         ("peak", "peak estimate")):
+            rows.append((label, _mib(self.memory[k]), _mib(self.memory_full[k]),
+                         ratio(self.memory[k], self.memory_full[k])))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        fmt = lambda r: "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in
+                                                              zip(r[1:], widths[1:])])
+        t = self.transform
+        lines = [fmt(r) for r in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines += ["",
+                  f"update mode: {self.mode} ({self.mode_reason})",
+                  f"leaves: {len(t.full)} full, {len(t.channels)} channels, {len(t.frozen)} frozen",
+                  f"equations in the backward: {t.eqns_before} before push-down, {t.eqns_after} after",
+                  "slice rules applied: " + (", ".join(f"{k} x{v}" for k, v in
+                                                      sorted(t.rules.items())) or "none"),
+                  "fallbacks (computed whole, then sliced): " + (
+                      ", ".join(f"{k} x{v} (e.g. {t.fallback_sources.get(k, '?')})"
+                                for k, v in sorted(t.fallbacks.items())) or "none")]
+        return "\n".join(lines)
+
+
+def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransformation | None = None,
+                 scheme: Scheme | None = None, has_aux: bool = False, donate: bool = True):
+    """Turn `loss(params, batch)` into a `SparseTrainer`.
+
+    `scheme` defaults to training everything (`Scheme(default=Full())`). Use as
+    `@sparse_train(optimizer=..., scheme=...)` or `sparse_train(loss, optimizer=...)`.
+
+    >>> import jax.numpy as jnp, optax, pockjax as pj
+    >>> @pj.sparse_train(optimizer=optax.sgd(0.1))
+    ... def trainer(p, batch):
+    ...     return jnp.mean((batch @ p["w"]) ** 2)
+    >>> state = trainer.init({"w": jnp.ones((3, 2))})
+    >>> state, metrics = trainer(state, jnp.ones((4, 3)))
+    >>> int(state.step)
+    1
+    """
+    if optimizer is None:
+        raise TypeError("sparse_train needs an optimizer: @pockjax.sparse_train(optimizer=optax.adam(1e-3), "
+                        "scheme=...)")
+    scheme = Scheme(default=Full()) if scheme is None else scheme
+
+    def wrap(f):
+        if not callable(f):
+            raise TypeError(f"sparse_train decorates a loss function, got {type(f).__name__}")
+        return SparseTrainer(f, optimizer, scheme, has_aux=has_aux, donate=donate)
+
+    return wrap if fun is None else wrap(fun)
+
+
+# --------------------------------------------------------------------------- fit
+
+
+@dataclasses.dataclass
+class History:
+    """Per-step losses of a `fit` run and its speed."""
+
+    loss: np.ndarray
+    seconds: float
+    steps: int
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else float("nan")
+
+
+def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable, steps: int | None = None,
+        *, progress: bool = True, log_every: int = 10, desc: str = "train") -> tuple[TrainState, History]:
+    """Run `trainer` over `batches` (for `steps` steps, or until they run out).
+
+    Shows a progress bar with the loss and steps/s unless `progress=False`; the loss
+    is read back from the device every `log_every` steps only.
+    """
+    from tqdm.auto import tqdm
+
+    if steps is not None and steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    total = steps if steps is not None else (len(batches) if hasattr(batches, "__len__") else None)
+    it = iter(batches) if steps is None else itertools.islice(iter(batches), steps)
+    losses = []
+    bar = tqdm(total=total, disable=not progress, unit="step", desc=desc, dynamic_ncols=True)
+    start = time.perf_counter()
+    try:
+        for i, batch in enumerate(it):
+            state, metrics = trainer(state, batch)
+            losses.append(metrics["loss"])
+            if (i + 1) % max(log_every, 1) == 0:
+                bar.set_postfix(loss=f"{float(metrics['loss']):.4g}")
+            bar.update(1)
+        jax.block_until_ready(state)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - start
+    if steps is not None and len(losses) < steps:
+        warnings.warn(f"fit: the batches ran out after {len(losses)} of {steps} steps", stacklevel=2)
+    return state, History(np.asarray(jax.device_get(losses), dtype=np.float32), seconds, len(losses))

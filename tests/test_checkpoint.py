@@ -1,0 +1,104 @@
+"""save/load: round trip, metadata, atomic writes, and clear failures."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pockjax as pj
+from pockjax.checkpoint import read_metadata
+from tests.helpers import assert_trees_close
+
+SCHEME = pj.Scheme({"a": pj.Channels(ratio=0.5, axis="out"), "c": pj.Frozen()}, default=pj.Full())
+
+
+def _loss(p, batch):
+    return jnp.sum((batch @ p["a"]) ** 2) + jnp.sum(p["b"].astype(jnp.float32) ** 2) + jnp.sum(p["c"])
+
+
+@pytest.fixture
+def state():
+    params = {"a": jnp.arange(12.0).reshape(3, 4) / 10, "b": jnp.ones(2, jnp.bfloat16),
+              "c": jnp.zeros(5)}
+    trainer = pj.sparse_train(_loss, optimizer=optax.adam(1e-2), scheme=SCHEME)
+    state = trainer.init(params)
+    state, _ = trainer(state, jnp.ones((2, 3)))
+    return state
+
+
+def test_round_trip_keeps_values_dtypes_step_and_scheme(state, tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    pj.save(path, state, metadata={"note": "hello"})
+    meta = read_metadata(path)
+    assert meta["step"] == "1" and meta["note"] == "hello"
+    assert pj.Scheme.from_json(meta["scheme"]) == SCHEME
+    loaded = pj.load(path, like=state)
+    assert isinstance(loaded, pj.TrainState) and loaded.scheme == SCHEME
+    assert loaded.params["b"].dtype == jnp.bfloat16
+    assert_trees_close(loaded, state, rtol=0, atol=0)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.safetensors"]  # no temp file left
+
+
+def test_mismatched_paths_and_shapes_are_listed(state, tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    pj.save(path, state)
+    other = state.replace(params={**state.params, "a": jnp.zeros((3, 6)), "d": jnp.zeros(1)})
+    with pytest.raises(pj.CheckpointError) as e:
+        pj.load(path, like=other)
+    msg = str(e.value)
+    assert "'params/a': file has float32[3, 4], state has float32[3, 6]" in msg
+    assert "missing in file: 'params/d'" in msg
+
+
+def test_a_different_scheme_is_refused(state, tmp_path):
+    path = tmp_path / "ckpt.safetensors"
+    pj.save(path, state)
+    with pytest.raises(pj.CheckpointError, match="scheme differs"):
+        pj.load(path, like=state.replace(scheme=pj.Scheme(default=pj.Full())))
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty"])
+def test_corrupt_files_fail_clearly(state, tmp_path, damage):
+    path = tmp_path / "ckpt.safetensors"
+    pj.save(path, state)
+    data = path.read_bytes()
+    path.write_bytes({"truncate": data[: len(data) - 20], "garbage": b"\x00" * 64 + data[64:],
+                      "empty": b""}[damage])
+    with pytest.raises(pj.CheckpointError, match="ckpt.safetensors"):
+        pj.load(path, like=state)
+
+
+def test_missing_file_and_foreign_file(state, tmp_path):
+    with pytest.raises(pj.CheckpointError, match="does not exist"):
+        pj.load(tmp_path / "nope.safetensors", like=state)
+    from safetensors.numpy import save_file
+    save_file({"x": np.zeros(2, np.float32)}, str(tmp_path / "foreign.safetensors"))
+    with pytest.raises(pj.CheckpointError, match="not a pockjax checkpoint"):
+        pj.load(tmp_path / "foreign.safetensors", like=state)
+
+
+def test_a_failed_write_keeps_the_old_checkpoint(state, tmp_path, monkeypatch):
+    path = tmp_path / "ckpt.safetensors"
+    pj.save(path, state)
+    before = path.read_bytes()
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", fail)
+    with pytest.raises(OSError, match="disk full"):
+        pj.save(path, state.replace(step=state.step + 1))
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.safetensors"]
+
+
+def test_resumed_training_continues_identically(state, tmp_path):
+    trainer = pj.sparse_train(_loss, optimizer=optax.adam(1e-2), scheme=SCHEME)
+    path = tmp_path / "ckpt.safetensors"
+    pj.save(path, state)
+    resumed = pj.load(path, like=state)
+    a, _ = trainer(jax.tree_util.tree_map(jnp.copy, state), jnp.ones((2, 3)))
+    b, _ = trainer(resumed, jnp.ones((2, 3)))
+    assert_trees_close(a, b, rtol=0, atol=0)

@@ -1,0 +1,285 @@
+"""`sparse_train`: N steps equal a plain reference; donation, memory, reports, fit."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pockjax as pj
+from tests.helpers import assert_trees_close
+
+D = 16
+
+
+def _mlp_params(key=0, layers=3, d=D):
+    k = jax.random.PRNGKey(key)
+    return {f"l{i}": {"w": jax.random.normal(jax.random.fold_in(k, i), (d, d)) * 0.3,
+                      "b": jax.random.normal(jax.random.fold_in(k, 100 + i), (d,)) * 0.1}
+            for i in range(layers)}
+
+
+def _mlp_loss(p, batch):
+    h = batch["x"]
+    for i in range(len(p)):
+        h = jnp.tanh(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+    return jnp.mean((h - batch["y"]) ** 2)
+
+
+def _batches(n, key=1, b=8, d=D):
+    k = jax.random.PRNGKey(key)
+    return [{"x": jax.random.normal(jax.random.fold_in(k, i), (b, d)),
+             "y": jax.random.normal(jax.random.fold_in(k, 1000 + i), (b, d))} for i in range(n)]
+
+
+# Full, Frozen, and Channels on both axes, ends first and last.
+MIXED = pj.Scheme({
+    "l0/w": pj.Frozen(),
+    "l0/b": pj.Full(),
+    "l1/w": pj.Channels(ratio=0.25, axis="in"),
+    "l1/b": pj.Frozen(),
+    "l2/w": pj.Channels(count=5, axis="out", last=True),
+}, default=pj.Full())
+
+OPTIMIZERS = {
+    "sgd": lambda: optax.sgd(0.1),
+    "momentum": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.5),
+    "schedule": lambda: optax.sgd(optax.exponential_decay(0.2, 1, 0.5), momentum=0.5),
+    "clip_by_global_norm": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)),
+}
+
+
+def reference_steps(loss, optimizer, scheme, params, batches):
+    """Dense jax.grad, sliced by the scheme, optax on the trainable view, written back."""
+    view = pj.trainable(params, scheme)
+    opt_state = optimizer.init(view)
+    for batch in batches:
+        g = pj.trainable(jax.grad(loss)(params, batch), scheme)
+        updates, opt_state = optimizer.update(g, opt_state, pj.trainable(params, scheme))
+        params = pj.apply_updates(params, updates, scheme)
+    return params, opt_state
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_steps_equal_the_reference(name):
+    params, batches = _mlp_params(), _batches(4)
+    trainer = pj.sparse_train(_mlp_loss, optimizer=OPTIMIZERS[name](), scheme=MIXED)
+    state = trainer.init(params)
+    for batch in batches:
+        state, metrics = trainer(state, batch)
+    want_params, want_state = reference_steps(_mlp_loss, OPTIMIZERS[name](), MIXED, params, batches)
+    assert int(state.step) == len(batches)
+    assert_trees_close(state.params, want_params, rtol=1e-5)
+    assert_trees_close(state.opt_state, want_state, rtol=1e-5)
+    # Frozen leaves and the untrained channels are bit-identical to the start.
+    np.testing.assert_array_equal(state.params["l0"]["w"], params["l0"]["w"])
+    np.testing.assert_array_equal(state.params["l1"]["b"], params["l1"]["b"])
+    np.testing.assert_array_equal(state.params["l1"]["w"][4:], params["l1"]["w"][4:])
+    np.testing.assert_array_equal(state.params["l2"]["w"][:, :-5], params["l2"]["w"][:, :-5])
+    mode = "global" if name == "clip_by_global_norm" else "fused"
+    assert trainer.update_mode(state, batches[0])[0] == mode
+
+
+def test_adamw_decays_the_kept_slice_only():
+    params, batches = _mlp_params(), _batches(1)
+    zero_grad = lambda p, b: 0.0 * _mlp_loss(p, b)
+    scheme = pj.Scheme({"l1/w": pj.Channels(ratio=0.5, axis="out")})
+    trainer = pj.sparse_train(zero_grad, optimizer=optax.adamw(0.1, weight_decay=0.5), scheme=scheme)
+    state, _ = trainer(trainer.init(params), batches[0])
+    w0, w1 = params["l1"]["w"], state.params["l1"]["w"]
+    np.testing.assert_allclose(w1[:, :8], w0[:, :8] * (1 - 0.1 * 0.5), rtol=1e-6)
+    np.testing.assert_array_equal(w1[:, 8:], w0[:, 8:])
+
+
+def test_optimizer_state_exists_for_the_trainable_view_only():
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-3), scheme=MIXED)
+    state = trainer.init(_mlp_params())
+    mu = state.opt_state[0].mu
+    assert mu["l0"]["w"] is None and mu["l1"]["b"] is None
+    assert mu["l1"]["w"].shape == (4, D) and mu["l2"]["w"].shape == (D, 5)
+    assert mu["l0"]["b"].shape == (D,)
+
+
+def test_scan_model_with_stacked_weights_trains_like_the_reference():
+    k = jax.random.PRNGKey(3)
+    params = {"ws": jax.random.normal(k, (4, D, D)) * 0.3, "head": jnp.ones((D, 2)) * 0.1}
+
+    def loss(p, batch):
+        def body(h, w):
+            return jnp.tanh(h @ w), None
+        h, _ = jax.lax.scan(body, batch["x"], p["ws"])
+        return jnp.mean((h @ p["head"] - batch["y"][:, :2]) ** 2)
+
+    scheme = pj.Scheme({"ws": pj.Channels(count=2, axis=0, last=True)}, default=pj.Full())
+    batches = _batches(3)
+    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme)
+    state = trainer.init(params)
+    for b in batches:
+        state, _ = trainer(state, b)
+    want, _ = reference_steps(loss, optax.adam(1e-2), scheme, params, batches)
+    assert_trees_close(state.params, want, rtol=1e-5)
+
+
+def test_has_aux_metrics_and_argument_checks():
+    def loss(p, batch):
+        value = _mlp_loss(p, batch)
+        return value, {"twice": 2 * value}
+
+    trainer = pj.sparse_train(loss, optimizer=optax.sgd(0.1), scheme=MIXED, has_aux=True)
+    state = trainer.init(_mlp_params())
+    state, metrics = trainer(state, _batches(1)[0])
+    np.testing.assert_allclose(metrics["aux"]["twice"], 2 * metrics["loss"], rtol=1e-6)
+
+    with pytest.raises(TypeError, match="needs an optimizer"):
+        pj.sparse_train(_mlp_loss)
+    with pytest.raises(TypeError, match="optax GradientTransformation"):
+        pj.sparse_train(_mlp_loss, optimizer="adam")
+    with pytest.raises(TypeError, match="TrainState"):
+        trainer({"not": "a state"}, _batches(1)[0])
+    with pytest.raises(pj.SchemeError, match="matched no parameter"):
+        pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1),
+                        scheme=pj.Scheme({"l9/w": pj.Full()})).init(_mlp_params())
+
+
+def test_decorator_form_and_default_scheme_trains_everything():
+    @pj.sparse_train(optimizer=optax.sgd(0.1))
+    def trainer(p, batch):
+        return _mlp_loss(p, batch)
+
+    params, batches = _mlp_params(), _batches(2)
+    state = trainer.init(params)
+    for b in batches:
+        state, _ = trainer(state, b)
+    want, _ = reference_steps(_mlp_loss, optax.sgd(0.1), pj.Scheme(default=pj.Full()), params,
+                              batches)
+    assert_trees_close(state.params, want)
+
+
+def test_donation_deletes_old_buffers_and_frozen_leaves_pass_through():
+    params = _mlp_params()
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-3), scheme=MIXED)
+    state = trainer.init(params)
+    frozen_ptr = state.params["l0"]["w"].unsafe_buffer_pointer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # e.g. "Some donated buffers were not usable"
+        new_state, _ = trainer(state, _batches(1)[0])
+        jax.block_until_ready(new_state)
+    for leaf in jax.tree_util.tree_leaves(state):
+        assert leaf.is_deleted()
+    # The frozen weight is the same buffer, neither copied nor moved.
+    assert new_state.params["l0"]["w"].unsafe_buffer_pointer() == frozen_ptr
+    # init copied, so the caller's arrays are intact.
+    assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(params))
+
+
+def test_updates_are_interleaved_with_the_backward_pass():
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1), scheme=pj.Scheme(
+        {"*/w": pj.Full()}, default=pj.Frozen()))
+    params = _mlp_params()
+    text = trainer.lower(trainer.init(params), _batches(1)[0]).as_text()
+    barriers = [i for i, line in enumerate(text.splitlines()) if "optimization_barrier" in line]
+    dots = [i for i, line in enumerate(text.splitlines()) if "dot_general" in line]
+    assert len(barriers) == 3
+    # The last layer is updated before the first layer's weight gradient is computed.
+    assert barriers[0] < dots[-1]
+
+
+# --------------------------------------------------------------------------- memory
+
+L, W, B = 6, 1024, 256
+
+
+@pytest.fixture(scope="module")
+def big_mlp():
+    k = jax.random.PRNGKey(0)
+    params = [{"w": jax.random.normal(jax.random.fold_in(k, i), (W, W)) * 0.03,
+               "b": jnp.zeros(W)} for i in range(L)]
+    batch = (jax.ShapeDtypeStruct((B, W), jnp.float32), jax.ShapeDtypeStruct((B, W), jnp.float32))
+
+    def loss(p, batch):
+        h = batch[0]
+        for layer in p:
+            h = jax.nn.gelu(h @ layer["w"] + layer["b"])
+        return jnp.mean((h - batch[1]) ** 2)
+
+    return params, batch, loss
+
+
+def _compiled_step(loss, scheme, params, batch):
+    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-3), scheme=scheme)
+    state = jax.eval_shape(trainer.init, params)
+    return trainer, state, trainer.lower(state, batch).compile().memory_analysis()
+
+
+def test_fused_step_memory_is_no_higher_than_jit_plus_optax(big_mlp):
+    params, batch, loss = big_mlp
+    opt = optax.adam(1e-3)
+
+    def plain(params, opt_state, batch):
+        value, g = jax.value_and_grad(loss)(params, batch)
+        updates, opt_state = opt.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    plain_mem = jax.jit(plain, donate_argnums=(0, 1)).lower(
+        params, jax.eval_shape(opt.init, params), batch).compile().memory_analysis()
+    trainer, state, mem = _compiled_step(loss, pj.Scheme(default=pj.Full()), params, batch)
+    assert trainer.update_mode(state, batch)[0] == "fused"
+    assert mem.temp_size_in_bytes <= plain_mem.temp_size_in_bytes
+    assert mem.alias_size_in_bytes >= plain_mem.alias_size_in_bytes  # all donated (+ the step)
+
+
+def test_channels_step_has_an_eighth_of_the_state_and_less_temp(big_mlp):
+    params, batch, loss = big_mlp
+    _, full_state, full_mem = _compiled_step(loss, pj.Scheme(default=pj.Full()), params, batch)
+    sparse = pj.Scheme({"*/w": pj.Channels(ratio=1 / 8, axis="in")}, default=pj.Frozen())
+    _, state, mem = _compiled_step(loss, sparse, params, batch)
+    nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(t))
+    kernels = lambda s: [s.opt_state[0].mu[i]["w"] for i in range(L)]
+    assert nbytes(kernels(state)) * 8 == nbytes(kernels(full_state))
+    assert nbytes(state.opt_state) * 8 <= nbytes(full_state.opt_state) + 8  # + the step count
+    assert mem.temp_size_in_bytes < full_mem.temp_size_in_bytes
+
+
+# --------------------------------------------------------------------------- report, fit
+
+
+def test_report_compares_with_full_training():
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-3), scheme=MIXED)
+    state = trainer.init(_mlp_params())
+    report = trainer.report(state, _batches(1)[0])
+    assert report.mode == "fused"
+    assert report.total_params == 3 * (D * D + D)
+    assert report.trainable_params == D + 4 * D + D * 5 + D  # l0/b, l1/w, l2/w, l2/b
+    assert 0 < report.flops < report.flops_full
+    assert report.opt_state_bytes < report.opt_state_bytes_full
+    assert report.memory["alias"] > 0
+    data = report.as_dict()
+    assert data["transform"]["frozen"] == ["l0/w", "l1/b"]
+    text = str(report)
+    for needle in ("parameters trained", "FLOPs", "temporary memory", "update mode: fused",
+                   "slice rules applied"):
+        assert needle in text
+    # report() compiles from shapes and leaves the state usable
+    trainer(state, _batches(1)[0])
+
+
+def test_fit_runs_the_loop_and_returns_history(capsys):
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-2), scheme=MIXED)
+    state = trainer.init(_mlp_params())
+    batches = _batches(5)
+    state, history = pj.fit(trainer, state, batches, progress=False)
+    assert int(state.step) == 5 and history.loss.shape == (5,) and history.steps == 5
+    assert history.steps_per_second > 0
+    assert capsys.readouterr().err == ""
+    with pytest.warns(UserWarning, match="ran out after 5 of 7"):
+        pj.fit(trainer, state, batches, steps=7, progress=False)
+
+
+def test_fit_lowers_the_loss():
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(3e-2), scheme=MIXED)
+    batch = _batches(1)[0]
+    state, history = pj.fit(trainer, trainer.init(_mlp_params()), [batch] * 30, progress=False)
+    assert history.loss[-1] < 0.8 * history.loss[0]
