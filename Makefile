@@ -18,10 +18,13 @@ test: venv
 	$(PY) -m pytest -q tests
 
 demo: venv
-	$(PY) examples/sparse_grad_mlp.py
+	$(PY) examples/sparse_train_mlp.py
 
-bench: venv
+# Benchmarks compare with PyTorch (CPU build), installed from the `torch` extra.
+bench:
+	$(MAKE) venv EXTRAS=dev,torch
 	$(PY) benchmarks/sparse_grad.py
+	$(PY) benchmarks/train_step.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

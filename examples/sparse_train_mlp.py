@@ -1,0 +1,106 @@
+"""A sparse fine-tune with `@pockjax.sparse_train`: report, training loop, checkpoint.
+
+A small MLP is fit to a random teacher. Only the last layer's bias and a quarter of the
+input channels of the last two kernels train, with Adam fused into the backward pass.
+The script prints the step's report (FLOPs and compiled memory against full training),
+trains with a progress bar, checks the result against a plain JAX + optax reference,
+and saves and reloads a checkpoint.
+
+    python examples/sparse_train_mlp.py [--steps 200] [--out /tmp/pockjax-demo]
+"""
+import argparse
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import pockjax as pj
+
+WIDTH, LAYERS, BATCH = 256, 4, 64
+
+
+def init(key):
+    keys = jax.random.split(key, LAYERS)
+    return {f"dense_{i}": {"kernel": jax.random.normal(k, (WIDTH, WIDTH)) / np.sqrt(WIDTH),
+                           "bias": jnp.zeros(WIDTH)} for i, k in enumerate(keys)}
+
+
+def forward(params, x):
+    for i in range(LAYERS):
+        x = x @ params[f"dense_{i}"]["kernel"] + params[f"dense_{i}"]["bias"]
+        x = jax.nn.gelu(x) if i < LAYERS - 1 else x
+    return x
+
+
+SCHEME = pj.Scheme({
+    f"dense_{LAYERS - 1}/bias": pj.Full(),
+    f"dense_{LAYERS - 2}/kernel": pj.Channels(ratio=0.25, axis="in"),
+    f"dense_{LAYERS - 1}/kernel": pj.Channels(ratio=0.25, axis="in"),
+}, default=pj.Frozen())
+
+
+@pj.sparse_train(optimizer=optax.adam(3e-3), scheme=SCHEME)
+def trainer(params, batch):
+    x, y = batch
+    return jnp.mean((forward(params, x) - y) ** 2)
+
+
+def make_batches(teacher, steps, seed=2):
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for _ in range(steps):
+        key, sub = jax.random.split(key)
+        x = jax.random.normal(sub, (BATCH, WIDTH))
+        out.append((x, forward(teacher, x)))
+    return out
+
+
+def reference(params, batches):
+    """The same training with dense jax.grad, sliced, and optax on the trainable view."""
+    loss = trainer.loss_fn
+    opt = optax.adam(3e-3)
+    opt_state = opt.init(pj.trainable(params, SCHEME))
+
+    @jax.jit
+    def step(params, opt_state, batch):
+        g = pj.trainable(jax.grad(loss)(params, batch), SCHEME)
+        updates, opt_state = opt.update(g, opt_state, pj.trainable(params, SCHEME))
+        return pj.apply_updates(params, updates, SCHEME), opt_state
+
+    for b in batches:
+        params, opt_state = step(params, opt_state, b)
+    return params
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "pockjax-demo"))
+    args = ap.parse_args(argv)
+
+    params = init(jax.random.PRNGKey(0))
+    batches = make_batches(init(jax.random.PRNGKey(1)), args.steps)
+    state = trainer.init(params)
+    print(trainer.report(state, batches[0]), "\n")
+
+    state, history = pj.fit(trainer, state, batches)
+    print(f"loss {history.loss[0]:.4f} -> {history.loss[-1]:.4f} in {history.steps} steps "
+          f"({history.steps_per_second:.0f} steps/s)")
+
+    want = reference(params, batches)
+    err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
+              for a, b in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(want)))
+    print(f"max relative difference to the JAX + optax reference: {err:.2e}")
+    assert err < 1e-4, "sparse_train does not match the reference"
+
+    path = os.path.join(args.out, "mlp.safetensors")
+    pj.save(path, state)
+    restored = pj.load(path, like=state)
+    assert int(restored.step) == args.steps
+    print(f"checkpoint written and reloaded: {path} (step {int(restored.step)})")
+
+
+if __name__ == "__main__":
+    main()
