@@ -94,13 +94,13 @@ class SparseTrainer:
         steps never deletes the caller's arrays; pass `copy=False` to hand them over
         (saves one copy of the model).
         """
-        view = trainable(params, self.scheme)
-        opt_state = self.optimizer.init(view)
+        scheme, optimizer = self.scheme, self.optimizer
+        scheme.resolve(params)  # scheme errors surface here, outside any trace
+        opt_state = jax.jit(lambda p: optimizer.init(trainable(p, scheme)))(params)
         if copy:
             params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
-        # Each leaf gets its own buffer: donation rejects one buffer passed twice.
-        opt_state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), opt_state)
-        return TrainState(jnp.zeros((), jnp.int32), params, opt_state, self.scheme)
+        state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, scheme)
+        return _distinct_buffers(state) if self.donate else state
 
     # -- the step --------------------------------------------------------------
 
@@ -197,6 +197,27 @@ class SparseTrainer:
             memory=_memory(sparse), memory_full=_memory(full),
             opt_state_bytes=_nbytes(state.opt_state), opt_state_bytes_full=_nbytes(full_state),
             transform=info)
+
+
+def _distinct_buffers(tree):
+    """Copy any leaf whose buffer another leaf already uses (a tied weight, a state
+    leaf aliasing a parameter): donation refuses one buffer passed twice."""
+    seen = set()
+
+    def fix(x):
+        if not isinstance(x, jax.Array):
+            return jnp.asarray(x)
+        try:
+            ptr = x.unsafe_buffer_pointer()
+        except Exception:  # sharded or deleted arrays: leave as they are
+            return x
+        if ptr in seen:
+            x = jnp.array(x, copy=True)
+            ptr = x.unsafe_buffer_pointer()
+        seen.add(ptr)
+        return x
+
+    return jax.tree_util.tree_map(fix, tree)
 
 
 def decisions_tree(params, decisions):

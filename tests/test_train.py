@@ -283,3 +283,15 @@ def test_fit_lowers_the_loss():
     batch = _batches(1)[0]
     state, history = pj.fit(trainer, trainer.init(_mlp_params()), [batch] * 30, progress=False)
     assert history.loss[-1] < 0.8 * history.loss[0]
+
+
+def test_one_array_in_two_leaves_can_be_donated():
+    w = jnp.ones((D, D)) * 0.1
+    params = {"l0": {"w": w, "b": jnp.zeros(D)}, "l1": {"w": w, "b": jnp.zeros(D)}}
+    want, _ = reference_steps(_mlp_loss, optax.sgd(0.1), pj.Scheme(default=pj.Full()), params,
+                              _batches(1))
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1))
+    state = trainer.init(params, copy=False)  # hands `w` over: it is donated below
+    state, _ = trainer(state, _batches(1)[0])
+    assert_trees_close(state.params, want)
+    assert w.is_deleted()
