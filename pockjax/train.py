@@ -120,6 +120,9 @@ class SparseTrainer:
         if not isinstance(state, TrainState):
             raise TypeError(f"expected a pockjax.TrainState (from trainer.init(params)), "
                             f"got {type(state).__name__}")
+        if state.scheme is not None and state.scheme != self.scheme:
+            raise SchemeError(f"this state was made for {state.scheme!r}, but the trainer uses "
+                              f"{self.scheme!r}; make the state with this trainer's init()")
 
     def _step(self, state: TrainState, batch):
         _, info, aux_def, decisions, _ = self._grad._build((state.params, batch), {})

@@ -139,6 +139,9 @@ def test_has_aux_metrics_and_argument_checks():
         pj.sparse_train(_mlp_loss, optimizer="adam")
     with pytest.raises(TypeError, match="TrainState"):
         trainer({"not": "a state"}, _batches(1)[0])
+    other = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1))
+    with pytest.raises(pj.SchemeError, match="make the state with this trainer's init"):
+        other(state, _batches(1)[0])
     with pytest.raises(pj.SchemeError, match="matched no parameter"):
         pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1),
                         scheme=pj.Scheme({"l9/w": pj.Full()})).init(_mlp_params())
