@@ -1,6 +1,8 @@
 """pockjax: sparse, efficient fine-tuning for JAX, after PockEngine (MICRO 2023)."""
-from pockjax import schemes
+from pockjax import runtime, schemes
 from pockjax.checkpoint import CheckpointError, load, save
+from pockjax import export
+from pockjax.export import ExportError
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError
 from pockjax.train import History, SparseTrainer, TrainReport, TrainState, fit, sparse_train
 from pockjax.transforms import (TransformInfo, apply_updates, sparse_grad, sparse_value_and_grad,
@@ -12,5 +14,5 @@ __all__ = [
     "Scheme", "SchemeError", "Full", "Frozen", "Channels", "schemes",
     "sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo",
     "sparse_train", "SparseTrainer", "TrainState", "TrainReport", "fit", "History",
-    "save", "load", "CheckpointError",
+    "save", "load", "CheckpointError", "export", "ExportError", "runtime",
 ]

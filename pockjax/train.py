@@ -168,6 +168,14 @@ class SparseTrainer:
         """What `sparse_grad` did to this step's backward pass."""
         return self._grad.explain(state.params, batch)
 
+    def export(self, state: TrainState, batch, target: str = "host-cpu", out_dir: str = "export",
+               gpu: str | None = None, extra_flags=()):
+        """Compile this step for an IREE target and write the artifact directory
+        (`train_step.vmfb`, `params.irpa`, `manifest.json`); see `pockjax.export`."""
+        from pockjax.export import export
+        return export(self, state, batch, target=target, out_dir=out_dir, gpu=gpu,
+                      extra_flags=extra_flags)
+
     # -- reports ---------------------------------------------------------------
 
     def _full_lowered(self, state: TrainState, batch) -> jax.stages.Lowered:

@@ -1,0 +1,172 @@
+"""`pockjax targets | export | inspect | run`.
+
+`pockjax export MODULE:ATTR --target NAME --out DIR` imports MODULE (a dotted module
+name, or a path to a .py file) and reads ATTR from it. ATTR is either a function
+taking no arguments that returns `(trainer, state, batch)`, or such a tuple itself:
+the trainer made with `@pockjax.sparse_train`, its initial `TrainState`, and an
+example batch with the shapes to compile for. See examples/export_mlp.py.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from pockjax.export.targets import TARGETS, ExportError
+
+
+def _load_spec(spec: str):
+    if ":" not in spec:
+        raise SystemExit(f"pockjax export: expected MODULE:ATTR (e.g. examples/export_mlp.py:make), "
+                         f"got {spec!r}")
+    module_name, attr = spec.rsplit(":", 1)
+    if module_name.endswith(".py") or os.sep in module_name:
+        if not os.path.isfile(module_name):
+            raise SystemExit(f"pockjax export: file '{module_name}' does not exist")
+        spec_obj = importlib.util.spec_from_file_location("_pockjax_export_target", module_name)
+        module = importlib.util.module_from_spec(spec_obj)
+        sys.path.insert(0, os.path.dirname(os.path.abspath(module_name)))
+        spec_obj.loader.exec_module(module)
+    else:
+        sys.path.insert(0, os.getcwd())
+        module = importlib.import_module(module_name)
+    if not hasattr(module, attr):
+        raise SystemExit(f"pockjax export: '{module_name}' has no attribute {attr!r}")
+    obj = getattr(module, attr)
+    obj = obj() if callable(obj) and not isinstance(obj, tuple) else obj
+    if not (isinstance(obj, tuple) and len(obj) == 3):
+        raise SystemExit(f"pockjax export: {spec} must give (trainer, state, batch), got "
+                         f"{type(obj).__name__}")
+    return obj
+
+
+def cmd_targets(args) -> int:
+    width = max(len(n) for n in TARGETS)
+    for name, t in TARGETS.items():
+        print(f"{name.ljust(width)}  {t.description}")
+        flags = list(t.flags) + ([f"{t.gpu_flag}={t.default_gpu}"] if t.gpu_flag else [])
+        print(f"{' ' * width}  flags: {' '.join(flags)}")
+        if t.gpus:
+            print(f"{' ' * width}  --gpu: {', '.join(t.gpus)} (default {t.default_gpu})")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from pockjax.export import export
+
+    trainer, state, batch = _load_spec(args.spec)
+    t0 = time.perf_counter()
+    art = export(trainer, state, batch, target=args.target, out_dir=args.out, gpu=args.gpu,
+                 extra_flags=tuple(args.flag or ()))
+    files = art.manifest["files"]
+    print(f"exported {args.spec} for {args.target} to {art.path} in {time.perf_counter() - t0:.1f} s "
+          "(" + ", ".join(f"{k} {v['bytes']:,} B" for k, v in files.items()) + ")")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from pockjax.export.artifact import read_manifest
+
+    m = read_manifest(args.dir)
+    t = m["target"]
+    print(f"artifact: {os.path.abspath(args.dir)}")
+    print(f"target:   {t['name']} ({t['backend']}, runs on {t['driver']})"
+          + (f", gpu {t['gpu']}" if t.get("gpu") else ""))
+    print(f"flags:    {' '.join(t['flags'])}")
+    print("versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
+    print(f"update:   {m['update_mode']}")
+    print("train_step(" + ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}"
+                                    for s in m["functions"]["train_step"]["inputs"])
+          + ") -> " + ", ".join(m["functions"]["train_step"]["outputs"]))
+    roles: dict[str, list] = {}
+    for p in m["parameters"]:
+        roles.setdefault(p["role"], []).append(p)
+    for role, ps in roles.items():
+        n = sum(int(np.prod(p["shape"])) for p in ps)
+        print(f"{role}: {len(ps)} tensors, {n:,} values")
+        for p in ps:
+            print(f"  {p['name']}: {p['dtype']}{p['shape']}")
+    for name, f in m["files"].items():
+        print(f"file {name}: {f['bytes']:,} B sha256 {f['sha256'][:16]}...")
+    return 0
+
+
+def _batches(manifest, data_path, steps):
+    inputs = manifest["functions"]["train_step"]["inputs"]
+    if data_path:
+        data = np.load(data_path)
+        missing = [s["name"] for s in inputs if s["name"] not in data]
+        if missing:
+            raise SystemExit(f"pockjax run: '{data_path}' lacks inputs {missing}; it has {list(data)}")
+        arrays = {s["name"]: data[s["name"]] for s in inputs}
+        stacked = all(a.ndim == len(s["shape"]) + 1 for s, a in zip(inputs, arrays.values()))
+        for i in range(steps):
+            if stacked:
+                yield {k: a[i % a.shape[0]] for k, a in arrays.items()}
+            else:
+                yield arrays
+    else:
+        rng = np.random.default_rng(0)
+        batch = {}
+        for s in inputs:
+            dtype = np.dtype(s["dtype"]) if s["dtype"] != "bfloat16" else None
+            if dtype is not None and np.issubdtype(dtype, np.floating):
+                batch[s["name"]] = rng.standard_normal(s["shape"]).astype(dtype)
+            else:
+                raise SystemExit(f"pockjax run: input '{s['name']}' is {s['dtype']}; pass --data "
+                                 "FILE.npz with real values for it")
+        for _ in range(steps):
+            yield batch
+
+
+def cmd_run(args) -> int:
+    from pockjax import runtime
+
+    sess = runtime.load(args.dir, device=args.device)
+    for i, batch in enumerate(_batches(sess.manifest, args.data, args.steps)):
+        t0 = time.perf_counter()
+        metrics = sess.step(batch)
+        ms = (time.perf_counter() - t0) * 1e3
+        print(f"step {i + 1}: loss {float(metrics['loss']):.6g} ({ms:.1f} ms)")
+    if args.save:
+        sess.save(args.save)
+        print(f"saved {args.save}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="pockjax", description="Sparse on-device training with JAX and IREE")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("targets", help="list export targets and their IREE flags")
+    e = sub.add_parser("export", help="compile a training step into an artifact directory",
+                       description=__doc__.split("\n\n")[1])
+    e.add_argument("spec", metavar="MODULE:ATTR")
+    e.add_argument("--target", default="host-cpu", choices=list(TARGETS))
+    e.add_argument("--out", required=True, help="artifact directory (replaced atomically)")
+    e.add_argument("--gpu", help="GPU family for GPU targets (e.g. valhall, adreno, sm_87)")
+    e.add_argument("--flag", action="append", help="extra IREE compiler flag (repeatable)")
+    i = sub.add_parser("inspect", help="print an artifact's manifest")
+    i.add_argument("dir")
+    r = sub.add_parser("run", help="run an artifact's training step and print the loss")
+    r.add_argument("dir")
+    r.add_argument("--device", default="local-task")
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--data", help=".npz with one array per batch input (optionally stacked per step)")
+    r.add_argument("--save", help="write a checkpoint after the last step")
+    args = ap.parse_args(argv)
+    try:
+        return {"targets": cmd_targets, "export": cmd_export, "inspect": cmd_inspect,
+                "run": cmd_run}[args.cmd](args)
+    except ExportError as err:
+        print(f"pockjax {args.cmd}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

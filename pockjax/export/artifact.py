@@ -1,0 +1,175 @@
+"""Write an export artifact: train_step.vmfb, params.irpa and manifest.json, atomically."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata as md
+import json
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from pockjax.export.lowering import Lowered, lower_step
+from pockjax.export.targets import ExportError, resolve_target
+
+__all__ = ["export", "Artifact", "MANIFEST", "VMFB", "PARAMS", "SCHEMA_VERSION", "read_manifest"]
+
+MANIFEST, VMFB, PARAMS = "manifest.json", "train_step.vmfb", "params.irpa"
+SCHEMA_VERSION = 1
+SCOPE = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifact:
+    path: str
+    manifest: dict
+
+    def __repr__(self) -> str:
+        return f"Artifact({self.path!r}, target={self.manifest['target']['name']!r})"
+
+
+def _version(name: str) -> str:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def compile_module(mlir: str, target_name: str, flags: tuple[str, ...]) -> bytes:
+    """IREE-compile `mlir`; a failure becomes an ExportError with the target, the flags
+    and the compiler's own message."""
+    try:
+        import iree.compiler as ic
+    except ImportError:
+        raise ExportError("exporting needs the IREE compiler: pip install 'pockjax[export]' "
+                          "(iree-base-compiler and iree-base-runtime)") from None
+    try:
+        return ic.compile_str(mlir, input_type="stablehlo", extra_args=list(flags))
+    except ic.CompilerToolError as e:
+        message = str(e)
+        lines = [l for l in message.splitlines() if "error" in l.lower()] or message.splitlines()
+        raise ExportError(f"IREE failed to compile for target {target_name!r}\n"
+                          f"flags: {' '.join(flags)}\n"
+                          "compiler said:\n  " + "\n  ".join(lines[:20])) from None
+
+
+def _write_params(path: str, lowered: Lowered) -> None:
+    import iree.runtime as ir
+
+    index = ir.ParameterIndex()
+    for slot in lowered.state:
+        raw = np.ascontiguousarray(lowered.values[slot.name]).reshape(-1).view(np.uint8)
+        index.add_buffer(slot.name, raw)
+    index.create_archive_file(path)
+
+
+def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "export",
+           gpu: str | None = None, extra_flags=()) -> Artifact:
+    """Compile the training step for `target` and write the artifact directory.
+
+    The directory is built under a temporary name next to `out_dir` and renamed into
+    place, so a failed export leaves no half artifact (and keeps an older one).
+    """
+    tgt, flags = resolve_target(target, gpu, tuple(extra_flags))
+    started = time.perf_counter()
+    lowered = lower_step(trainer, state, batch)
+    vmfb = compile_module(lowered.mlir, target, flags)
+    compile_s = time.perf_counter() - started
+
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
+    try:
+        with open(os.path.join(tmp, VMFB), "wb") as f:
+            f.write(vmfb)
+        _write_params(os.path.join(tmp, PARAMS), lowered)
+        mode, reason = trainer.update_mode(state, batch)
+        manifest: dict[str, Any] = {
+            "schema_version": SCHEMA_VERSION,
+            "target": {"name": tgt.name, "backend": tgt.backend, "driver": tgt.driver,
+                       "gpu": (gpu or tgt.default_gpu) if tgt.gpu_flag else None,
+                       "flags": list(flags)},
+            "versions": {"pockjax": _version("pockjax"), "jax": _version("jax"),
+                         "iree-base-compiler": _version("iree-base-compiler")},
+            "parameter_scope": SCOPE,
+            "functions": {
+                "train_step": {"inputs": [dataclasses.asdict(s) for s in lowered.batch],
+                               "outputs": lowered.outputs},
+                "eval": {"inputs": [dataclasses.asdict(s) for s in lowered.batch],
+                         "outputs": ["loss"]},
+                "state": {"inputs": [], "outputs": [s.name for s in lowered.state]},
+            },
+            "parameters": [dataclasses.asdict(s) for s in lowered.state],
+            "params_tree": _tree_paths(state),
+            "scheme": json.loads(trainer.scheme.to_json()),
+            "update_mode": mode,
+            "compile_seconds": round(compile_s, 3),
+            "files": {name: {"sha256": _sha256(os.path.join(tmp, name)),
+                             "bytes": os.path.getsize(os.path.join(tmp, name))}
+                      for name in (VMFB, PARAMS)},
+        }
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Artifact(out_dir, manifest)
+
+
+def _tree_paths(state) -> dict:
+    """Checkpoint names of every TrainState leaf, in flattening order, so a runtime
+    session can rebuild `pj.save`'s format without the Python model."""
+    from pockjax.scheme import leaves_with_paths
+    return {"params": [p for p, _ in leaves_with_paths(state.params)[0]],
+            "opt_state": [p for p, _ in leaves_with_paths(state.opt_state)[0]]}
+
+
+def _replace_dir(tmp: str, out_dir: str) -> None:
+    if os.path.exists(out_dir):
+        if not os.path.isdir(out_dir):
+            raise ExportError(f"output path '{out_dir}' exists and is not a directory")
+        old = tempfile.mkdtemp(prefix=".old-export-", dir=os.path.dirname(out_dir))
+        os.rmdir(old)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of an artifact directory, checked for the schema version and files."""
+    mpath = os.path.join(os.fspath(path), MANIFEST)
+    if not os.path.isfile(mpath):
+        raise ExportError(f"'{path}' is not a pockjax artifact: {MANIFEST} is missing")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ExportError(f"'{mpath}' is not valid JSON: {e}") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ExportError(f"'{mpath}' has schema version {manifest.get('schema_version')!r}; this "
+                          f"pockjax reads version {SCHEMA_VERSION}")
+    for name, info in manifest.get("files", {}).items():
+        fpath = os.path.join(os.fspath(path), name)
+        if not os.path.isfile(fpath):
+            raise ExportError(f"artifact file '{fpath}' is missing")
+        if os.path.getsize(fpath) != info["bytes"] or _sha256(fpath) != info["sha256"]:
+            raise ExportError(f"artifact file '{fpath}' does not match the manifest's hash "
+                              "(modified or truncated); export again")
+    return manifest

@@ -1,0 +1,207 @@
+"""The training step as one StableHLO module with its state in named parameters.
+
+JAX lowers two flat functions with fixed shapes:
+
+- step(mutable..., frozen..., batch...) -> (mutable'..., loss, aux...), with the
+  mutable state (step counter, trainable parameters, optimizer state) donated;
+- eval(trainable..., frozen..., batch...) -> loss.
+
+Both become private functions of one module. Its public functions read the state from
+`util.global`s bound to named parameters (`#flow.parameter.named<"model"::"params/...">`,
+stored in `params.irpa`): frozen weights are immutable globals, everything the step
+writes is a mutable global. The public functions are `train_step(batch...) -> (loss,
+aux...)`, `eval(batch...) -> loss` and `state() -> (every global, manifest order)`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pockjax.scheme import Frozen, leaves_with_paths
+from pockjax.train import SparseTrainer, TrainState
+from pockjax.export.targets import ExportError
+
+__all__ = ["Slot", "Lowered", "lower_step"]
+
+_SCOPE = "model"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One named tensor: a state global or a batch input."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: str  # "frozen", "trainable", "optimizer", "step" or "batch"
+
+    def mlir_type(self) -> str:
+        return _tensor_type(self.shape, self.dtype)
+
+
+@dataclasses.dataclass
+class Lowered:
+    mlir: str
+    state: list[Slot]         # globals, in the order of `state()`
+    batch: list[Slot]
+    outputs: list[str]        # train_step's outputs: "loss", then "aux/<path>"
+    values: dict[str, np.ndarray]   # the initial value of each global
+
+
+_MLIR_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
+                "int32": "i32", "int64": "i64", "int16": "i16", "int8": "i8", "uint8": "ui8",
+                "uint32": "ui32", "bool": "i1"}
+
+
+def _tensor_type(shape, dtype) -> str:
+    if dtype not in _MLIR_DTYPES:
+        raise ExportError(f"dtype {dtype} cannot be exported; supported: {', '.join(_MLIR_DTYPES)}")
+    dims = "".join(f"{d}x" for d in shape)
+    return f"tensor<{dims}{_MLIR_DTYPES[dtype]}>"
+
+
+def _dtype(x) -> str:
+    return str(jnp.dtype(jnp.result_type(x)))
+
+
+def _check_static(batch):
+    for path, x in leaves_with_paths(batch)[0]:
+        if not hasattr(x, "shape") or any(not isinstance(d, (int, np.integer)) for d in np.shape(x)):
+            raise ExportError(f"batch input '{path or 'batch'}' has a dynamic or unknown shape "
+                              f"({getattr(x, 'shape', type(x).__name__)}); IREE needs fixed shapes. "
+                              "Export one artifact per batch shape (pad the last batch)")
+
+
+def _module_body(text: str, prefix: str) -> tuple[str, str]:
+    """The functions of a JAX-lowered module with every symbol renamed `prefix + name`,
+    and the new name of its `main`."""
+    start = text.index("\n", text.index("module @")) + 1  # after the header line
+    end = text.rstrip().rindex("}")
+    body = text[start:end]
+    body = body.replace("func.func public @main(", "func.func private @main(", 1)
+    body = re.sub(r"@([A-Za-z_][\w$.]*)", lambda m: "@" + prefix + m.group(1), body)
+    return body, prefix + "main"
+
+
+def lower_step(trainer: SparseTrainer, state: TrainState, batch) -> Lowered:
+    """Lower `trainer`'s step and eval for `state` and `batch` into one module."""
+    _check_static(batch)
+    decisions = jax.tree_util.tree_leaves(trainer.scheme.resolve(state.params))
+    named_params, params_def = leaves_with_paths(state.params)
+    named_opt, opt_def = leaves_with_paths(state.opt_state)
+    named_batch, batch_def = leaves_with_paths(batch)
+    frozen_idx = [i for i, d in enumerate(decisions) if isinstance(d, Frozen)]
+    train_idx = [i for i, d in enumerate(decisions) if not isinstance(d, Frozen)]
+
+    mutable: list[tuple[Slot, Any]] = [(Slot("step", (), "int32", "step"), state.step)]
+    mutable += [(Slot(f"params/{named_params[i][0]}", tuple(np.shape(named_params[i][1])),
+                      _dtype(named_params[i][1]), "trainable"), named_params[i][1]) for i in train_idx]
+    mutable += [(Slot(f"opt_state/{p}", tuple(np.shape(x)), _dtype(x), "optimizer"), x)
+                for p, x in named_opt]
+    frozen = [(Slot(f"params/{named_params[i][0]}", tuple(np.shape(named_params[i][1])),
+                    _dtype(named_params[i][1]), "frozen"), named_params[i][1]) for i in frozen_idx]
+    batch_slots = [Slot(p or "batch", tuple(np.shape(x)), _dtype(x), "batch") for p, x in named_batch]
+    n_train = len(train_idx)
+
+    def params_from(train_leaves, frozen_leaves):
+        leaves = [None] * len(decisions)
+        for i, x in zip(train_idx, train_leaves):
+            leaves[i] = x
+        for i, x in zip(frozen_idx, frozen_leaves):
+            leaves[i] = x
+        return jax.tree_util.tree_unflatten(params_def, leaves)
+
+    aux_paths: list[str] = []
+
+    def flat_step(mut, frz, batch_leaves):
+        step, train, opt = mut[0], mut[1:1 + n_train], mut[1 + n_train:]
+        st = TrainState(step, params_from(train, frz),
+                        jax.tree_util.tree_unflatten(opt_def, opt), state.scheme)
+        new, metrics = trainer._step(st, jax.tree_util.tree_unflatten(batch_def, batch_leaves))
+        new_params = jax.tree_util.tree_leaves(new.params)
+        aux = leaves_with_paths(metrics.get("aux"))[0] if "aux" in metrics else []
+        aux_paths[:] = [f"aux/{p}" if p else "aux" for p, _ in aux]
+        return ([new.step, *[new_params[i] for i in train_idx],
+                 *jax.tree_util.tree_leaves(new.opt_state)], metrics["loss"], [x for _, x in aux])
+
+    def flat_eval(train, frz, batch_leaves):
+        out = trainer.loss_fn(params_from(train, frz),
+                              jax.tree_util.tree_unflatten(batch_def, batch_leaves))
+        return out[0] if trainer.has_aux else out
+
+    aval = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+    mut_avals = [aval(x) for _, x in mutable]
+    frz_avals = [aval(x) for _, x in frozen]
+    batch_avals = [aval(x) for _, x in named_batch]
+    step_text = jax.jit(flat_step, donate_argnums=0).lower(
+        mut_avals, frz_avals, batch_avals).as_text(debug_info=False)
+    eval_text = jax.jit(flat_eval).lower(
+        mut_avals[1:1 + n_train], frz_avals, batch_avals).as_text(debug_info=False)
+    step_body, step_main = _module_body(step_text, "step_")
+    eval_body, eval_main = _module_body(eval_text, "eval_")
+
+    state_slots = [s for s, _ in frozen] + [s for s, _ in mutable]
+    gname = {s.name: f"@g{i}" for i, s in enumerate(state_slots)}
+    lines = ["module @pockjax_train {"]
+    for s in state_slots:
+        mut = "" if s.role == "frozen" else "mutable "
+        lines.append(f'  util.global private {mut}{gname[s.name]} = '
+                     f'#flow.parameter.named<"{_SCOPE}"::"{s.name}"> : {s.mlir_type()}')
+
+    def loads(slots, prefix):
+        out = []
+        for i, s in enumerate(slots):
+            out.append(f"    %{prefix}{i} = util.global.load {gname[s.name]} : {s.mlir_type()}")
+        return out
+
+    batch_args = ", ".join(f"%b{i}: {s.mlir_type()}" for i, s in enumerate(batch_slots))
+    batch_vals = [f"%b{i}" for i in range(len(batch_slots))]
+    mut_slots = [s for s, _ in mutable]
+    frz_slots = [s for s, _ in frozen]
+    _, loss_aval, aux_avals = jax.eval_shape(flat_step, mut_avals, frz_avals, batch_avals)
+    out_types = [_tensor_type(a.shape, str(a.dtype)) for a in [loss_aval, *aux_avals]]
+
+    # train_step
+    call_in = ([f"%m{i}" for i in range(len(mut_slots))] + [f"%f{i}" for i in range(len(frz_slots))]
+               + batch_vals)
+    in_types = [s.mlir_type() for s in mut_slots + frz_slots + batch_slots]
+    res_types = [s.mlir_type() for s in mut_slots] + out_types
+    lines.append(f"  func.func public @train_step({batch_args}) -> ({', '.join(out_types)}) {{")
+    lines += loads(mut_slots, "m") + loads(frz_slots, "f")
+    lines.append(f"    %r:{len(res_types)} = func.call @{step_main}({', '.join(call_in)}) : "
+                 f"({', '.join(in_types)}) -> ({', '.join(res_types)})")
+    for i, s in enumerate(mut_slots):
+        lines.append(f"    util.global.store %r#{i}, {gname[s.name]} : {s.mlir_type()}")
+    rets = [f"%r#{len(mut_slots) + i}" for i in range(len(out_types))]
+    lines.append(f"    return {', '.join(rets)} : {', '.join(out_types)}")
+    lines.append("  }")
+
+    # eval
+    train_slots = mut_slots[1:1 + n_train]
+    eval_in = [f"%m{i}" for i in range(len(train_slots))] + [f"%f{i}" for i in range(len(frz_slots))] + batch_vals
+    eval_types = [s.mlir_type() for s in train_slots + frz_slots + batch_slots]
+    lines.append(f"  func.func public @eval({batch_args}) -> {out_types[0]} {{")
+    lines += loads(train_slots, "m") + loads(frz_slots, "f")
+    lines.append(f"    %r = func.call @{eval_main}({', '.join(eval_in)}) : ({', '.join(eval_types)}) "
+                 f"-> {out_types[0]}")
+    lines.append(f"    return %r : {out_types[0]}")
+    lines.append("  }")
+
+    # state getter
+    all_types = [s.mlir_type() for s in state_slots]
+    lines.append(f"  func.func public @state() -> ({', '.join(all_types)}) {{")
+    lines += loads(state_slots, "s")
+    lines.append(f"    return {', '.join(f'%s{i}' for i in range(len(state_slots)))} : "
+                 f"{', '.join(all_types)}")
+    lines.append("  }")
+    lines.append(step_body)
+    lines.append(eval_body)
+    lines.append("}")
+
+    values = {s.name: np.asarray(jax.device_get(x)) for s, x in frozen + mutable}
+    return Lowered("\n".join(lines) + "\n", state_slots, batch_slots, ["loss", *aux_paths], values)

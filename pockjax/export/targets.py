@@ -1,0 +1,62 @@
+"""The one table of export targets: it drives `export`, the CLI's choices and the docs."""
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = ["Target", "TARGETS", "resolve_target", "ExportError"]
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be made: a bad target or input, or a compiler failure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    description: str
+    backend: str            # IREE HAL target device
+    driver: str             # default runtime device for `pockjax.runtime.load`
+    flags: tuple[str, ...]  # compiler flags
+    gpu_flag: str | None = None        # flag that names a GPU family, if any
+    default_gpu: str | None = None
+    gpus: tuple[str, ...] = ()         # families offered by name (IREE accepts more)
+    gpu_backend: bool = False          # needs GPU legalisation passes
+    runs_here: bool = True             # can this machine run it (CPU, lavapipe, QEMU)?
+
+
+_CPU = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu")
+
+TARGETS: dict[str, Target] = {t.name: t for t in [
+    Target("host-cpu", "this machine's CPU (IREE llvm-cpu, local-task runtime)", "local",
+           "local-task", _CPU + ("--iree-llvmcpu-target-cpu=host",)),
+    Target("android-arm64", "Android ARM64 CPU (runs here under qemu-aarch64)", "local",
+           "local-task", _CPU + ("--iree-llvmcpu-target-triple=aarch64-linux-android34",
+                                 "--iree-llvmcpu-target-cpu-features=+v8.2a,+neon,+dotprod,+i8mm,+fullfp16")),
+    Target("android-vulkan", "Android GPU through Vulkan (SPIR-V)", "vulkan", "vulkan",
+           ("--iree-hal-target-device=vulkan",), gpu_flag="--iree-vulkan-target",
+           default_gpu="vp_android_baseline_2022", gpus=("vp_android_baseline_2022", "valhall",
+                                                         "adreno"), gpu_backend=True),
+    Target("jetson-cuda", "NVIDIA Jetson Orin through CUDA (sm_87)", "cuda", "cuda",
+           ("--iree-hal-target-device=cuda",), gpu_flag="--iree-cuda-target", default_gpu="sm_87",
+           gpus=("sm_87", "sm_72"), gpu_backend=True, runs_here=False),
+]}
+
+
+def resolve_target(name: str, gpu: str | None = None,
+                   extra_flags: tuple[str, ...] | list[str] = ()) -> tuple[Target, tuple[str, ...]]:
+    """The target and its exact compiler flags (with the GPU family and extra flags)."""
+    if name not in TARGETS:
+        raise ExportError(f"unknown target {name!r}; choose one of: {', '.join(TARGETS)} "
+                          "(`pockjax targets` lists them with their flags)")
+    t = TARGETS[name]
+    flags = list(t.flags)
+    if gpu is not None and t.gpu_flag is None:
+        raise ExportError(f"target {name!r} takes no GPU family (got gpu={gpu!r}); GPU families "
+                          f"apply to: {', '.join(n for n, x in TARGETS.items() if x.gpu_flag)}")
+    if t.gpu_flag:
+        flags.append(f"{t.gpu_flag}={gpu or t.default_gpu}")
+    for f in extra_flags:
+        if not isinstance(f, str) or not f.startswith("--"):
+            raise ExportError(f"extra compiler flags must look like '--iree-...=value', got {f!r}")
+        flags.append(f)
+    return t, tuple(flags)

@@ -1,0 +1,163 @@
+"""Run an exported training step with IREE's runtime, without the Python model.
+
+    sess = pockjax.runtime.load("out/", device="local-task")
+    metrics = sess.step(batch)          # {"loss": ..., "aux/...": ...}
+    sess.evaluate(batch)                # loss only
+    params = sess.params()              # numpy pytree, the original structure
+    sess.save("ckpt.safetensors")       # the format of pockjax.save
+
+Parameters and optimizer state live in the module's mutable globals, on the device,
+between steps; only the batch goes in and the metrics come out.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from pockjax.export.artifact import PARAMS, VMFB, read_manifest
+from pockjax.export.targets import ExportError
+
+__all__ = ["load", "Session", "DEVICES"]
+
+DEVICES = ("local-task", "local-sync", "vulkan", "cuda")
+_CPU_DEVICES = ("local-task", "local-sync")
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def _unflatten(paths: list[str], values: dict[str, np.ndarray]):
+    """Nested dicts (lists where every key is an index) from '/'-joined paths."""
+    root: dict = {}
+    for path in paths:
+        node = root
+        parts = path.split("/")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = values[path]
+
+    def listify(node):
+        if not isinstance(node, dict):
+            return node
+        node = {k: listify(v) for k, v in node.items()}
+        if node and all(k.isdigit() for k in node) and sorted(map(int, node)) == list(range(len(node))):
+            return [node[str(i)] for i in range(len(node))]
+        return node
+
+    return listify(root)
+
+
+class Session:
+    """A loaded artifact on one IREE device; see `pockjax.runtime.load`."""
+
+    def __init__(self, path: str, device: str):
+        import iree.runtime as ir
+
+        self.path = os.fspath(path)
+        self.manifest = read_manifest(self.path)
+        backend = self.manifest["target"]["backend"]
+        if device not in DEVICES:
+            raise ExportError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+        wanted = {"local": _CPU_DEVICES, "vulkan": ("vulkan",), "cuda": ("cuda",)}[backend]
+        if device not in wanted:
+            raise ExportError(f"artifact '{self.path}' was compiled for target "
+                              f"{self.manifest['target']['name']!r} ({backend}); it runs on "
+                              f"device {' or '.join(wanted)}, not {device!r}")
+        self.device_name = device
+        self._ir = ir
+        try:
+            self.device = ir.get_device(device)
+        except Exception as e:
+            raise ExportError(f"IREE device {device!r} is not available here: {e}") from None
+        self.instance = ir.VmInstance()
+        index = ir.ParameterIndex()
+        index.load(os.path.join(self.path, PARAMS))
+        provider = index.create_provider(scope=self.manifest["parameter_scope"])
+        with open(os.path.join(self.path, VMFB), "rb") as f:
+            vmfb = f.read()
+        self._modules = [ir.create_hal_module(self.instance, self.device),
+                         ir.create_io_parameters_module(self.instance, provider),
+                         ir.VmModule.copy_buffer(self.instance, vmfb)]
+        self.context = ir.VmContext(self.instance, modules=self._modules)
+        main = self._modules[-1]
+        self._fn = {name: ir.FunctionInvoker(self.context, self.device, main.lookup_function(name))
+                    for name in ("train_step", "eval", "state")}
+        self._inputs = self.manifest["functions"]["train_step"]["inputs"]
+
+    def __repr__(self) -> str:
+        return f"Session({self.path!r}, device={self.device_name!r})"
+
+    # -- batches -----------------------------------------------------------------
+
+    def _batch_args(self, batch) -> list[np.ndarray]:
+        from pockjax.scheme import leaves_with_paths
+
+        named = leaves_with_paths(batch)[0]
+        got = {(p or "batch"): x for p, x in named}
+        expected = ", ".join(f"{s['name']}: {s['dtype']}{list(s['shape'])}" for s in self._inputs)
+        names = [s["name"] for s in self._inputs]
+        if sorted(got) != sorted(names):
+            raise ExportError(f"batch has inputs {sorted(got)}, the artifact expects {names} "
+                              f"({expected})")
+        args = []
+        for s in self._inputs:
+            x = np.asarray(got[s["name"]])
+            if tuple(x.shape) != tuple(s["shape"]) or x.dtype != _np_dtype(s["dtype"]):
+                raise ExportError(f"batch input '{s['name']}' is {x.dtype}{list(x.shape)}, the "
+                                  f"artifact expects {s['dtype']}{list(s['shape'])} (signature: "
+                                  f"{expected}); export again for another shape")
+            args.append(np.ascontiguousarray(x))
+        return args
+
+    # -- calls -------------------------------------------------------------------
+
+    def step(self, batch) -> dict[str, np.ndarray]:
+        """One training step on the device; returns the metrics as numpy values."""
+        outs = self._fn["train_step"](*self._batch_args(batch))
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        names = self.manifest["functions"]["train_step"]["outputs"]
+        return {n: np.asarray(o.to_host()) for n, o in zip(names, outs)}
+
+    def evaluate(self, batch) -> np.ndarray:
+        """The loss on `batch` with the current parameters (no update)."""
+        out = self._fn["eval"](*self._batch_args(batch))
+        return np.asarray(out.to_host())
+
+    def _state(self) -> dict[str, np.ndarray]:
+        outs = self._fn["state"]()
+        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        return {s["name"]: np.asarray(o.to_host())
+                for s, o in zip(self.manifest["parameters"], outs)}
+
+    def params(self):
+        """The current parameters as a numpy pytree with the original paths."""
+        values = {k[len("params/"):]: v for k, v in self._state().items() if k.startswith("params/")}
+        return _unflatten(self.manifest["params_tree"]["params"], values)
+
+    @property
+    def step_count(self) -> int:
+        return int(self._state()["step"])
+
+    def save(self, path: str) -> None:
+        """A checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`)."""
+        from safetensors.numpy import save as st_save
+
+        from pockjax.checkpoint import FORMAT, VERSION, write_atomic
+
+        values = self._state()
+        meta = {"format": FORMAT, "version": VERSION, "step": str(int(values["step"])),
+                "scheme": json.dumps(self.manifest["scheme"])}
+        write_atomic(path, st_save({k: np.array(v, order="C") for k, v in values.items()},
+                                   metadata=meta))
+
+
+def load(path: str, device: str = "local-task") -> Session:
+    """Load an exported artifact directory onto an IREE device."""
+    return Session(path, device)

@@ -1,0 +1,97 @@
+"""Small models with sparse schemes (Full, Frozen and Channels leaves) for export tests."""
+import jax
+import jax.numpy as jnp
+import optax
+
+import pockjax as pj
+
+
+def _normal(key, i, shape, scale):
+    return jax.random.normal(jax.random.fold_in(key, i), shape) * scale
+
+
+def mlp():
+    k = jax.random.PRNGKey(0)
+    params = {f"l{i}": {"w": _normal(k, i, (16, 16), 0.3), "b": jnp.zeros(16)} for i in range(3)}
+
+    def loss(p, batch):
+        h = batch["x"]
+        for i in range(3):
+            h = jax.nn.gelu(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+        return jnp.mean((h - batch["y"]) ** 2)
+
+    scheme = pj.Scheme({"l0/**": pj.Frozen(), "l1/w": pj.Channels(ratio=0.25, axis="in"),
+                        "l2/w": pj.Channels(ratio=0.5, axis="out")}, default=pj.Full())
+    batch = {"x": _normal(k, 10, (8, 16), 1.0), "y": _normal(k, 11, (8, 16), 0.5)}
+    return loss, params, scheme, batch
+
+
+def cnn():
+    """conv -> avg pool -> conv -> max pool -> dense."""
+    k = jax.random.PRNGKey(1)
+    params = {"c0": {"w": _normal(k, 0, (3, 3, 3, 8), 0.3), "b": jnp.zeros(8)},
+              "c1": {"w": _normal(k, 1, (3, 3, 8, 8), 0.2), "b": jnp.zeros(8)},
+              "head": {"w": _normal(k, 2, (2 * 2 * 8, 4), 0.2), "b": jnp.zeros(4)}}
+
+    def conv(x, w, b):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jax.nn.relu(y + b)
+
+    def loss(p, batch):
+        h = conv(batch["x"], p["c0"]["w"], p["c0"]["b"])
+        h = jax.lax.reduce_window(h, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4
+        h = conv(h, p["c1"]["w"], p["c1"]["b"])
+        h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        logits = h.reshape(h.shape[0], -1) @ p["head"]["w"] + p["head"]["b"]
+        return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * batch["y"], axis=-1))
+
+    scheme = pj.Scheme({"c0/**": pj.Frozen(), "c1/w": pj.Channels(ratio=0.5, axis="out"),
+                        "c1/b": pj.Frozen()}, default=pj.Full())
+    batch = {"x": _normal(k, 10, (4, 8, 8, 3), 1.0),
+             "y": jax.nn.one_hot(jnp.arange(4) % 4, 4)}
+    return loss, params, scheme, batch
+
+
+def transformer():
+    """One pre-LayerNorm block: multi-head attention and an MLP, token embedding via take."""
+    k = jax.random.PRNGKey(2)
+    d, heads, vocab, seq = 16, 2, 11, 6
+    params = {"embed": _normal(k, 0, (vocab, d), 0.5),
+              "ln1": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
+              "attn": {n: _normal(k, i + 1, (d, d), 0.25) for i, n in enumerate("qkvo")},
+              "ln2": {"scale": jnp.ones(d), "bias": jnp.zeros(d)},
+              "mlp": {"up": _normal(k, 5, (d, 2 * d), 0.25), "down": _normal(k, 6, (2 * d, d), 0.25)},
+              "out": _normal(k, 7, (d, vocab), 0.25)}
+
+    def ln(x, p):
+        mu = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean((x - mu) ** 2, -1, keepdims=True)
+        return (x - mu) * jax.lax.rsqrt(var + 1e-5) * p["scale"] + p["bias"]
+
+    def loss(p, batch):
+        x = jnp.take(p["embed"], batch["tokens"], axis=0)
+        h = ln(x, p["ln1"])
+        b, t, _ = h.shape
+        split = lambda y: y.reshape(b, t, heads, d // heads)
+        q, kk, v = (split(h @ p["attn"][n]) for n in "qkv")
+        att = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, kk) / jnp.sqrt(d // heads), axis=-1)
+        x = x + jnp.einsum("bhqk,bkhd->bqhd", att, v).reshape(b, t, d) @ p["attn"]["o"]
+        x = x + jax.nn.gelu(ln(x, p["ln2"]) @ p["mlp"]["up"]) @ p["mlp"]["down"]
+        logits = x @ p["out"]
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), batch["labels"][..., None], -1))
+
+    scheme = pj.Scheme({"embed": pj.Frozen(), "attn/[qv]": pj.Channels(ratio=0.5, axis="out"),
+                        "attn/[ko]": pj.Frozen(), "mlp/up": pj.Channels(ratio=0.25, axis="in"),
+                        "mlp/down": pj.Frozen()}, default=pj.Full())
+    tokens = jax.random.randint(jax.random.fold_in(k, 10), (2, seq), 0, vocab)
+    batch = {"tokens": tokens, "labels": jnp.roll(tokens, -1, axis=1)}
+    return loss, params, scheme, batch
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+
+
+def make(name):
+    loss, params, scheme, batch = MODELS[name]()
+    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme)
+    return trainer, params, batch
