@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
-EXTRAS ?= dev
+EXTRAS ?= dev,export
 
 .PHONY: venv test demo bench clean
 

@@ -84,7 +84,7 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     """
     tgt, flags = resolve_target(target, gpu, tuple(extra_flags))
     started = time.perf_counter()
-    lowered = lower_step(trainer, state, batch)
+    lowered = lower_step(trainer, state, batch, gpu=tgt.gpu_backend)
     vmfb = compile_module(lowered.mlir, target, flags)
     compile_s = time.perf_counter() - started
 

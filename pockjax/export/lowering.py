@@ -19,12 +19,14 @@ import re
 from typing import Any
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from pockjax.export.targets import ExportError
 from pockjax.scheme import Frozen, leaves_with_paths
 from pockjax.train import SparseTrainer, TrainState
-from pockjax.export.targets import ExportError
+from pockjax.transforms.legalize import legalize_for_gpu
 
 __all__ = ["Slot", "Lowered", "lower_step"]
 
@@ -88,8 +90,22 @@ def _module_body(text: str, prefix: str) -> tuple[str, str]:
     return body, prefix + "main"
 
 
-def lower_step(trainer: SparseTrainer, state: TrainState, batch) -> Lowered:
-    """Lower `trainer`'s step and eval for `state` and `batch` into one module."""
+def _legalized(fn, *avals):
+    """`fn` traced once at `avals` and rewritten by `legalize_for_gpu`, as a function."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*avals)
+    fixed, _ = legalize_for_gpu(closed)
+    out_def = jax.tree_util.tree_structure(out_shape)
+
+    def run(*args):
+        flat = jax.tree_util.tree_leaves(args)
+        return jax.tree_util.tree_unflatten(out_def, jex.jaxpr_as_fun(fixed)(*flat))
+
+    return run
+
+
+def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, gpu: bool = False) -> Lowered:
+    """Lower `trainer`'s step and eval for `state` and `batch` into one module
+    (with the GPU legalisation passes when `gpu`)."""
     _check_static(batch)
     decisions = jax.tree_util.tree_leaves(trainer.scheme.resolve(state.params))
     named_params, params_def = leaves_with_paths(state.params)
@@ -138,9 +154,13 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch) -> Lowered:
     mut_avals = [aval(x) for _, x in mutable]
     frz_avals = [aval(x) for _, x in frozen]
     batch_avals = [aval(x) for _, x in named_batch]
-    step_text = jax.jit(flat_step, donate_argnums=0).lower(
+    step_fn, eval_fn = flat_step, flat_eval
+    if gpu:
+        step_fn = _legalized(flat_step, mut_avals, frz_avals, batch_avals)
+        eval_fn = _legalized(flat_eval, mut_avals[1:1 + n_train], frz_avals, batch_avals)
+    step_text = jax.jit(step_fn, donate_argnums=0).lower(
         mut_avals, frz_avals, batch_avals).as_text(debug_info=False)
-    eval_text = jax.jit(flat_eval).lower(
+    eval_text = jax.jit(eval_fn).lower(
         mut_avals[1:1 + n_train], frz_avals, batch_avals).as_text(debug_info=False)
     step_body, step_main = _module_body(step_text, "step_")
     eval_body, eval_main = _module_body(eval_text, "eval_")

@@ -1,0 +1,167 @@
+"""The targets table, compile-only targets, and the errors of export and runtime."""
+import os
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pockjax as pj
+from pockjax import runtime
+from pockjax.cli import main as cli
+from pockjax.export import TARGETS, ExportError, resolve_target
+from pockjax.export.artifact import compile_module
+from pockjax.export.lowering import lower_step
+from pockjax.transforms.legalize import legalize_for_gpu
+from tests.export.models import make
+
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "export_mlp.py")
+
+
+def test_flags_come_from_the_table():
+    t, flags = resolve_target("android-vulkan", gpu="valhall", extra_flags=["--iree-opt-level=O2"])
+    assert flags[-2:] == ("--iree-vulkan-target=valhall", "--iree-opt-level=O2")
+    assert resolve_target("android-vulkan")[1][-1] == "--iree-vulkan-target=vp_android_baseline_2022"
+    assert resolve_target("jetson-cuda")[1][-1] == "--iree-cuda-target=sm_87"
+    assert "--iree-llvmcpu-target-triple=aarch64-linux-android34" in resolve_target("android-arm64")[1]
+    with pytest.raises(ExportError, match="unknown target 'ios'.*host-cpu"):
+        resolve_target("ios")
+    with pytest.raises(ExportError, match="takes no GPU family"):
+        resolve_target("host-cpu", gpu="valhall")
+    with pytest.raises(ExportError, match="must look like '--iree-"):
+        resolve_target("host-cpu", extra_flags=["O3"])
+
+
+@pytest.mark.parametrize("target,gpu", [("android-arm64", None), ("android-vulkan", None),
+                                        ("android-vulkan", "valhall"), ("android-vulkan", "adreno"),
+                                        ("jetson-cuda", None)])
+def test_the_transformer_compiles_for_every_device_target(target, gpu):
+    trainer, params, batch = make("transformer")
+    t, flags = resolve_target(target, gpu)
+    lowered = lower_step(trainer, trainer.init(params), batch, gpu=t.gpu_backend)
+    assert len(compile_module(lowered.mlir, target, flags)) > 10_000
+
+
+def test_neg_sum_legalisation_keeps_values():
+    def f(x):
+        return jnp.sum(-(x - jnp.mean(x, -1, keepdims=True)), axis=-1)
+
+    x = jnp.arange(12.0).reshape(3, 4) ** 2
+    closed = jax.make_jaxpr(f)(x)
+    fixed, stats = legalize_for_gpu(closed)
+    assert stats == {"neg_sum": 1}
+    eqns = fixed.jaxpr.eqns
+    producers = {v: e.primitive.name for e in eqns for v in e.outvars}
+    assert not any(e.primitive.name == "reduce_sum" and producers.get(e.invars[0]) == "neg"
+                   for e in eqns)
+    np.testing.assert_allclose(jex.jaxpr_as_fun(fixed)(x)[0], f(x), rtol=1e-6)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.fixture(scope="module")
+def mlp_artifact(tmp_path_factory):
+    trainer, params, batch = make("mlp")
+    out = tmp_path_factory.mktemp("mlp") / "art"
+    trainer.export(trainer.init(params), batch, out_dir=out)
+    return trainer, params, batch, str(out)
+
+
+def test_compiler_failure_names_target_and_flags_and_leaves_no_directory(tmp_path):
+    trainer, params, batch = make("mlp")
+    out = tmp_path / "art"
+    with pytest.raises(ExportError) as e:
+        trainer.export(trainer.init(params), batch, out_dir=out,
+                       extra_flags=["--iree-no-such-flag=1"])
+    assert "target 'host-cpu'" in str(e.value) and "--iree-no-such-flag=1" in str(e.value)
+    assert "compiler said" in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_export_keeps_the_previous_artifact(mlp_artifact, tmp_path):
+    trainer, params, batch, path = mlp_artifact
+    before = sorted(os.listdir(path))
+    with pytest.raises(ExportError):
+        trainer.export(trainer.init(params), batch, out_dir=path, extra_flags=["--iree-bogus=1"])
+    assert sorted(os.listdir(path)) == before
+    pj.export.read_manifest(path)  # hashes still match
+    assert not [p for p in os.listdir(os.path.dirname(path)) if p.startswith(".tmp")]
+
+
+def test_dynamic_batch_shapes_are_refused(tmp_path):
+    trainer, params, batch = make("mlp")
+    b, = jax.export.symbolic_shape("b")
+    dynamic = {"x": jax.ShapeDtypeStruct((b, 16), jnp.float32), "y": batch["y"]}
+    with pytest.raises(ExportError, match="batch input 'x' has a dynamic.*fixed shapes"):
+        trainer.export(trainer.init(params), dynamic, out_dir=tmp_path / "a")
+
+
+def test_batches_that_do_not_fit_the_signature_are_refused(mlp_artifact):
+    _, _, batch, path = mlp_artifact
+    sess = runtime.load(path)
+    with pytest.raises(ExportError, match=r"expects \['x', 'y'\] \(x: float32\[8, 16\]"):
+        sess.step({"x": batch["x"]})
+    with pytest.raises(ExportError, match=r"'x' is float32\[4, 16\], the artifact expects float32\[8, 16\]"):
+        sess.step({"x": batch["x"][:4], "y": batch["y"]})
+    with pytest.raises(ExportError, match=r"'y' is int32\[8, 16\]"):
+        sess.step({"x": batch["x"], "y": np.zeros((8, 16), np.int32)})
+
+
+def test_device_and_file_checks(mlp_artifact, tmp_path):
+    _, _, _, path = mlp_artifact
+    with pytest.raises(ExportError, match="runs on device local-task or local-sync, not 'vulkan'"):
+        runtime.load(path, device="vulkan")
+    with pytest.raises(ExportError, match="unknown device 'tpu'"):
+        runtime.load(path, device="tpu")
+    with pytest.raises(ExportError, match="manifest.json is missing"):
+        runtime.load(tmp_path)
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    with open(copy / "params.irpa", "r+b") as f:
+        f.seek(-4, os.SEEK_END)
+        f.write(b"\x01\x02\x03\x04")
+    with pytest.raises(ExportError, match="params.irpa' does not match the manifest's hash"):
+        runtime.load(copy)
+    sess = runtime.load(path, device="local-sync")
+    assert np.isfinite(sess.step(make("mlp")[2])["loss"])
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_targets_export_inspect_run(tmp_path, capsys):
+    assert cli(["targets"]) == 0
+    out = capsys.readouterr().out
+    for name in TARGETS:
+        assert name in out
+    assert "--iree-vulkan-target=vp_android_baseline_2022" in out
+
+    art = tmp_path / "mlp"
+    assert cli(["export", f"{EXAMPLE}:make", "--target", "host-cpu", "--out", str(art)]) == 0
+    assert "exported" in capsys.readouterr().out
+    assert cli(["inspect", str(art)]) == 0
+    out = capsys.readouterr().out
+    assert "train_step(x: float32[16, 64], y: float32[16, 64]) -> loss" in out
+    assert "params/dense_0/kernel: float32[64, 64]" in out
+
+    data = tmp_path / "data.npz"
+    rng = np.random.default_rng(0)
+    np.savez(data, x=rng.standard_normal((2, 16, 64)).astype(np.float32),
+             y=rng.standard_normal((2, 16, 64)).astype(np.float32))
+    ckpt = tmp_path / "ckpt.safetensors"
+    assert cli(["run", str(art), "--steps", "3", "--data", str(data), "--save", str(ckpt)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [l.split(":")[0] for l in lines[:3]] == ["step 1", "step 2", "step 3"]
+    assert pj.checkpoint.read_metadata(ckpt)["step"] == "3"
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert cli(["inspect", str(tmp_path)]) == 2
+    assert "manifest.json is missing" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="expected MODULE:ATTR"):
+        cli(["export", "nocolon", "--out", str(tmp_path / "a")])
+    with pytest.raises(SystemExit, match="has no attribute 'nope'"):
+        cli(["export", f"{EXAMPLE}:nope", "--out", str(tmp_path / "a")])
