@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pockjax.export.hazard import find_hazards
 from pockjax.export.lowering import Lowered, lower_step
 from pockjax.export.targets import ExportError, resolve_target
 
@@ -47,16 +48,18 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def compile_module(mlir: str, target_name: str, flags: tuple[str, ...]) -> bytes:
-    """IREE-compile `mlir`; a failure becomes an ExportError with the target, the flags
-    and the compiler's own message."""
+def compile_module(mlir: str | bytes, target_name: str, flags: tuple[str, ...],
+                   phase: tuple[str, ...] = ()) -> bytes:
+    """IREE-compile `mlir` (StableHLO, or stream IR with `--compile-from=stream`); a
+    failure becomes an ExportError with the target, the flags and the compiler's message."""
     try:
         import iree.compiler as ic
     except ImportError:
         raise ExportError("exporting needs the IREE compiler: pip install 'pockjax[export]' "
                           "(iree-base-compiler and iree-base-runtime)") from None
+    kwargs = {} if "--compile-from=stream" in phase else {"input_type": "stablehlo"}
     try:
-        return ic.compile_str(mlir, input_type="stablehlo", extra_args=list(flags))
+        return ic.compile_str(mlir, extra_args=list(flags) + list(phase), **kwargs)
     except ic.CompilerToolError as e:
         message = str(e)
         lines = [l for l in message.splitlines() if "error" in l.lower()] or message.splitlines()
@@ -85,7 +88,18 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     tgt, flags = resolve_target(target, gpu, tuple(extra_flags))
     started = time.perf_counter()
     lowered = lower_step(trainer, state, batch, gpu=tgt.gpu_backend)
-    vmfb = compile_module(lowered.mlir, target, flags)
+    # Stop at stream IR, check the in-place updates there, then finish from it.
+    stream = compile_module(lowered.mlir, target, flags, ("--compile-to=stream",))
+    hazards = find_hazards(stream.decode() if isinstance(stream, bytes) else stream,
+                           lowered.symbols)
+    if hazards:
+        raise ExportError(
+            f"refusing to export for {target!r}: IREE scheduled an in-place parameter update "
+            "before a read of the old value, so the artifact would train wrong:\n  "
+            + "\n  ".join(hazards[:20])
+            + "\nThe step ties each update to its parameter's last reads, but this schedule "
+              "could not be shown safe; please report the model")
+    vmfb = compile_module(stream, target, flags, ("--compile-from=stream",))
     compile_s = time.perf_counter() - started
 
     out_dir = os.path.abspath(os.fspath(out_dir))

@@ -53,6 +53,7 @@ class Lowered:
     batch: list[Slot]
     outputs: list[str]        # train_step's outputs: "loss", then "aux/<path>"
     values: dict[str, np.ndarray]   # the initial value of each global
+    symbols: dict[str, str]         # global symbol (without '@') -> state name
 
 
 _MLIR_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
@@ -224,4 +225,6 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, gpu: bool = 
     lines.append("}")
 
     values = {s.name: np.asarray(jax.device_get(x)) for s, x in frozen + mutable}
-    return Lowered("\n".join(lines) + "\n", state_slots, batch_slots, ["loss", *aux_paths], values)
+    symbols = {gname[s.name][1:]: s.name for s in state_slots}
+    return Lowered("\n".join(lines) + "\n", state_slots, batch_slots, ["loss", *aux_paths], values,
+                   symbols)
