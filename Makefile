@@ -22,9 +22,10 @@ demo: venv
 
 # Benchmarks compare with PyTorch (CPU build), installed from the `torch` extra.
 bench:
-	$(MAKE) venv EXTRAS=dev,torch
+	$(MAKE) venv EXTRAS=dev,export,torch
 	$(PY) benchmarks/sparse_grad.py
 	$(PY) benchmarks/train_step.py
+	$(PY) benchmarks/export.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
