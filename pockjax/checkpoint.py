@@ -7,7 +7,6 @@ so a crash never leaves a half-written checkpoint under the final name.
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from typing import Any

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
 
 import numpy as np
 

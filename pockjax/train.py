@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from pockjax.optim import fused, perleaf
-from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
+from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.transforms.sparse_grad import TransformInfo, _SparseGradFn, _is_dynamic, trainable
 
 __all__ = ["TrainState", "SparseTrainer", "sparse_train", "fit", "History", "TrainReport"]
@@ -128,7 +128,7 @@ class SparseTrainer:
         _, info, aux_def, decisions, _ = self._grad._build((state.params, batch), {})
         param_leaves = jax.tree_util.tree_leaves(state.params)
         other = [x for x in jax.tree_util.tree_leaves(([None, batch], {})) if _is_dynamic(x)]
-        view = trainable(state.params, decisions_tree(state.params, decisions))
+        view = trainable(state.params, _decisions_tree(state.params, decisions))
         plan = self._plan(view, state.opt_state)
         n_head = 1 + aux_def.num_leaves
         state_leaves, state_def = jax.tree_util.tree_flatten(state.opt_state)
@@ -231,7 +231,7 @@ def _distinct_buffers(tree):
     return jax.tree_util.tree_map(fix, tree)
 
 
-def decisions_tree(params, decisions):
+def _decisions_tree(params, decisions):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), decisions)
 
 
@@ -249,7 +249,17 @@ def _memory(compiled) -> dict[str, int]:
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:,.2f} MiB"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _flop_str(n: float) -> str:
+    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.3f} {unit}"
+    return f"{n:.0f} FLOP"
 
 
 @dataclasses.dataclass
@@ -271,12 +281,7 @@ class TrainReport:
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["memory"], d["memory_full"] = dict(self.memory), dict(self.memory_full)
-        t = self.transform
-        d["transform"] = {"rules": t.rules, "fallbacks": t.fallbacks,
-                          "fallback_sources": t.fallback_sources,
-                          "eqns_before": t.eqns_before, "eqns_after": t.eqns_after,
-                          "scans_split": t.scans_split, "frozen": t.frozen,
-                          "channels": {k: repr(v) for k, v in t.channels.items()}, "full": t.full}
+        d["transform"] = self.transform.as_dict()
         return d
 
     def __str__(self) -> str:
@@ -284,7 +289,7 @@ class TrainReport:
         rows = [("", "this step", "full training", "ratio"),
                 ("parameters trained", f"{self.trainable_params:,}", f"{self.total_params:,}",
                  f"{100 * self.trainable_params / max(self.total_params, 1):.2f}%"),
-                ("FLOPs", f"{self.flops / 1e9:,.3f} G", f"{self.flops_full / 1e9:,.3f} G",
+                ("FLOPs", _flop_str(self.flops), _flop_str(self.flops_full),
                  ratio(self.flops, self.flops_full)),
                 ("optimizer state", _mib(self.opt_state_bytes), _mib(self.opt_state_bytes_full),
                  ratio(self.opt_state_bytes, self.opt_state_bytes_full))]
@@ -296,18 +301,11 @@ class TrainReport:
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         fmt = lambda r: "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in
                                                               zip(r[1:], widths[1:])])
-        t = self.transform
         lines = [fmt(r) for r in rows]
         lines.insert(1, "-" * len(lines[0]))
-        lines += ["",
-                  f"update mode: {self.mode} ({self.mode_reason})",
-                  f"leaves: {len(t.full)} full, {len(t.channels)} channels, {len(t.frozen)} frozen",
-                  f"equations in the backward: {t.eqns_before} before push-down, {t.eqns_after} after",
-                  "slice rules applied: " + (", ".join(f"{k} x{v}" for k, v in
-                                                      sorted(t.rules.items())) or "none"),
-                  "fallbacks (computed whole, then sliced): " + (
-                      ", ".join(f"{k} x{v} (e.g. {t.fallback_sources.get(k, '?')})"
-                                for k, v in sorted(t.fallbacks.items())) or "none")]
+        # The transform's own summary, less its first line (the parameter count above).
+        lines += ["", f"update mode: {self.mode} ({self.mode_reason})",
+                  *str(self.transform).splitlines()[1:]]
         return "\n".join(lines)
 
 

@@ -102,3 +102,13 @@ def test_resumed_training_continues_identically(state, tmp_path):
     a, _ = trainer(jax.tree_util.tree_map(jnp.copy, state), jnp.ones((2, 3)))
     b, _ = trainer(resumed, jnp.ones((2, 3)))
     assert_trees_close(a, b, rtol=0, atol=0)
+
+
+def test_reserved_metadata_and_other_versions(state, tmp_path):
+    with pytest.raises(pj.CheckpointError, match="'step' is reserved"):
+        pj.save(tmp_path / "a.safetensors", state, metadata={"step": "9"})
+    from safetensors.numpy import save_file
+    save_file({"step": np.zeros((), np.int32)}, str(tmp_path / "v2.safetensors"),
+              metadata={"format": "pockjax.checkpoint", "version": "2"})
+    with pytest.raises(pj.CheckpointError, match="version '2'; this pockjax reads version 1"):
+        pj.load(tmp_path / "v2.safetensors", like=state)

@@ -298,3 +298,11 @@ def test_one_array_in_two_leaves_can_be_donated():
     state, _ = trainer(state, _batches(1)[0])
     assert_trees_close(state.params, want)
     assert w.is_deleted()
+
+
+def test_fit_and_decorator_argument_errors():
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1), scheme=MIXED)
+    with pytest.raises(ValueError, match="steps must be >= 0"):
+        pj.fit(trainer, trainer.init(_mlp_params()), _batches(1), steps=-1, progress=False)
+    with pytest.raises(TypeError, match="decorates a loss function, got int"):
+        pj.sparse_train(optimizer=optax.sgd(0.1))(3)

@@ -16,6 +16,7 @@ import numpy as np
 from pockjax.export.hazard import find_hazards
 from pockjax.export.lowering import Lowered, lower_step
 from pockjax.export.targets import ExportError, resolve_target
+from pockjax.scheme import leaves_with_paths
 
 __all__ = ["export", "Artifact", "MANIFEST", "VMFB", "PARAMS", "SCHEMA_VERSION", "read_manifest"]
 
@@ -148,7 +149,6 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
 def _tree_paths(state) -> dict:
     """Checkpoint names of every TrainState leaf, in flattening order, so a runtime
     session can rebuild `pj.save`'s format without the Python model."""
-    from pockjax.scheme import leaves_with_paths
     return {"params": [p for p, _ in leaves_with_paths(state.params)[0]],
             "opt_state": [p for p, _ in leaves_with_paths(state.opt_state)[0]]}
 

@@ -14,7 +14,7 @@ it is reported as global, with the two parameters that tie it together.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.extend.core as jex

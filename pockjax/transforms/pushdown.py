@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.extend.core as jex
@@ -121,6 +121,22 @@ def _bind(eqn, invals, **overrides):
     return eqn.primitive.bind(*invals, **params)
 
 
+def _rebind_on_pulled(pull):
+    """An apply rule for one-operand ops: the op re-bound on its pulled operand box."""
+    def apply(ctx, eqn, i, box):
+        (v, b), = pull(eqn, i, box)
+        return _bind(eqn, [ctx.get(v, b)])
+    return apply
+
+
+def _pulled_itself(pull):
+    """An apply rule for slicing ops: the pulled operand box is the result."""
+    def apply(ctx, eqn, i, box):
+        (v, b), = pull(eqn, i, box)
+        return ctx.get(v, b)
+    return apply
+
+
 # -- elementwise ---------------------------------------------------------------
 
 ELEMENTWISE = (
@@ -168,12 +184,7 @@ def _transpose_pull(eqn, i, box):
     return [(eqn.invars[0], tuple(opbox))]
 
 
-def _transpose_apply(ctx, eqn, i, box):
-    (v, b), = _transpose_pull(eqn, i, box)
-    return _bind(eqn, [ctx.get(v, b)])
-
-
-register("transpose", _transpose_pull, _transpose_apply)
+register("transpose", _transpose_pull, _rebind_on_pulled(_transpose_pull))
 
 
 def _squeeze_pull(eqn, i, box):
@@ -183,12 +194,7 @@ def _squeeze_pull(eqn, i, box):
     return [(eqn.invars[0], opbox)]
 
 
-def _squeeze_apply(ctx, eqn, i, box):
-    (v, b), = _squeeze_pull(eqn, i, box)
-    return _bind(eqn, [ctx.get(v, b)])
-
-
-register("squeeze", _squeeze_pull, _squeeze_apply)
+register("squeeze", _squeeze_pull, _rebind_on_pulled(_squeeze_pull))
 
 
 def _reshape_groups(in_shape, out_shape):
@@ -302,13 +308,8 @@ def _reduce_pull(eqn, i, box):
     return [(v, opbox)]
 
 
-def _reduce_apply(ctx, eqn, i, box):
-    (v, b), = _reduce_pull(eqn, i, box)
-    return _bind(eqn, [ctx.get(v, b)])
-
-
 register(["reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"],
-         _reduce_pull, _reduce_apply)
+         _reduce_pull, _rebind_on_pulled(_reduce_pull))
 
 
 # -- slicing (these also run for the whole output: they need only part of their input)
@@ -322,12 +323,7 @@ def _slice_pull(eqn, i, box):
     return [(eqn.invars[0], tuple((a + s, a + e) for a, (s, e) in zip(starts, box)))]
 
 
-def _slice_apply(ctx, eqn, i, box):
-    (v, b), = _slice_pull(eqn, i, box)
-    return ctx.get(v, b)
-
-
-register("slice", _slice_pull, _slice_apply, slicing=True)
+register("slice", _slice_pull, _pulled_itself(_slice_pull), slicing=True)
 
 
 def _split_pull(eqn, i, box):
@@ -338,12 +334,7 @@ def _split_pull(eqn, i, box):
     return [(eqn.invars[0], tuple(opbox))]
 
 
-def _split_apply(ctx, eqn, i, box):
-    (v, b), = _split_pull(eqn, i, box)
-    return ctx.get(v, b)
-
-
-register("split", _split_pull, _split_apply, slicing=True)
+register("split", _split_pull, _pulled_itself(_split_pull), slicing=True)
 
 
 def _unstack_pull(eqn, i, box):

@@ -120,6 +120,12 @@ class TransformInfo:
     eqns_after: int
     scans_split: int
 
+    def as_dict(self) -> dict:
+        """Everything but the jaxpr, as plain data."""
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "jaxpr"}
+        d["channels"] = {k: repr(v) for k, v in self.channels.items()}
+        return d
+
     def __str__(self) -> str:
         lines = [
             f"trainable parameters: {self.trainable_params:,} of {self.total_params:,} "
@@ -190,7 +196,6 @@ class _SparseGradFn:
 
     def _trace(self, nums, named, diff_def, decisions, other_leaves, other_def, dyn_mask):
         fun, has_aux = self.fun, self.has_aux
-        train_idx = [i for i, d in enumerate(decisions) if not isinstance(d, Frozen)]
 
         def rebuild(t, frozen_parts):
             """Full leaves from kept slices `t` and the frozen parts."""

@@ -165,3 +165,42 @@ def test_cli_errors(tmp_path, capsys):
         cli(["export", "nocolon", "--out", str(tmp_path / "a")])
     with pytest.raises(SystemExit, match="has no attribute 'nope'"):
         cli(["export", f"{EXAMPLE}:nope", "--out", str(tmp_path / "a")])
+
+
+def test_bad_manifests_and_output_paths(mlp_artifact, tmp_path):
+    trainer, params, batch, path = mlp_artifact
+    import json
+    import shutil
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    (broken / "manifest.json").write_text("{not json")
+    with pytest.raises(ExportError, match="is not valid JSON"):
+        pj.export.read_manifest(broken)
+    m = json.loads(open(os.path.join(path, "manifest.json")).read())
+    m["schema_version"] = 99
+    (broken / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ExportError, match="schema version 99"):
+        runtime.load(broken)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(ExportError, match="exists and is not a directory"):
+        trainer.export(trainer.init(params), batch, out_dir=a_file)
+    assert a_file.read_text() == "x"
+
+
+def test_a_hazard_in_the_schedule_refuses_the_export(tmp_path, monkeypatch):
+    import pockjax.export.artifact as artifact
+    monkeypatch.setattr(artifact, "find_hazards", lambda stream, names: [
+        "state resource @g3 ('params/l1/w') is read by @d::@backward after @d::@update wrote it"])
+    trainer, params, batch = make("mlp")
+    with pytest.raises(ExportError, match=r"(?s)refusing to export for 'host-cpu'.*params/l1/w"):
+        trainer.export(trainer.init(params), batch, out_dir=tmp_path / "art")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_run_needs_every_input_in_the_data(mlp_artifact, tmp_path):
+    _, _, _, path = mlp_artifact
+    data = tmp_path / "d.npz"
+    np.savez(data, x=np.zeros((8, 16), np.float32))
+    with pytest.raises(SystemExit, match=r"lacks inputs \['y'\]"):
+        cli(["run", path, "--data", str(data)])
