@@ -31,6 +31,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from pockjax.checkpoint import write_atomic  # noqa: E402
 
 ROWS = ["pockjax full", "pockjax sparse", "jax+optax full", "jax+optax multi_transform",
         "torch full", "torch frozen"]
@@ -271,7 +272,6 @@ def main(argv=None):
               f"(>= 1 means no overhead)"]
     text = "\n".join(lines) + "\n"
     print(text)
-    from pockjax.checkpoint import write_atomic
     write_atomic(args.out, text.encode())
 
 

@@ -38,7 +38,7 @@ def _load_spec(spec: str):
     if not hasattr(module, attr):
         raise SystemExit(f"pockjax export: '{module_name}' has no attribute {attr!r}")
     obj = getattr(module, attr)
-    obj = obj() if callable(obj) and not isinstance(obj, tuple) else obj
+    obj = obj() if callable(obj) else obj
     if not (isinstance(obj, tuple) and len(obj) == 3):
         raise SystemExit(f"pockjax export: {spec} must give (trainer, state, batch), got "
                          f"{type(obj).__name__}")
