@@ -51,6 +51,9 @@ def cmd_targets(args) -> int:
         print(f"{name.ljust(width)}  {t.description}")
         flags = list(t.flags) + ([f"{t.gpu_flag}={t.default_gpu}"] if t.gpu_flag else [])
         print(f"{' ' * width}  flags: {' '.join(flags)}")
+        if t.local_device:
+            print(f"{' ' * width}  plus a #hal.device.target built from the local Vulkan "
+                  "device's capabilities")
         if t.gpus:
             print(f"{' ' * width}  --gpu: {', '.join(t.gpus)} (default {t.default_gpu})")
     return 0
@@ -71,6 +74,7 @@ def cmd_export(args) -> int:
 
 def cmd_inspect(args) -> int:
     from pockjax.export.artifact import read_manifest
+    from pockjax.train import format_bytes
 
     m = read_manifest(args.dir)
     t = m["target"]
@@ -80,9 +84,16 @@ def cmd_inspect(args) -> int:
     print(f"flags:    {' '.join(t['flags'])}")
     print("versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     print(f"update:   {m['update_mode']}")
-    print("train_step(" + ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}"
-                                    for s in m["functions"]["train_step"]["inputs"])
-          + ") -> " + ", ".join(m["functions"]["train_step"]["outputs"]))
+    fn = m["functions"]["train_step"]
+    n = len(fn["state"])
+    print(f"train_step(state[{n}], " + ", ".join(f"{s['name']}: {s['dtype']}{s['shape']}"
+                                                for s in fn["inputs"])
+          + f") -> (state[{n}], " + ", ".join(fn["outputs"]) + ")")
+    print("          the state (step, trainable parameters, optimizer state) is donated and "
+          "updated in place")
+    mem = m["memory"]
+    print(f"memory:   state and batch {format_bytes(mem['input_bytes'])}, the step allocates at most "
+          f"{format_bytes(mem['peak_alloc_bytes'])} more, {mem['submissions']} submission(s) per step")
     roles: dict[str, list] = {}
     for p in m["parameters"]:
         roles.setdefault(p["role"], []).append(p)

@@ -6,8 +6,9 @@
     params = sess.params()              # numpy pytree, the original structure
     sess.save("ckpt.safetensors")       # the format of pockjax.save
 
-Parameters and optimizer state live in the module's mutable globals, on the device,
-between steps; only the batch goes in and the metrics come out.
+The trainable parameters and the optimizer state stay on the device between steps:
+each step takes them as donated buffers, updates them in place and hands them back for
+the next step. Only the batch goes in and the metrics come out.
 """
 from __future__ import annotations
 
@@ -19,10 +20,31 @@ import numpy as np
 from pockjax.export.artifact import PARAMS, VMFB, read_manifest
 from pockjax.export.targets import ExportError
 
-__all__ = ["load", "Session", "DEVICES"]
+__all__ = ["load", "Session", "DEVICES", "IncompatibleDevice"]
 
 DEVICES = ("local-task", "local-sync", "vulkan", "cuda")
 _CPU_DEVICES = ("local-task", "local-sync")
+
+
+class IncompatibleDevice(ExportError):
+    """The device lacks what the artifact was compiled for (it would compute wrong)."""
+
+
+def _check_vulkan(path: str, manifest: dict) -> None:
+    """Refuse a Vulkan artifact whose compiled-for GPU does not match the device: IREE's
+    driver would run it anyway and return wrong numbers."""
+    from pockjax.export import vulkan
+
+    target = vulkan.parse_target(manifest["target"]["gpu_target"])
+    caps = vulkan.device_caps()
+    bad = vulkan.problems(target, caps)
+    if bad:
+        raise IncompatibleDevice(
+            f"artifact '{path}' was compiled for the Vulkan GPU {target.arch!r}, which device "
+            f"'{caps.name}' does not match:\n  - " + "\n  - ".join(bad)
+            + "\nIREE would run it and silently compute wrong values. Export for target "
+              "host-vulkan on the device itself, or for android-vulkan with the --gpu family "
+              "of this device (vp_android_baseline_2022 needs no subgroup operations)")
 
 
 def _np_dtype(name: str):
@@ -75,6 +97,8 @@ class Session:
             self.device = ir.get_device(device)
         except Exception as e:
             raise ExportError(f"IREE device {device!r} is not available here: {e}") from None
+        if backend == "vulkan":
+            _check_vulkan(self.path, self.manifest)
         self.instance = ir.VmInstance()
         index = ir.ParameterIndex()
         index.load(os.path.join(self.path, PARAMS))
@@ -86,12 +110,41 @@ class Session:
                          ir.VmModule.copy_buffer(self.instance, vmfb)]
         self.context = ir.VmContext(self.instance, modules=self._modules)
         main = self._modules[-1]
+        fns = self.manifest["functions"]
         self._fn = {name: ir.FunctionInvoker(self.context, self.device, main.lookup_function(name))
-                    for name in ("train_step", "eval", "state")}
-        self._inputs = self.manifest["functions"]["train_step"]["inputs"]
+                    for name in fns}
+        self._inputs = fns["train_step"]["inputs"]
+        self._state_names = fns["train_step"]["state"]
+        self._eval_state = [self._state_names.index(n) for n in fns["eval"]["state"]]
+        # The initial state comes from the parameter archive. It is copied into fresh
+        # device buffers once: the step updates its arguments in place, and the
+        # archive's own storage must stay untouched.
+        self._state = [ir.asdevicearray(self.device, self._host(x))
+                       for x in _as_list(self._fn["init"]())]
 
     def __repr__(self) -> str:
         return f"Session({self.path!r}, device={self.device_name!r})"
+
+    def _host(self, array) -> np.ndarray:
+        """A numpy copy of a device array.
+
+        `DeviceArray.to_host` copies device-only memory into a numpy array it imports
+        into the device; Vulkan drivers refuse imports that are not page-aligned
+        (minImportedHostPointerAlignment). So copy through a mapped staging buffer.
+        """
+        if self.device_name in _CPU_DEVICES:
+            return np.array(array.to_host())
+        ir = self._ir
+        buffer = array._buffer_view.get_buffer()
+        staging = self.device.allocator.allocate_buffer(
+            memory_type=int(ir.MemoryType.HOST_LOCAL | ir.MemoryType.DEVICE_VISIBLE),
+            allowed_usage=int(ir.BufferUsage.TRANSFER_TARGET | ir.BufferUsage.MAPPING_SCOPED),
+            allocation_size=buffer.byte_length())
+        sem = self.device.create_semaphore(0)
+        self.device.queue_copy(buffer, staging, wait_semaphores=ir.HalFence.create_at(sem, 0),
+                               signal_semaphores=ir.HalFence.create_at(sem, 1))
+        ir.HalFence.create_at(sem, 1).wait()
+        return np.array(staging.map().asarray(array.shape, array.dtype))
 
     # -- batches -----------------------------------------------------------------
 
@@ -119,30 +172,37 @@ class Session:
 
     def step(self, batch) -> dict[str, np.ndarray]:
         """One training step on the device; returns the metrics as numpy values."""
-        outs = self._fn["train_step"](*self._batch_args(batch))
-        outs = outs if isinstance(outs, (list, tuple)) else [outs]
+        args = self._batch_args(batch)
+        outs = _as_list(self._fn["train_step"](*self._state, *args))
+        n = len(self._state)
+        self._state = list(outs[:n])
         names = self.manifest["functions"]["train_step"]["outputs"]
-        return {n: np.asarray(o.to_host()) for n, o in zip(names, outs)}
+        return {name: self._host(o) for name, o in zip(names, outs[n:])}
 
     def evaluate(self, batch) -> np.ndarray:
         """The loss on `batch` with the current parameters (no update)."""
-        out = self._fn["eval"](*self._batch_args(batch))
-        return np.asarray(out.to_host())
+        out = self._fn["eval"](*(self._state[i] for i in self._eval_state),
+                               *self._batch_args(batch))
+        return self._host(_as_list(out)[0])
 
-    def _state(self) -> dict[str, np.ndarray]:
-        outs = self._fn["state"]()
-        outs = outs if isinstance(outs, (list, tuple)) else [outs]
-        return {s["name"]: np.asarray(o.to_host())
-                for s, o in zip(self.manifest["parameters"], outs)}
+    def _values(self) -> dict[str, np.ndarray]:
+        """Every state tensor by name, on the host."""
+        values = {name: self._host(x) for name, x in zip(self._state_names, self._state)}
+        frozen = self.manifest["functions"]["frozen"]["outputs"]
+        if frozen:
+            values.update({name: self._host(x)
+                           for name, x in zip(frozen, _as_list(self._fn["frozen"]()))})
+        return values
 
     def params(self):
         """The current parameters as a numpy pytree with the original paths."""
-        values = {k[len("params/"):]: v for k, v in self._state().items() if k.startswith("params/")}
+        values = {k[len("params/"):]: v for k, v in self._values().items()
+                  if k.startswith("params/")}
         return _unflatten(self.manifest["params_tree"]["params"], values)
 
     @property
     def step_count(self) -> int:
-        return int(self._state()["step"])
+        return int(self._host(self._state[self._state_names.index("step")]))
 
     def save(self, path: str) -> None:
         """A checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`)."""
@@ -150,11 +210,15 @@ class Session:
 
         from pockjax.checkpoint import FORMAT, VERSION, write_atomic
 
-        values = self._state()
+        values = self._values()
         meta = {"format": FORMAT, "version": VERSION, "step": str(int(values["step"])),
                 "scheme": json.dumps(self.manifest["scheme"])}
         write_atomic(path, st_save({k: np.array(v, order="C") for k, v in values.items()},
                                    metadata=meta))
+
+
+def _as_list(outs) -> list:
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
 def load(path: str, device: str = "local-task") -> Session:

@@ -124,7 +124,10 @@ class SparseTrainer:
             raise SchemeError(f"this state was made for {state.scheme!r}, but the trainer uses "
                               f"{self.scheme!r}; make the state with this trainer's init()")
 
-    def _step(self, state: TrainState, batch):
+    def _step(self, state: TrainState, batch, *, placement: str | None = None,
+              ties: str = "barrier"):
+        """The step's trace. `placement="global"` forces the single-barrier update (the
+        simple alternative, for comparisons); `ties` see `fused.fused_step`."""
         _, info, aux_def, decisions, _ = self._grad._build((state.params, batch), {})
         param_leaves = jax.tree_util.tree_leaves(state.params)
         other = [x for x in jax.tree_util.tree_leaves(([None, batch], {})) if _is_dynamic(x)]
@@ -132,9 +135,10 @@ class SparseTrainer:
         plan = self._plan(view, state.opt_state)
         n_head = 1 + aux_def.num_leaves
         state_leaves, state_def = jax.tree_util.tree_flatten(state.opt_state)
-        if plan.mode == "fused":
+        if (placement or plan.mode) == "fused":
             head, new_params, new_state = fused.fused_step(
-                info.jaxpr, param_leaves, other, decisions, plan, state_leaves, n_head)
+                info.jaxpr, param_leaves, other, decisions, plan, state_leaves, n_head,
+                ties=ties)
             new_state = jax.tree_util.tree_unflatten(state_def, new_state)
         else:
             view_def = jax.tree_util.tree_structure(view)
@@ -248,7 +252,7 @@ def _memory(compiled) -> dict[str, int]:
     return out
 
 
-def _mib(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:,.2f} {unit}"
@@ -291,12 +295,12 @@ class TrainReport:
                  f"{100 * self.trainable_params / max(self.total_params, 1):.2f}%"),
                 ("FLOPs", _flop_str(self.flops), _flop_str(self.flops_full),
                  ratio(self.flops, self.flops_full)),
-                ("optimizer state", _mib(self.opt_state_bytes), _mib(self.opt_state_bytes_full),
+                ("optimizer state", format_bytes(self.opt_state_bytes), format_bytes(self.opt_state_bytes_full),
                  ratio(self.opt_state_bytes, self.opt_state_bytes_full))]
         for k, label in (("temp", "temporary memory"), ("argument", "arguments"),
                          ("output", "outputs"), ("alias", "donated (aliased)"),
                          ("peak", "peak estimate")):
-            rows.append((label, _mib(self.memory[k]), _mib(self.memory_full[k]),
+            rows.append((label, format_bytes(self.memory[k]), format_bytes(self.memory_full[k]),
                          ratio(self.memory[k], self.memory_full[k])))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         fmt = lambda r: "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in

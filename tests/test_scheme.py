@@ -1,7 +1,6 @@
 import json
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import pockjax as pj

@@ -13,15 +13,15 @@ from typing import Any
 
 import numpy as np
 
-from pockjax.export.hazard import find_hazards
 from pockjax.export.lowering import Lowered, lower_step
+from pockjax.export.stream import StreamReport, analyze
 from pockjax.export.targets import ExportError, resolve_target
 from pockjax.scheme import leaves_with_paths
 
 __all__ = ["export", "Artifact", "MANIFEST", "VMFB", "PARAMS", "SCHEMA_VERSION", "read_manifest"]
 
 MANIFEST, VMFB, PARAMS = "manifest.json", "train_step.vmfb", "params.irpa"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SCOPE = "model"
 
 
@@ -69,6 +69,26 @@ def compile_module(mlir: str | bytes, target_name: str, flags: tuple[str, ...],
                           "compiler said:\n  " + "\n  ".join(lines[:20])) from None
 
 
+def check_stream(stream: bytes | str, lowered: Lowered, target: str) -> StreamReport:
+    """Analyze the step's stream IR; refuse a schedule that reads a parameter after its
+    in-place write, or that does not update the donated state in place."""
+    text = stream.decode() if isinstance(stream, bytes) else stream
+    report = analyze(text, {i: s.name for i, s in enumerate(lowered.mutable)})
+    if report.hazards:
+        raise ExportError(
+            f"refusing to export for {target!r}: IREE scheduled an in-place update before a "
+            "read of the old value, so the artifact would train wrong:\n  "
+            + "\n  ".join(report.hazards[:20])
+            + "\nThe step ties each update to its parameter's last reads, but this schedule "
+              "could not be shown safe; please report the model")
+    if report.not_in_place:
+        raise ExportError(
+            f"refusing to export for {target!r}: IREE did not update this state in place "
+            f"(it would need a second copy of it on the device): "
+            f"{', '.join(report.not_in_place[:10])}; please report the model")
+    return report
+
+
 def _write_params(path: str, lowered: Lowered) -> None:
     import iree.runtime as ir
 
@@ -88,18 +108,24 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     """
     tgt, flags = resolve_target(target, gpu, tuple(extra_flags))
     started = time.perf_counter()
-    lowered = lower_step(trainer, state, batch, gpu=tgt.gpu_backend)
+    lowered = lower_step(trainer, state, batch)
+    mlir, device = lowered.mlir, None
+    if tgt.local_device:
+        from pockjax.export import vulkan
+
+        caps = vulkan.device_caps()
+        device = {"name": caps.name, "target": vulkan.local_target_attr(caps)}
+        mlir = mlir.replace("module @pockjax_train {", "module @pockjax_train attributes "
+                            f"{{hal.device.targets = [{device['target']}]}} {{", 1)
     # Stop at stream IR, check the in-place updates there, then finish from it.
-    stream = compile_module(lowered.mlir, target, flags, ("--compile-to=stream",))
-    hazards = find_hazards(stream.decode() if isinstance(stream, bytes) else stream,
-                           lowered.symbols)
-    if hazards:
-        raise ExportError(
-            f"refusing to export for {target!r}: IREE scheduled an in-place parameter update "
-            "before a read of the old value, so the artifact would train wrong:\n  "
-            + "\n  ".join(hazards[:20])
-            + "\nThe step ties each update to its parameter's last reads, but this schedule "
-              "could not be shown safe; please report the model")
+    stream = compile_module(mlir, target, flags, ("--compile-to=stream",))
+    report = check_stream(stream, lowered, target)
+    gpu_target = None
+    if tgt.backend == "vulkan":
+        from pockjax.export import vulkan
+
+        gpu_target = vulkan.parse_target(stream.decode() if isinstance(stream, bytes)
+                                         else stream).text
     vmfb = compile_module(stream, target, flags, ("--compile-from=stream",))
     compile_s = time.perf_counter() - started
 
@@ -116,22 +142,35 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
             "schema_version": SCHEMA_VERSION,
             "target": {"name": tgt.name, "backend": tgt.backend, "driver": tgt.driver,
                        "gpu": (gpu or tgt.default_gpu) if tgt.gpu_flag else None,
-                       "flags": list(flags)},
+                       "flags": list(flags),
+                       # The GPU the SPIR-V was compiled for (checked when loading), and
+                       # for host-vulkan the device it was built from.
+                       "gpu_target": gpu_target, "device": device},
             "versions": {"pockjax": _version("pockjax"), "jax": _version("jax"),
                          "iree-base-compiler": _version("iree-base-compiler")},
             "parameter_scope": SCOPE,
+            # train_step(state..., batch...) -> (state'..., outputs...), state donated;
+            # eval(state..., batch...) -> loss; init() / frozen() -> their outputs.
             "functions": {
-                "train_step": {"inputs": [dataclasses.asdict(s) for s in lowered.batch],
+                "train_step": {"state": [s.name for s in lowered.mutable],
+                               "inputs": [dataclasses.asdict(s) for s in lowered.batch],
                                "outputs": lowered.outputs},
-                "eval": {"inputs": [dataclasses.asdict(s) for s in lowered.batch],
+                "eval": {"state": [s.name for s in lowered.mutable if s.role == "trainable"],
+                         "inputs": [dataclasses.asdict(s) for s in lowered.batch],
                          "outputs": ["loss"]},
-                "state": {"inputs": [], "outputs": [s.name for s in lowered.state]},
+                "init": {"outputs": [s.name for s in lowered.mutable]},
+                "frozen": {"outputs": [s.name for s in lowered.frozen]},
             },
             "parameters": [dataclasses.asdict(s) for s in lowered.state],
             "params_tree": _tree_paths(state),
             "scheme": json.loads(trainer.scheme.to_json()),
             "update_mode": mode,
             "compile_seconds": round(compile_s, 3),
+            # From the stream IR: bytes of the donated state and batch, the most bytes
+            # the step allocates besides them, and device submissions per step.
+            "memory": {"input_bytes": report.input_bytes,
+                       "peak_alloc_bytes": report.peak_alloc_bytes,
+                       "submissions": report.submissions},
             "files": {name: {"sha256": _sha256(os.path.join(tmp, name)),
                              "bytes": os.path.getsize(os.path.join(tmp, name))}
                       for name in (VMFB, PARAMS)},

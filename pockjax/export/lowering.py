@@ -6,11 +6,16 @@ JAX lowers two flat functions with fixed shapes:
   mutable state (step counter, trainable parameters, optimizer state) donated;
 - eval(trainable..., frozen..., batch...) -> loss.
 
-Both become private functions of one module. Its public functions read the state from
-`util.global`s bound to named parameters (`#flow.parameter.named<"model"::"params/...">`,
-stored in `params.irpa`): frozen weights are immutable globals, everything the step
-writes is a mutable global. The public functions are `train_step(batch...) -> (loss,
-aux...)`, `eval(batch...) -> loss` and `state() -> (every global, manifest order)`.
+Both become private functions of one module. Frozen weights are immutable `util.global`s
+bound to named parameters (`#flow.parameter.named<"model"::"params/...">`, stored in
+`params.irpa`), and so is the initial value of the mutable state. The mutable state
+itself travels as donated arguments, which IREE updates in place (a mutable global would
+be double-buffered: a fresh resource for the new value every step). Public functions:
+
+- `train_step(state..., batch...) -> (state'..., loss, aux...)`, the state donated;
+- `eval(trainable..., batch...) -> loss`;
+- `init() -> (state...)`, the initial state from the parameters;
+- `frozen() -> (frozen weights...)`.
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ import numpy as np
 from pockjax.export.targets import ExportError
 from pockjax.scheme import Frozen, leaves_with_paths
 from pockjax.train import SparseTrainer, TrainState
-from pockjax.transforms.legalize import legalize_for_gpu
+from pockjax.transforms.legalize import legalize_for_iree
 
 __all__ = ["Slot", "Lowered", "lower_step"]
 
@@ -49,11 +54,15 @@ class Slot:
 @dataclasses.dataclass
 class Lowered:
     mlir: str
-    state: list[Slot]         # globals, in the order of `state()`
+    mutable: list[Slot]       # train_step's donated state, in argument order
+    frozen: list[Slot]        # frozen weights, in the order of `frozen()`
     batch: list[Slot]
-    outputs: list[str]        # train_step's outputs: "loss", then "aux/<path>"
-    values: dict[str, np.ndarray]   # the initial value of each global
-    symbols: dict[str, str]         # global symbol (without '@') -> state name
+    outputs: list[str]        # train_step's outputs after the state: "loss", "aux/<path>"
+    values: dict[str, np.ndarray]   # the initial value of every state tensor, by name
+
+    @property
+    def state(self) -> list[Slot]:
+        return self.frozen + self.mutable
 
 
 _MLIR_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
@@ -92,9 +101,9 @@ def _module_body(text: str, prefix: str) -> tuple[str, str]:
 
 
 def _legalized(fn, *avals):
-    """`fn` traced once at `avals` and rewritten by `legalize_for_gpu`, as a function."""
+    """`fn` traced once at `avals` and rewritten by `legalize_for_iree`, as a function."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*avals)
-    fixed, _ = legalize_for_gpu(closed)
+    fixed, _ = legalize_for_iree(closed)
     out_def = jax.tree_util.tree_structure(out_shape)
 
     def run(*args):
@@ -104,9 +113,14 @@ def _legalized(fn, *avals):
     return run
 
 
-def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, gpu: bool = False) -> Lowered:
-    """Lower `trainer`'s step and eval for `state` and `batch` into one module
-    (with the GPU legalisation passes when `gpu`)."""
+def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool = True,
+               placement: str | None = None) -> Lowered:
+    """Lower `trainer`'s step and eval for `state` and `batch` into one module, legalised
+    for IREE (`pockjax.transforms.legalize`).
+
+    `donate=False` and `placement="global"` build the alternatives the in-place step is
+    measured against: new buffers for the new state, and one barrier before all updates.
+    """
     _check_static(batch)
     decisions = jax.tree_util.tree_leaves(trainer.scheme.resolve(state.params))
     named_params, params_def = leaves_with_paths(state.params)
@@ -139,7 +153,8 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, gpu: bool = 
         step, train, opt = mut[0], mut[1:1 + n_train], mut[1 + n_train:]
         st = TrainState(step, params_from(train, frz),
                         jax.tree_util.tree_unflatten(opt_def, opt), state.scheme)
-        new, metrics = trainer._step(st, jax.tree_util.tree_unflatten(batch_def, batch_leaves))
+        new, metrics = trainer._step(st, jax.tree_util.tree_unflatten(batch_def, batch_leaves),
+                                     placement=placement, ties="data")
         new_params = jax.tree_util.tree_leaves(new.params)
         aux = leaves_with_paths(metrics.get("aux"))[0] if "aux" in metrics else []
         aux_paths[:] = [f"aux/{p}" if p else "aux" for p, _ in aux]
@@ -155,76 +170,73 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, gpu: bool = 
     mut_avals = [aval(x) for _, x in mutable]
     frz_avals = [aval(x) for _, x in frozen]
     batch_avals = [aval(x) for _, x in named_batch]
-    step_fn, eval_fn = flat_step, flat_eval
-    if gpu:
-        step_fn = _legalized(flat_step, mut_avals, frz_avals, batch_avals)
-        eval_fn = _legalized(flat_eval, mut_avals[1:1 + n_train], frz_avals, batch_avals)
-    step_text = jax.jit(step_fn, donate_argnums=0).lower(
+    step_fn = _legalized(flat_step, mut_avals, frz_avals, batch_avals)
+    eval_fn = _legalized(flat_eval, mut_avals[1:1 + n_train], frz_avals, batch_avals)
+    step_text = jax.jit(step_fn, donate_argnums=0 if donate else ()).lower(
         mut_avals, frz_avals, batch_avals).as_text(debug_info=False)
     eval_text = jax.jit(eval_fn).lower(
         mut_avals[1:1 + n_train], frz_avals, batch_avals).as_text(debug_info=False)
     step_body, step_main = _module_body(step_text, "step_")
     eval_body, eval_main = _module_body(eval_text, "eval_")
 
-    state_slots = [s for s, _ in frozen] + [s for s, _ in mutable]
-    gname = {s.name: f"@g{i}" for i, s in enumerate(state_slots)}
+    mut_slots = [s for s, _ in mutable]
+    frz_slots = [s for s, _ in frozen]
+    train_slots = mut_slots[1:1 + n_train]
+    _, loss_aval, aux_avals = jax.eval_shape(flat_step, mut_avals, frz_avals, batch_avals)
+    out_types = [_tensor_type(a.shape, str(a.dtype)) for a in [loss_aval, *aux_avals]]
+    types = lambda slots: [s.mlir_type() for s in slots]
+    args = lambda prefix, slots: [f"%{prefix}{i}" for i in range(len(slots))]
+
+    # Frozen weights and the initial mutable state are immutable named parameters.
     lines = ["module @pockjax_train {"]
-    for s in state_slots:
-        mut = "" if s.role == "frozen" else "mutable "
-        lines.append(f'  util.global private {mut}{gname[s.name]} = '
+    gname = {}
+    for i, s in enumerate(frz_slots):
+        gname[s.name] = f"f{i}"
+    for i, s in enumerate(mut_slots):
+        gname[s.name] = f"i{i}"
+    for s in frz_slots + mut_slots:
+        lines.append(f'  util.global private @{gname[s.name]} = '
                      f'#flow.parameter.named<"{_SCOPE}"::"{s.name}"> : {s.mlir_type()}')
 
     def loads(slots, prefix):
-        out = []
-        for i, s in enumerate(slots):
-            out.append(f"    %{prefix}{i} = util.global.load {gname[s.name]} : {s.mlir_type()}")
-        return out
+        return [f"    %{prefix}{i} = util.global.load @{gname[s.name]} : {s.mlir_type()}"
+                for i, s in enumerate(slots)]
 
-    batch_args = ", ".join(f"%b{i}: {s.mlir_type()}" for i, s in enumerate(batch_slots))
-    batch_vals = [f"%b{i}" for i in range(len(batch_slots))]
-    mut_slots = [s for s, _ in mutable]
-    frz_slots = [s for s, _ in frozen]
-    _, loss_aval, aux_avals = jax.eval_shape(flat_step, mut_avals, frz_avals, batch_avals)
-    out_types = [_tensor_type(a.shape, str(a.dtype)) for a in [loss_aval, *aux_avals]]
+    def signature(slots, prefix, attrs=False):
+        return [f"%{prefix}{i}: {s.mlir_type()}"
+                + (f" {{tf.aliasing_output = {i} : i32}}" if attrs else "")
+                for i, s in enumerate(slots)]
 
-    # train_step
-    call_in = ([f"%m{i}" for i in range(len(mut_slots))] + [f"%f{i}" for i in range(len(frz_slots))]
-               + batch_vals)
-    in_types = [s.mlir_type() for s in mut_slots + frz_slots + batch_slots]
-    res_types = [s.mlir_type() for s in mut_slots] + out_types
-    lines.append(f"  func.func public @train_step({batch_args}) -> ({', '.join(out_types)}) {{")
-    lines += loads(mut_slots, "m") + loads(frz_slots, "f")
-    lines.append(f"    %r:{len(res_types)} = func.call @{step_main}({', '.join(call_in)}) : "
-                 f"({', '.join(in_types)}) -> ({', '.join(res_types)})")
-    for i, s in enumerate(mut_slots):
-        lines.append(f"    util.global.store %r#{i}, {gname[s.name]} : {s.mlir_type()}")
-    rets = [f"%r#{len(mut_slots) + i}" for i in range(len(out_types))]
-    lines.append(f"    return {', '.join(rets)} : {', '.join(out_types)}")
-    lines.append("  }")
+    def call(name, callee, params, ins, in_slots, results):
+        lines.append(f"  func.func public @{name}({', '.join(params)}) -> ({', '.join(results)}) {{")
+        lines.extend(loads(frz_slots, "f"))
+        lines.append(f"    %r:{len(results)} = func.call @{callee}({', '.join(ins)}) : "
+                     f"({', '.join(types(in_slots))}) -> ({', '.join(results)})")
+        lines.append(f"    return {', '.join(f'%r#{i}' for i in range(len(results)))} : "
+                     f"{', '.join(results)}")
+        lines.append("  }")
 
-    # eval
-    train_slots = mut_slots[1:1 + n_train]
-    eval_in = [f"%m{i}" for i in range(len(train_slots))] + [f"%f{i}" for i in range(len(frz_slots))] + batch_vals
-    eval_types = [s.mlir_type() for s in train_slots + frz_slots + batch_slots]
-    lines.append(f"  func.func public @eval({batch_args}) -> {out_types[0]} {{")
-    lines += loads(train_slots, "m") + loads(frz_slots, "f")
-    lines.append(f"    %r = func.call @{eval_main}({', '.join(eval_in)}) : ({', '.join(eval_types)}) "
-                 f"-> {out_types[0]}")
-    lines.append(f"    return %r : {out_types[0]}")
-    lines.append("  }")
-
-    # state getter
-    all_types = [s.mlir_type() for s in state_slots]
-    lines.append(f"  func.func public @state() -> ({', '.join(all_types)}) {{")
-    lines += loads(state_slots, "s")
-    lines.append(f"    return {', '.join(f'%s{i}' for i in range(len(state_slots)))} : "
-                 f"{', '.join(all_types)}")
-    lines.append("  }")
+    # train_step(state..., batch...) -> (state'..., loss, aux...), the state donated:
+    # IREE updates it in place.
+    call("train_step", step_main,
+         signature(mut_slots, "s", attrs=donate) + signature(batch_slots, "b"),
+         args("s", mut_slots) + args("f", frz_slots) + args("b", batch_slots),
+         mut_slots + frz_slots + batch_slots, types(mut_slots) + out_types)
+    # eval(trainable..., batch...) -> loss
+    call("eval", eval_main, signature(train_slots, "s") + signature(batch_slots, "b"),
+         args("s", train_slots) + args("f", frz_slots) + args("b", batch_slots),
+         train_slots + frz_slots + batch_slots, out_types[:1])
+    # init() -> the initial mutable state; frozen() -> the frozen weights.
+    for name, slots, prefix in (("init", mut_slots, "i"), ("frozen", frz_slots, "f")):
+        lines.append(f"  func.func public @{name}() -> ({', '.join(types(slots))}) {{")
+        lines.extend(loads(slots, prefix))
+        lines.append(f"    return {', '.join(args(prefix, slots))} : {', '.join(types(slots))}"
+                     if slots else "    return")
+        lines.append("  }")
     lines.append(step_body)
     lines.append(eval_body)
     lines.append("}")
 
     values = {s.name: np.asarray(jax.device_get(x)) for s, x in frozen + mutable}
-    symbols = {gname[s.name][1:]: s.name for s in state_slots}
-    return Lowered("\n".join(lines) + "\n", state_slots, batch_slots, ["loss", *aux_paths], values,
-                   symbols)
+    return Lowered("\n".join(lines) + "\n", mut_slots, frz_slots, batch_slots,
+                   ["loss", *aux_paths], values)

@@ -20,8 +20,8 @@ class Target:
     gpu_flag: str | None = None        # flag that names a GPU family, if any
     default_gpu: str | None = None
     gpus: tuple[str, ...] = ()         # families offered by name (IREE accepts more)
-    gpu_backend: bool = False          # needs GPU legalisation passes
     runs_here: bool = True             # can this machine run it (CPU, lavapipe, QEMU)?
+    local_device: bool = False         # compiled for the local Vulkan device's capabilities
 
 
 _CPU = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu")
@@ -32,13 +32,16 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("android-arm64", "Android ARM64 CPU (runs here under qemu-aarch64)", "local",
            "local-task", _CPU + ("--iree-llvmcpu-target-triple=aarch64-linux-android34",
                                  "--iree-llvmcpu-target-cpu-features=+v8.2a,+neon,+dotprod,+i8mm,+fullfp16")),
+    Target("host-vulkan", "this machine's Vulkan GPU, compiled for its real capabilities "
+           "(subgroup size, fp16/int8, 8/16-bit storage, dot product)", "vulkan", "vulkan",
+           ("--iree-hal-target-device=vulkan",), local_device=True),
     Target("android-vulkan", "Android GPU through Vulkan (SPIR-V)", "vulkan", "vulkan",
            ("--iree-hal-target-device=vulkan",), gpu_flag="--iree-vulkan-target",
            default_gpu="vp_android_baseline_2022", gpus=("vp_android_baseline_2022", "valhall",
-                                                         "adreno"), gpu_backend=True),
+                                                         "adreno")),
     Target("jetson-cuda", "NVIDIA Jetson Orin through CUDA (sm_87)", "cuda", "cuda",
            ("--iree-hal-target-device=cuda",), gpu_flag="--iree-cuda-target", default_gpu="sm_87",
-           gpus=("sm_87", "sm_72"), gpu_backend=True, runs_here=False),
+           gpus=("sm_87", "sm_72"), runs_here=False),
 ]}
 
 

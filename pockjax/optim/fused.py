@@ -140,6 +140,25 @@ def _token(ties):
     return tok
 
 
+def _zero(ties):
+    """A scalar 0 that depends on one element of each of `ties` (None if none).
+
+    Finite values are clipped to [-1, 1] and multiplied by 0; NaN and infinities map to
+    0 first, so the zero is exact whatever the readers produced. Compilers cannot fold
+    a float multiplication by zero (it is not 0 for NaN or infinity), so the dependency
+    reaches the program.
+    """
+    elems = [jnp.ravel(t)[0] for t in ties if np.size(t)]
+    if not elems:
+        return None
+    total = jnp.float32(0)
+    for e in elems:
+        e = jnp.asarray(e).astype(jnp.float32) if jnp.issubdtype(e.dtype, jnp.number) \
+            else jnp.asarray(e, jnp.float32)
+        total = total + jnp.clip(jnp.nan_to_num(e, nan=0.0, posinf=0.0, neginf=0.0), -1, 1)
+    return total * 0.0
+
+
 def _write_back(x, d, new_view, tok=None):
     new_view = new_view.astype(x.dtype)
     if isinstance(d, Channels):
@@ -160,12 +179,21 @@ def _value(read, atom):
 
 
 def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisions,
-               plan: UpdatePlan, state_leaves, n_head: int):
+               plan: UpdatePlan, state_leaves, n_head: int, ties: str = "barrier"):
     """Run the gradient jaxpr with each parameter's update fused in; returns
     `(head outputs, new parameter leaves, new optimizer state leaves)`.
 
     `n_head` is the number of leading outputs of `grad_jaxpr` that are not gradients
     (loss and aux); the remaining ones are the trainable view's gradients in order.
+    `ties` orders each write after the parameter's last reads:
+
+    - "barrier" (for XLA): an optimization barrier over the gradient, the parameter and
+      the readers' outputs, and for partial (Channels) writes a data-dependent start
+      index (see `_token`);
+    - "data" (for IREE): a zero computed from one element of each reader's output is
+      added to the new value (see `_zero`). IREE keeps barriers as real ops that hide
+      buffer lifetimes (every transient of the backward pass then lives to the end of
+      the step), and computes dynamic slice offsets on the host.
     """
     jaxpr = grad_jaxpr.jaxpr
     train_idx = [k for k, d in enumerate(decisions) if isinstance(d, (Full, Channels))]
@@ -189,9 +217,13 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
         k = train_idx[j]
         d = decisions[k]
         g = _value(read, grad_atoms[j])
-        ties = [read(v) for v in placements[j].ties]
-        g, p, *ties = lax.optimization_barrier((g, param_leaves[k], *ties))
-        tok = _token(ties)
+        tied = [read(v) for v in placements[j].ties]
+        p, tok, zero = param_leaves[k], None, None
+        if ties == "barrier":
+            g, p, *tied = lax.optimization_barrier((g, p, *tied))
+            tok = _token(tied)
+        else:
+            zero = _zero(tied)
         view = _kept_view(p, d)
         leaf = plan.leaves[j]
         ins = []
@@ -205,7 +237,8 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
                 assert i - n - m == j, "a per-leaf update read another leaf's parameter"
                 ins.append(view)
         u, *s = _call(leaf.jaxpr, ins)
-        new_params[k] = _write_back(p, d, view + u, tok)
+        new = view + u if zero is None else view + u + zero.astype(u.dtype)
+        new_params[k] = _write_back(p, d, new, tok)
         for idx, v in zip(leaf.state_out, s):
             new_state[idx] = v
 

@@ -100,7 +100,7 @@ def test_scan_channels_inside_the_body():
 
 def test_scan_split_for_trained_last_layers():
     s = pj.Scheme({"*": pj.Channels(count=2, axis=0, last=True)})
-    info = assert_matches_dense(scanned, s, WS, XS)
+    assert_matches_dense(scanned, s, WS, XS)
     assert info.scans_split == 1
     # The frozen prefix of 4 layers runs forward only: one backward scan, over 2 layers.
     scans = [e for e in info.jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
@@ -112,7 +112,7 @@ def test_scan_split_frozen_layers_do_no_weight_gradient_work():
     # Only layers 0..1 train: the backward runs through all layers (the carry depends on
     # trained layers) but only two layers compute a weight gradient.
     s = pj.Scheme({"*": pj.Channels(count=2, axis=0)})
-    info = assert_matches_dense(scanned, s, WS, XS)
+    assert_matches_dense(scanned, s, WS, XS)
     unrolled = lambda W, x: scanned(W, x, unroll=True)
     sparse = flops(pj.sparse_grad(unrolled, s), WS, XS)
     dense = flops(jax.grad(unrolled), WS, XS)

@@ -1,7 +1,6 @@
 """One test per push-down rule: the gradient matches dense jax.grad and the rule ran."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 

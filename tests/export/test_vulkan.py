@@ -1,0 +1,95 @@
+"""Vulkan artifacts on this machine's Vulkan device (Mesa's lavapipe in CI).
+
+These tests need a Vulkan driver: CI installs mesa-vulkan-drivers, and without one they
+fail (the runtime raises), they are not skipped.
+"""
+import jax
+import numpy as np
+import pytest
+
+from pockjax import runtime
+from pockjax.export import vulkan
+from tests.export.models import MODELS, make
+from tests.helpers import assert_trees_close
+
+STEPS = 3
+
+LAVAPIPE = """name: llvmpipe (LLVM 15.0.6, 256 bits)
+api: 1.3.230
+features: bufferDeviceAddress=yes storageBuffer8BitAccess=yes storageBuffer16BitAccess=yes shaderInt8=yes shaderFloat16=yes shaderIntegerDotProduct=yes subgroupSizeControl=yes
+subgroup: size=8 operations=0x000000bf quadOperationsInAllStages=no minSubgroupSize=8 maxSubgroupSize=8 requiredSubgroupSizeStages=0x00000030
+"""
+
+
+@pytest.fixture(scope="module", params=[(m, t) for t in ("host-vulkan", "android-vulkan")
+                                        for m in MODELS], ids=lambda p: f"{p[1]}-{p[0]}")
+def exported(request, tmp_path_factory):
+    name, target = request.param
+    trainer, params, batch = make(name)
+    out = tmp_path_factory.mktemp(name) / target
+    art = trainer.export(trainer.init(params), batch, target=target, out_dir=out)
+    return trainer, params, batch, art
+
+
+def test_vulkan_artifact_matches_the_jax_trainer(exported):
+    trainer, params, batch, art = exported
+    sess = runtime.load(art.path, device="vulkan")
+    state = trainer.init(params)
+    for _ in range(STEPS):
+        got = sess.step(batch)
+        state, want = trainer(state, batch)
+        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-4)
+    assert_trees_close(sess.params(), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
+    assert sess.step_count == STEPS
+
+
+def test_manifest_records_the_compiled_for_gpu(exported):
+    *_, art = exported
+    t = art.manifest["target"]
+    target = vulkan.parse_target(t["gpu_target"])
+    if t["name"] == "host-vulkan":
+        caps = vulkan.device_caps()
+        assert t["device"]["name"] == caps.name
+        assert target.subgroup_size_choices == (caps.subgroup_size,)
+        assert vulkan.problems(target, caps) == []
+    else:
+        assert t["gpu"] == "vp_android_baseline_2022" and target.arch == "vp_android_baseline_2022"
+        assert not target.subgroup_ops
+
+
+def test_an_artifact_for_another_subgroup_size_is_refused(tmp_path):
+    caps = vulkan.device_caps()
+    # valhall is compiled for subgroups of 16 and adreno for 64; lavapipe runs 8.
+    gpu, size = next((g, s) for g, s in (("valhall", 16), ("adreno", 64))
+                     if s not in caps.subgroup_sizes())
+    trainer, params, batch = make("mlp")
+    art = trainer.export(trainer.init(params), batch, target="android-vulkan", gpu=gpu,
+                         out_dir=tmp_path / gpu)
+    with pytest.raises(runtime.IncompatibleDevice) as e:
+        runtime.load(art.path, device="vulkan")
+    msg = str(e.value)
+    assert f"compiled for [{size}], the device runs {caps.subgroup_size}" in msg
+    assert caps.name in msg and "host-vulkan" in msg
+
+
+def test_device_info_is_parsed_and_checked():
+    caps = vulkan.caps_from_info(LAVAPIPE)
+    assert (caps.subgroup_size, caps.subgroup_sizes(), caps.api) == (8, [8], (1, 3))
+    assert caps.fp16 and caps.int8 and caps.storage8 and caps.dot_product
+    valhall = vulkan.parse_target(
+        '#iree_gpu.target<arch = "valhall1", features = "spirv:v1.6,cap:Shader", wgp = <'
+        "compute = fp32|fp16|int32|int16|int8, storage = b64|b32|b16|b8, subgroup = "
+        "shuffle|arithmetic, dot = dp4xi8toi32, subgroup_size_choices = [16], "
+        "max_workgroup_sizes = [512, 512, 512]>>")
+    assert vulkan.problems(valhall, caps) == [
+        "subgroup size: compiled for [16], the device runs 8"]
+    # A device without size control, fp16 or 8-bit storage.
+    bare = LAVAPIPE.replace("shaderFloat16=yes", "shaderFloat16=no").replace(
+        "storageBuffer8BitAccess=yes", "storageBuffer8BitAccess=no").replace(
+        "subgroupSizeControl=yes", "subgroupSizeControl=no").replace("size=8", "size=16")
+    problems = vulkan.problems(valhall, vulkan.caps_from_info(bare))
+    assert problems == ["fp16 arithmetic: the device lacks shaderFloat16",
+                        "b8 storage: the device lacks storageBuffer8BitAccess"]
+    # The target built for a device fits it.
+    local = vulkan.parse_target(vulkan.local_target_attr(caps))
+    assert local.subgroup_size_choices == (8,) and vulkan.problems(local, caps) == []
