@@ -100,7 +100,7 @@ def test_scan_channels_inside_the_body():
 
 def test_scan_split_for_trained_last_layers():
     s = pj.Scheme({"*": pj.Channels(count=2, axis=0, last=True)})
-    assert_matches_dense(scanned, s, WS, XS)
+    info = assert_matches_dense(scanned, s, WS, XS)
     assert info.scans_split == 1
     # The frozen prefix of 4 layers runs forward only: one backward scan, over 2 layers.
     scans = [e for e in info.jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
