@@ -3,8 +3,13 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 EXTRAS ?= dev,export
+# The aarch64 build of IREE's runtime tools, to run android-arm64 artifacts under QEMU.
+ARM64_RUNTIME ?= .cache/iree-aarch64
+# System packages the Vulkan and ARM64 tests use (Debian/Ubuntu): lavapipe, QEMU and the
+# aarch64 C/C++ libraries. `make system-deps` installs them (needs root).
+SYSTEM_DEPS = mesa-vulkan-drivers qemu-user libc6-arm64-cross libstdc++6-arm64-cross
 
-.PHONY: venv test demo bench clean
+.PHONY: venv test demo bench clean arm64-runtime system-deps
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,8 +19,27 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml
 
 venv: $(VENV)/.installed-$(EXTRAS)
 
-test: venv
-	$(PY) -m pytest -q tests
+# Same version as the installed iree-base-runtime (and so the compiler).
+$(ARM64_RUNTIME)/.done: $(VENV)/.installed-$(EXTRAS)
+	rm -rf $(ARM64_RUNTIME) && mkdir -p $(ARM64_RUNTIME)/wheel
+	$(PY) -m pip download --quiet --no-deps --only-binary=:all: \
+	  --platform manylinux_2_28_aarch64 \
+	  --python-version "$$($(PY) -c 'import sys; print("%d%d" % sys.version_info[:2])')" \
+	  "iree-base-runtime==$$($(PY) -c 'import importlib.metadata as m; print(m.version("iree-base-runtime"))')" \
+	  -d $(ARM64_RUNTIME)/wheel
+	$(PY) -m zipfile -e $(ARM64_RUNTIME)/wheel/*.whl $(ARM64_RUNTIME)
+	chmod +x $(ARM64_RUNTIME)/iree/_runtime_libs/iree-*
+	touch $@
+
+arm64-runtime: $(ARM64_RUNTIME)/.done
+
+system-deps:
+	apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SYSTEM_DEPS)
+
+test: venv arm64-runtime
+	mkdir -p $${XDG_RUNTIME_DIR:=/tmp/pockjax-xdg} && \
+	  XDG_RUNTIME_DIR=$$XDG_RUNTIME_DIR POCKJAX_ARM64_RUNTIME=$(abspath $(ARM64_RUNTIME)) \
+	  $(PY) -m pytest -q tests
 
 demo: venv
 	$(PY) examples/sparse_train_mlp.py
@@ -28,4 +52,4 @@ bench:
 	$(PY) benchmarks/export.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis

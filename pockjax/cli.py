@@ -138,7 +138,13 @@ def _batches(manifest, data_path, steps):
 def cmd_run(args) -> int:
     from pockjax import runtime
 
-    sess = runtime.load(args.dir, device=args.device)
+    if args.qemu_arm64 or args.tool:
+        import shlex
+
+        command = runtime.qemu_arm64(args.qemu_arm64) if args.qemu_arm64 else shlex.split(args.tool)
+        sess = runtime.ToolSession(args.dir, command, device=args.device)
+    else:
+        sess = runtime.load(args.dir, device=args.device)
     for i, batch in enumerate(_batches(sess.manifest, args.data, args.steps)):
         t0 = time.perf_counter()
         metrics = sess.step(batch)
@@ -169,6 +175,12 @@ def main(argv=None) -> int:
     r.add_argument("--steps", type=int, default=3)
     r.add_argument("--data", help=".npz with one array per batch input (optionally stacked per step)")
     r.add_argument("--save", help="write a checkpoint after the last step")
+    r.add_argument("--tool", help="run each call with this iree-run-module command instead of "
+                                  "the Python runtime (e.g. a path, or 'qemu-aarch64 ... "
+                                  "iree-run-module')")
+    r.add_argument("--qemu-arm64", metavar="RUNTIME_DIR",
+                   help="run an android-arm64 artifact under qemu-aarch64 with the aarch64 "
+                        "iree-run-module unpacked in RUNTIME_DIR (make arm64-runtime)")
     args = ap.parse_args(argv)
     try:
         return {"targets": cmd_targets, "export": cmd_export, "inspect": cmd_inspect,

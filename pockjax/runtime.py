@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 
 import numpy as np
 
 from pockjax.export.artifact import PARAMS, VMFB, read_manifest
 from pockjax.export.targets import ExportError
 
-__all__ = ["load", "Session", "DEVICES", "IncompatibleDevice"]
+__all__ = ["load", "Session", "ToolSession", "qemu_arm64", "DEVICES", "IncompatibleDevice"]
 
 DEVICES = ("local-task", "local-sync", "vulkan", "cuda")
 _CPU_DEVICES = ("local-task", "local-sync")
@@ -75,7 +76,66 @@ def _unflatten(paths: list[str], values: dict[str, np.ndarray]):
     return listify(root)
 
 
-class Session:
+class _Artifact:
+    """What every way of running an artifact shares: the batch check, parameters as a
+    pytree and checkpoints. Subclasses provide `_values()` and `_step_value()`."""
+
+    manifest: dict
+
+    def _values(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def _step_value(self) -> np.ndarray:
+        raise NotImplementedError
+
+    # -- batches -----------------------------------------------------------------
+
+    def _batch_args(self, batch) -> list[np.ndarray]:
+        from pockjax.scheme import leaves_with_paths
+
+        named = leaves_with_paths(batch)[0]
+        got = {(p or "batch"): x for p, x in named}
+        inputs = self.manifest["functions"]["train_step"]["inputs"]
+        expected = ", ".join(f"{s['name']}: {s['dtype']}{list(s['shape'])}" for s in inputs)
+        names = [s["name"] for s in inputs]
+        if sorted(got) != sorted(names):
+            raise ExportError(f"batch has inputs {sorted(got)}, the artifact expects {names} "
+                              f"({expected})")
+        args = []
+        for s in inputs:
+            x = np.asarray(got[s["name"]])
+            if tuple(x.shape) != tuple(s["shape"]) or x.dtype != _np_dtype(s["dtype"]):
+                raise ExportError(f"batch input '{s['name']}' is {x.dtype}{list(x.shape)}, the "
+                                  f"artifact expects {s['dtype']}{list(s['shape'])} (signature: "
+                                  f"{expected}); export again for another shape")
+            args.append(np.ascontiguousarray(x))
+        return args
+
+    def params(self):
+        """The current parameters as a numpy pytree with the original paths."""
+        values = {k[len("params/"):]: v for k, v in self._values().items()
+                  if k.startswith("params/")}
+        return _unflatten(self.manifest["params_tree"]["params"], values)
+
+    @property
+    def step_count(self) -> int:
+        return int(self._step_value())
+
+    def save(self, path: str) -> None:
+        """A checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`)."""
+        from safetensors.numpy import save as st_save
+
+        from pockjax.checkpoint import FORMAT, VERSION, write_atomic
+
+        values = self._values()
+        meta = {"format": FORMAT, "version": VERSION, "step": str(int(values["step"])),
+                "scheme": json.dumps(self.manifest["scheme"])}
+        write_atomic(path, st_save({k: np.array(v, order="C") for k, v in values.items()},
+                                   metadata=meta))
+
+
+
+class Session(_Artifact):
     """A loaded artifact on one IREE device; see `pockjax.runtime.load`."""
 
     def __init__(self, path: str, device: str):
@@ -99,6 +159,13 @@ class Session:
             raise ExportError(f"IREE device {device!r} is not available here: {e}") from None
         if backend == "vulkan":
             _check_vulkan(self.path, self.manifest)
+        target = self.manifest["target"]["name"]
+        if target == "android-arm64" and platform.machine().lower() not in ("aarch64", "arm64"):
+            raise ExportError(f"artifact '{self.path}' is for android-arm64 (aarch64 code) and "
+                              f"this machine is {platform.machine()}; run it on the device with "
+                              "iree-run-module, or here under QEMU: pockjax.runtime.ToolSession("
+                              "path, pockjax.runtime.qemu_arm64(dir)) or `pockjax run DIR "
+                              "--qemu-arm64 DIR`")
         self.instance = ir.VmInstance()
         index = ir.ParameterIndex()
         index.load(os.path.join(self.path, PARAMS))
@@ -108,12 +175,15 @@ class Session:
         self._modules = [ir.create_hal_module(self.instance, self.device),
                          ir.create_io_parameters_module(self.instance, provider),
                          ir.VmModule.copy_buffer(self.instance, vmfb)]
-        self.context = ir.VmContext(self.instance, modules=self._modules)
+        try:
+            self.context = ir.VmContext(self.instance, modules=self._modules)
+        except RuntimeError as e:
+            raise ExportError(f"IREE could not load artifact '{self.path}' (target {target!r}) "
+                              f"on device {device!r}: {e}") from None
         main = self._modules[-1]
         fns = self.manifest["functions"]
         self._fn = {name: ir.FunctionInvoker(self.context, self.device, main.lookup_function(name))
                     for name in fns}
-        self._inputs = fns["train_step"]["inputs"]
         self._state_names = fns["train_step"]["state"]
         self._eval_state = [self._state_names.index(n) for n in fns["eval"]["state"]]
         # The initial state comes from the parameter archive. It is copied into fresh
@@ -146,28 +216,6 @@ class Session:
         ir.HalFence.create_at(sem, 1).wait()
         return np.array(staging.map().asarray(array.shape, array.dtype))
 
-    # -- batches -----------------------------------------------------------------
-
-    def _batch_args(self, batch) -> list[np.ndarray]:
-        from pockjax.scheme import leaves_with_paths
-
-        named = leaves_with_paths(batch)[0]
-        got = {(p or "batch"): x for p, x in named}
-        expected = ", ".join(f"{s['name']}: {s['dtype']}{list(s['shape'])}" for s in self._inputs)
-        names = [s["name"] for s in self._inputs]
-        if sorted(got) != sorted(names):
-            raise ExportError(f"batch has inputs {sorted(got)}, the artifact expects {names} "
-                              f"({expected})")
-        args = []
-        for s in self._inputs:
-            x = np.asarray(got[s["name"]])
-            if tuple(x.shape) != tuple(s["shape"]) or x.dtype != _np_dtype(s["dtype"]):
-                raise ExportError(f"batch input '{s['name']}' is {x.dtype}{list(x.shape)}, the "
-                                  f"artifact expects {s['dtype']}{list(s['shape'])} (signature: "
-                                  f"{expected}); export again for another shape")
-            args.append(np.ascontiguousarray(x))
-        return args
-
     # -- calls -------------------------------------------------------------------
 
     def step(self, batch) -> dict[str, np.ndarray]:
@@ -185,6 +233,9 @@ class Session:
                                *self._batch_args(batch))
         return self._host(_as_list(out)[0])
 
+    def _step_value(self):
+        return self._host(self._state[self._state_names.index("step")])
+
     def _values(self) -> dict[str, np.ndarray]:
         """Every state tensor by name, on the host."""
         values = {name: self._host(x) for name, x in zip(self._state_names, self._state)}
@@ -194,27 +245,106 @@ class Session:
                            for name, x in zip(frozen, _as_list(self._fn["frozen"]()))})
         return values
 
-    def params(self):
-        """The current parameters as a numpy pytree with the original paths."""
-        values = {k[len("params/"):]: v for k, v in self._values().items()
-                  if k.startswith("params/")}
-        return _unflatten(self.manifest["params_tree"]["params"], values)
+class ToolSession(_Artifact):
+    """An artifact run by IREE's `iree-run-module` tool, one process per call.
 
-    @property
-    def step_count(self) -> int:
-        return int(self._host(self._state[self._state_names.index("step")]))
+    This is how an artifact runs where no Python is: on a phone over `adb shell`, or
+    here under `qemu-aarch64` with the aarch64 build of the tool (see `qemu_arm64`).
+    The state lives in `.npy` files in `workdir` between calls: `train_step` reads the
+    current state and writes the next one. `command` is the tool and anything that
+    must precede it (an emulator and its options).
+    """
 
-    def save(self, path: str) -> None:
-        """A checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`)."""
-        from safetensors.numpy import save as st_save
+    def __init__(self, path: str, command=("iree-run-module",), device: str = "local-task",
+                 workdir: str | None = None):
+        import tempfile
 
-        from pockjax.checkpoint import FORMAT, VERSION, write_atomic
+        self.path = os.fspath(path)
+        self.manifest = read_manifest(self.path)
+        self.command = [str(c) for c in ([command] if isinstance(command, str) else command)]
+        self.device_name = device
+        self.workdir = workdir or tempfile.mkdtemp(prefix="pockjax-run-")
+        os.makedirs(self.workdir, exist_ok=True)
+        fns = self.manifest["functions"]
+        self._state_names = fns["train_step"]["state"]
+        self._state_files = self._call("init", [], len(self._state_names), "state0")
 
-        values = self._values()
-        meta = {"format": FORMAT, "version": VERSION, "step": str(int(values["step"])),
-                "scheme": json.dumps(self.manifest["scheme"])}
-        write_atomic(path, st_save({k: np.array(v, order="C") for k, v in values.items()},
-                                   metadata=meta))
+    def __repr__(self) -> str:
+        return f"ToolSession({self.path!r}, command={self.command!r})"
+
+    def _call(self, function: str, inputs: list[str], n_out: int, tag: str) -> list[str]:
+        import subprocess
+
+        outs = [os.path.join(self.workdir, f"{tag}_{i}.npy") for i in range(n_out)]
+        cmd = [*self.command, f"--device={self.device_name}",
+               f"--module={os.path.join(self.path, VMFB)}",
+               f"--parameters={self.manifest['parameter_scope']}={os.path.join(self.path, PARAMS)}",
+               f"--function={function}", *[f"--input=@{f}" for f in inputs],
+               *[f"--output=@{f}" for f in outs]]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise ExportError(f"cannot start {self.command[0]!r}: {e}") from None
+        if done.returncode != 0:
+            tail = "\n  ".join((done.stderr or done.stdout).strip().splitlines()[-15:])
+            raise ExportError(f"{function} failed (exit {done.returncode}):\n  {' '.join(cmd)}\n"
+                              f"  {tail}")
+        return outs
+
+    def _write_batch(self, batch) -> list[str]:
+        files = []
+        for i, x in enumerate(self._batch_args(batch)):
+            files.append(os.path.join(self.workdir, f"batch_{i}.npy"))
+            np.save(files[-1], x)
+        return files
+
+    def step(self, batch) -> dict[str, np.ndarray]:
+        """One training step in a new process; returns the metrics."""
+        fn = self.manifest["functions"]["train_step"]
+        # Read one set of state files, write the other.
+        tag = "state1" if self._state_files[0].endswith("state0_0.npy") else "state0"
+        outs = self._call("train_step", self._state_files + self._write_batch(batch),
+                          len(self._state_names) + len(fn["outputs"]), tag)
+        self._state_files = outs[:len(self._state_names)]
+        return {name: np.load(f) for name, f in zip(fn["outputs"], outs[len(self._state_names):])}
+
+    def evaluate(self, batch) -> np.ndarray:
+        names = self.manifest["functions"]["eval"]["state"]
+        state = [self._state_files[self._state_names.index(n)] for n in names]
+        out, = self._call("eval", state + self._write_batch(batch), 1, "eval")
+        return np.load(out)
+
+    def _step_value(self):
+        return np.load(self._state_files[self._state_names.index("step")])
+
+    def _values(self) -> dict[str, np.ndarray]:
+        values = {name: np.load(f) for name, f in zip(self._state_names, self._state_files)}
+        frozen = self.manifest["functions"]["frozen"]["outputs"]
+        if frozen:
+            files = self._call("frozen", [], len(frozen), "frozen")
+            values.update({name: np.load(f) for name, f in zip(frozen, files)})
+        return values
+
+
+def qemu_arm64(runtime_dir: str, sysroot: str = "/usr/aarch64-linux-gnu") -> list[str]:
+    """The command that runs the aarch64 `iree-run-module` under `qemu-aarch64`.
+
+    `runtime_dir` is the unpacked aarch64 wheel of `iree-base-runtime` (same version as
+    the compiler), e.g. from `make arm64-runtime`; `sysroot` holds the aarch64 C and C++
+    libraries (Debian: libc6-arm64-cross, libstdc++6-arm64-cross). IREE's CPU kernels are
+    self-contained ELF files, so an artifact for the Android triple runs on this glibc
+    build of the tool.
+    """
+    tool = os.path.join(runtime_dir, "iree", "_runtime_libs", "iree-run-module")
+    if not os.path.isfile(tool):
+        raise ExportError(f"no aarch64 iree-run-module under '{runtime_dir}' (expected {tool}); "
+                          "unpack the manylinux aarch64 wheel of iree-base-runtime there "
+                          "(make arm64-runtime)")
+    if not os.path.isdir(sysroot):
+        raise ExportError(f"aarch64 sysroot '{sysroot}' is missing; install "
+                          "libc6-arm64-cross and libstdc++6-arm64-cross")
+    libs = os.path.join(runtime_dir, "iree_base_runtime.libs")
+    return ["qemu-aarch64", "-L", sysroot, "-E", f"LD_LIBRARY_PATH={libs}", tool]
 
 
 def _as_list(outs) -> list:
