@@ -24,7 +24,12 @@ class Target:
     local_device: bool = False         # compiled for the local Vulkan device's capabilities
 
 
-_CPU = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu")
+# Data tiling (packing matmul operands into the CPU's preferred tiles) makes matmuls
+# ~2.7x faster on IREE 3.13; the global-optimization path is the one that compiles
+# every training step (`--iree-opt-data-tiling` fails on some weight-gradient dispatches
+# with "operations with large vector sizes").
+_CPU = ("--iree-hal-target-device=local", "--iree-hal-local-target-device-backends=llvm-cpu",
+        "--iree-global-opt-data-tiling=true")
 
 TARGETS: dict[str, Target] = {t.name: t for t in [
     Target("host-cpu", "this machine's CPU (IREE llvm-cpu, local-task runtime)", "local",
