@@ -82,6 +82,13 @@ def cmd_inspect(args) -> int:
     print(f"target:   {t['name']} ({t['backend']}, runs on {t['driver']})"
           + (f", gpu {t['gpu']}" if t.get("gpu") else ""))
     print(f"flags:    {' '.join(t['flags'])}")
+    if t.get("gpu_target"):
+        from pockjax.export.vulkan import parse_target
+
+        g = parse_target(t["gpu_target"])
+        print(f"gpu:      {g.arch}, subgroup ops {'|'.join(sorted(g.subgroup_ops)) or 'none'}, "
+              f"sizes {list(g.subgroup_size_choices)}, compute {'|'.join(sorted(g.compute))}"
+              + (f" (built for device '{t['device']['name']}')" if t.get("device") else ""))
     print("versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()))
     print(f"update:   {m['update_mode']}")
     fn = m["functions"]["train_step"]

@@ -140,6 +140,12 @@ def test_cli_targets_export_inspect_run(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [l.split(":")[0] for l in lines[:3]] == ["step 1", "step 2", "step 3"]
     assert pj.checkpoint.read_metadata(ckpt)["step"] == "3"
+    # The same steps through iree-run-module processes (the state in .npy files).
+    import sys
+    tool = os.path.join(os.path.dirname(sys.executable), "iree-run-module")
+    assert cli(["run", str(art), "--steps", "3", "--data", str(data), "--tool", tool]) == 0
+    tool_lines = capsys.readouterr().out.splitlines()
+    assert [l.split(" (")[0] for l in tool_lines[:3]] == [l.split(" (")[0] for l in lines[:3]]
 
 
 def test_cli_errors(tmp_path, capsys):

@@ -57,7 +57,7 @@ def test_manifest_records_the_compiled_for_gpu(exported):
         assert not target.subgroup_ops
 
 
-def test_an_artifact_for_another_subgroup_size_is_refused(tmp_path):
+def test_an_artifact_for_another_subgroup_size_is_refused(tmp_path, capsys):
     caps = vulkan.device_caps()
     # valhall is compiled for subgroups of 16 and adreno for 64; lavapipe runs 8.
     gpu, size = next((g, s) for g, s in (("valhall", 16), ("adreno", 64))
@@ -70,6 +70,10 @@ def test_an_artifact_for_another_subgroup_size_is_refused(tmp_path):
     msg = str(e.value)
     assert f"compiled for [{size}], the device runs {caps.subgroup_size}" in msg
     assert caps.name in msg and "host-vulkan" in msg
+    from pockjax.cli import main as cli
+    assert cli(["run", art.path, "--device", "vulkan"]) == 2
+    assert cli(["inspect", art.path]) == 0
+    assert f"sizes [{size}]" in capsys.readouterr().out
 
 
 def test_device_info_is_parsed_and_checked():
