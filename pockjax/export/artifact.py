@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from pockjax.export import vulkan
 from pockjax.export.lowering import Lowered, lower_step
 from pockjax.export.stream import StreamReport, analyze
 from pockjax.export.targets import ExportError, resolve_target
@@ -111,8 +112,6 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     lowered = lower_step(trainer, state, batch)
     mlir, device = lowered.mlir, None
     if tgt.local_device:
-        from pockjax.export import vulkan
-
         caps = vulkan.device_caps()
         device = {"name": caps.name, "target": vulkan.local_target_attr(caps)}
         mlir = mlir.replace("module @pockjax_train {", "module @pockjax_train attributes "
@@ -120,12 +119,7 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     # Stop at stream IR, check the in-place updates there, then finish from it.
     stream = compile_module(mlir, target, flags, ("--compile-to=stream",))
     report = check_stream(stream, lowered, target)
-    gpu_target = None
-    if tgt.backend == "vulkan":
-        from pockjax.export import vulkan
-
-        gpu_target = vulkan.parse_target(stream.decode() if isinstance(stream, bytes)
-                                         else stream).text
+    gpu_target = vulkan.parse_target(stream.decode()).text if tgt.backend == "vulkan" else None
     vmfb = compile_module(stream, target, flags, ("--compile-from=stream",))
     compile_s = time.perf_counter() - started
 

@@ -153,9 +153,8 @@ def _zero(ties):
         return None
     total = jnp.float32(0)
     for e in elems:
-        e = jnp.asarray(e).astype(jnp.float32) if jnp.issubdtype(e.dtype, jnp.number) \
-            else jnp.asarray(e, jnp.float32)
-        total = total + jnp.clip(jnp.nan_to_num(e, nan=0.0, posinf=0.0, neginf=0.0), -1, 1)
+        e = jnp.nan_to_num(e.astype(jnp.float32), nan=0.0, posinf=0.0, neginf=0.0)
+        total = total + jnp.clip(e, -1, 1)
     return total * 0.0
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pockjax import runtime
-from pockjax.export import vulkan
+from pockjax.export import ExportError, vulkan
 from tests.export.models import MODELS, make
 from tests.helpers import assert_trees_close
 
@@ -97,3 +97,14 @@ def test_device_info_is_parsed_and_checked():
     # The target built for a device fits it.
     local = vulkan.parse_target(vulkan.local_target_attr(caps))
     assert local.subgroup_size_choices == (8,) and vulkan.problems(local, caps) == []
+
+
+def test_a_machine_without_vulkan_is_told_what_to_install(monkeypatch):
+    import iree.runtime as ir
+
+    def no_driver(name):
+        raise ValueError(f"Could not create driver '{name}' (not registered)")
+
+    monkeypatch.setattr(ir, "get_driver", no_driver)
+    with pytest.raises(ExportError, match="no Vulkan driver here.*install mesa-vulkan-drivers"):
+        vulkan.device_caps()
