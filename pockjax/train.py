@@ -144,7 +144,7 @@ class SparseTrainer:
             view_def = jax.tree_util.tree_structure(view)
             head, new_params, new_state = fused.global_step(
                 info.jaxpr, param_leaves, other, decisions, self.optimizer, state.opt_state,
-                view_def, n_head)
+                view_def, n_head, ties=ties)
         params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.params),
                                               new_params)
         metrics = {"loss": head[0]}

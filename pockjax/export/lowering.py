@@ -114,12 +114,13 @@ def _legalized(fn, *avals):
 
 
 def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool = True,
-               placement: str | None = None) -> Lowered:
+               placement: str | None = None, ties: str = "data") -> Lowered:
     """Lower `trainer`'s step and eval for `state` and `batch` into one module, legalised
     for IREE (`pockjax.transforms.legalize`).
 
-    `donate=False` and `placement="global"` build the alternatives the in-place step is
-    measured against: new buffers for the new state, and one barrier before all updates.
+    `donate=False` and `placement="global", ties="barrier"` build the alternatives the
+    in-place step is measured against: new buffers for the new state, and one barrier
+    before all updates. `ties`: see `pockjax.optim.fused.fused_step`.
     """
     _check_static(batch)
     decisions = jax.tree_util.tree_leaves(trainer.scheme.resolve(state.params))
@@ -154,7 +155,7 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
         st = TrainState(step, params_from(train, frz),
                         jax.tree_util.tree_unflatten(opt_def, opt), state.scheme)
         new, metrics = trainer._step(st, jax.tree_util.tree_unflatten(batch_def, batch_leaves),
-                                     placement=placement, ties="data")
+                                     placement=placement, ties=ties)
         new_params = jax.tree_util.tree_leaves(new.params)
         aux = leaves_with_paths(metrics.get("aux"))[0] if "aux" in metrics else []
         aux_paths[:] = [f"aux/{p}" if p else "aux" for p, _ in aux]

@@ -140,19 +140,25 @@ def _token(ties):
     return tok
 
 
-def _zero(ties):
+def _zero(ties, barrier: bool = False):
     """A scalar 0 that depends on one element of each of `ties` (None if none).
 
-    Finite values are clipped to [-1, 1] and multiplied by 0; NaN and infinities map to
-    0 first, so the zero is exact whatever the readers produced. Compilers cannot fold
-    a float multiplication by zero (it is not 0 for NaN or infinity), so the dependency
-    reaches the program.
+    With `barrier` the elements pass through an optimization barrier, which keeps IREE
+    from fusing their extraction into the update: when a reader's output also goes into or
+    comes out of a loop (scan, while), that fusion makes IREE 3.13's stream partitioning
+    fail ("circular dependency"; seen with the layer before a scanned stack). The
+    barrier is on scalars, but it splits the step into more submissions (6 x 1024 MLP:
+    13 instead of 1, and 22 instead of 15 MiB allocated), so it is used only there.
+    Finite values are clipped to [-1, 1] and multiplied by 0, NaN and infinities
+    map to 0 first, so the zero is exact whatever the readers produced. A float
+    multiplication by zero cannot be folded (it is not 0 for NaN or infinity), so the
+    dependency reaches the program.
     """
     elems = [jnp.ravel(t)[0] for t in ties if np.size(t)]
     if not elems:
         return None
     total = jnp.float32(0)
-    for e in elems:
+    for e in lax.optimization_barrier(elems) if barrier else elems:
         e = jnp.nan_to_num(e.astype(jnp.float32), nan=0.0, posinf=0.0, neginf=0.0)
         total = total + jnp.clip(e, -1, 1)
     return total * 0.0
@@ -201,6 +207,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
     param_vars = [jaxpr.invars[k] for k in train_idx]
     grad_atoms = jaxpr.outvars[n_head:]
     placements = place_updates(jaxpr, param_vars, grad_atoms)
+    loop_values = _loop_values(jaxpr)
     at: dict[int, list[int]] = {}
     for j, pl in enumerate(placements):
         at.setdefault(pl.after, []).append(j)
@@ -222,7 +229,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
             g, p, *tied = lax.optimization_barrier((g, p, *tied))
             tok = _token(tied)
         else:
-            zero = _zero(tied)
+            zero = _zero(tied, barrier=any(v in loop_values for v in placements[j].ties))
         view = _kept_view(p, d)
         leaf = plan.leaves[j]
         ins = []
@@ -251,21 +258,51 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
 
 
 def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisions,
-                optimizer, state, view_def, n_head: int):
-    """The optimizer after the whole backward pass, behind one barrier over every
-    gradient and trainable parameter (still safe for in-place updates)."""
-    outs = _call(grad_jaxpr, [*param_leaves, *other_leaves])
-    head, grads = outs[:n_head], outs[n_head:]
+                optimizer, state, view_def, n_head: int, ties: str = "barrier"):
+    """The optimizer after the whole backward pass (for chains that need every gradient,
+    such as clip_by_global_norm). Writes are ordered after the last reads as in
+    `fused_step`: `ties="barrier"` puts one barrier over every gradient and trainable
+    parameter; `ties="data"` adds each parameter's data tie (on IREE a barrier over
+    donated parameters makes it copy them onto themselves, which its runtime rejects)."""
+    jaxpr = grad_jaxpr.jaxpr
     train_idx = [k for k, d in enumerate(decisions) if isinstance(d, (Full, Channels))]
-    grads, trained = lax.optimization_barrier((grads, [param_leaves[k] for k in train_idx]))
+    trained = [param_leaves[k] for k in train_idx]
+    zeros: list = [None] * len(train_idx)
+    if ties == "barrier":
+        outs = _call(grad_jaxpr, [*param_leaves, *other_leaves])
+        grads = outs[n_head:]
+        grads, trained = lax.optimization_barrier((grads, trained))
+    else:
+        placements = place_updates(jaxpr, [jaxpr.invars[k] for k in train_idx],
+                                   jaxpr.outvars[n_head:])
+        loop_values = _loop_values(jaxpr)
+        at: dict[int, list[int]] = {}
+        for j, pl in enumerate(placements):
+            at.setdefault(pl.after, []).append(j)
+
+        def after(i, read):
+            for j in at.get(i, ()):
+                zeros[j] = _zero([read(v) for v in placements[j].ties],
+                                 barrier=any(v in loop_values for v in placements[j].ties))
+
+        outs = pushdown.interpret(jaxpr, grad_jaxpr.consts, [*param_leaves, *other_leaves],
+                                  after=after)
+        grads = outs[n_head:]
+    head = outs[:n_head]
     views = [_kept_view(p, decisions[k]) for k, p in zip(train_idx, trained)]
     g_tree = jax.tree_util.tree_unflatten(view_def, grads)
     p_tree = jax.tree_util.tree_unflatten(view_def, views)
     updates, new_state = optimizer.update(g_tree, state, p_tree)
     new_params = list(param_leaves)
-    for k, p, v, u in zip(train_idx, trained, views, jax.tree_util.tree_leaves(updates)):
-        new_params[k] = _write_back(p, decisions[k], v + u)
+    for k, p, v, u, z in zip(train_idx, trained, views, jax.tree_util.tree_leaves(updates), zeros):
+        new_params[k] = _write_back(p, decisions[k], v + u if z is None else v + u + z.astype(u.dtype))
     return head, new_params, new_state
+
+
+def _loop_values(jaxpr) -> set:
+    """Values that go into or come out of a loop (scan, while); see `_zero`."""
+    return {v for e in jaxpr.eqns if e.primitive.name in ("scan", "while")
+            for v in [*e.invars, *e.outvars] if isinstance(v, jex.Var)}
 
 
 def _call(closed: jex.ClosedJaxpr, args):

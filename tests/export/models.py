@@ -88,10 +88,49 @@ def transformer():
     return loss, params, scheme, batch
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+def scanned():
+    """A stack of 4 tanh layers run by lax.scan after a dense layer, with an aux output;
+    only the last 2 layers of the stack train (the scan is split)."""
+    k = jax.random.PRNGKey(3)
+    params = {"inp": _normal(k, 0, (12, 16), 0.3), "stack": _normal(k, 1, (4, 16, 16), 0.3),
+              "head": _normal(k, 2, (16, 3), 0.3)}
+
+    def loss(p, batch):
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch["x"] @ p["inp"], p["stack"])
+        out = h @ p["head"]
+        return jnp.mean((out - batch["y"]) ** 2), {"out_mean": jnp.mean(out)}
+
+    scheme = pj.Scheme({"stack": pj.Channels(count=2, axis=0, last=True)}, default=pj.Full())
+    batch = {"x": _normal(k, 10, (8, 12), 1.0), "y": _normal(k, 11, (8, 3), 0.5)}
+    return loss, params, scheme, batch
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "scanned": scanned, "clipped": mlp}
+
+# The optimizer per model: adam, except a chain that needs every gradient before any
+# update (global mode) for "clipped".
+OPTIMIZERS = {"clipped": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))}
 
 
 def make(name):
     loss, params, scheme, batch = MODELS[name]()
-    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme)
+    optimizer = OPTIMIZERS.get(name, lambda: optax.adam(1e-2))()
+    trainer = pj.sparse_train(loss, optimizer=optimizer, scheme=scheme, has_aux=name == "scanned")
     return trainer, params, batch
+
+
+def eval_loss(trainer, params, batch):
+    """The JAX loss (without aux) that an artifact's `eval` must match."""
+    out = trainer.loss_fn(params, batch)
+    return out[0] if trainer.has_aux else out
+
+
+def assert_metrics_match(got, want, rtol=1e-4):
+    """An artifact's step metrics against the JAX trainer's: loss and every aux leaf."""
+    import numpy as np
+
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=rtol)
+    aux = pj.scheme.leaves_with_paths(want.get("aux"))[0] if "aux" in want else []
+    assert sorted(got) == sorted(["loss"] + [f"aux/{p}" if p else "aux" for p, _ in aux])
+    for p, x in aux:
+        np.testing.assert_allclose(got[f"aux/{p}" if p else "aux"], x, rtol=rtol, atol=1e-6)

@@ -12,7 +12,7 @@ import pytest
 
 from pockjax import runtime
 from pockjax.export import ExportError
-from tests.export.models import MODELS, make
+from tests.export.models import MODELS, assert_metrics_match, eval_loss, make
 from tests.helpers import assert_trees_close
 
 STEPS = 3
@@ -36,10 +36,10 @@ def test_arm64_artifact_under_qemu_matches_the_jax_trainer(exported, tmp_path):
     for _ in range(STEPS):
         got = sess.step(batch)
         state, want = trainer(state, batch)
-        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-4)
+        assert_metrics_match(got, want)
     assert_trees_close(sess.params(), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
     assert sess.step_count == STEPS
-    np.testing.assert_allclose(sess.evaluate(batch), trainer.loss_fn(state.params, batch), rtol=1e-4)
+    np.testing.assert_allclose(sess.evaluate(batch), eval_loss(trainer, state.params, batch), rtol=1e-4)
 
 
 def test_tool_errors_name_the_problem(tmp_path):

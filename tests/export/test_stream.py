@@ -114,7 +114,7 @@ def wide_mlp():
 def test_the_exported_step_updates_in_place_with_less_memory(wide_mlp, extra):
     trainer, state, batch = wide_mlp
     reports = {}
-    for name, kw in [("fused", {}), ("one barrier", {"placement": "global"}),
+    for name, kw in [("fused", {}), ("one barrier", {"placement": "global", "ties": "barrier"}),
                      ("undonated", {"donate": False})]:
         lowered = lower_step(trainer, state, batch, **kw)
         donated = {i: s.name for i, s in enumerate(lowered.mutable)}

@@ -4,12 +4,11 @@ These tests need a Vulkan driver: CI installs mesa-vulkan-drivers, and without o
 fail (the runtime raises), they are not skipped.
 """
 import jax
-import numpy as np
 import pytest
 
 from pockjax import runtime
 from pockjax.export import ExportError, vulkan
-from tests.export.models import MODELS, make
+from tests.export.models import MODELS, assert_metrics_match, make
 from tests.helpers import assert_trees_close
 
 STEPS = 3
@@ -38,7 +37,7 @@ def test_vulkan_artifact_matches_the_jax_trainer(exported):
     for _ in range(STEPS):
         got = sess.step(batch)
         state, want = trainer(state, batch)
-        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-4)
+        assert_metrics_match(got, want)
     assert_trees_close(sess.params(), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
     assert sess.step_count == STEPS
 
