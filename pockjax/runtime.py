@@ -78,15 +78,29 @@ def _unflatten(paths: list[str], values: dict[str, np.ndarray]):
 
 class _Artifact:
     """What every way of running an artifact shares: the batch check, parameters as a
-    pytree and checkpoints. Subclasses provide `_values()` and `_step_value()`."""
+    pytree and checkpoints. Subclasses set `manifest` and `_state_names` and provide
+    `_state_value(i)` (state tensor `i` on the host) and `_frozen_values()`."""
 
     manifest: dict
+    _state_names: list[str]
+
+    def _state_value(self, i: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _frozen_values(self) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def _eval_indices(self) -> list[int]:
+        """The positions in the state of `eval`'s state arguments."""
+        return [self._state_names.index(n) for n in self.manifest["functions"]["eval"]["state"]]
 
     def _values(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
-    def _step_value(self) -> np.ndarray:
-        raise NotImplementedError
+        """Every state tensor and frozen weight by name, on the host."""
+        values = {name: self._state_value(i) for i, name in enumerate(self._state_names)}
+        frozen = self.manifest["functions"]["frozen"]["outputs"]
+        if frozen:
+            values.update(zip(frozen, self._frozen_values()))
+        return values
 
     # -- batches -----------------------------------------------------------------
 
@@ -119,7 +133,7 @@ class _Artifact:
 
     @property
     def step_count(self) -> int:
-        return int(self._step_value())
+        return int(self._state_value(self._state_names.index("step")))
 
     def save(self, path: str) -> None:
         """A checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`)."""
@@ -185,7 +199,6 @@ class Session(_Artifact):
         self._fn = {name: ir.FunctionInvoker(self.context, self.device, main.lookup_function(name))
                     for name in fns}
         self._state_names = fns["train_step"]["state"]
-        self._eval_state = [self._state_names.index(n) for n in fns["eval"]["state"]]
         # The initial state comes from the parameter archive. It is copied into fresh
         # device buffers once: the step updates its arguments in place, and the
         # archive's own storage must stay untouched.
@@ -229,21 +242,15 @@ class Session(_Artifact):
 
     def evaluate(self, batch) -> np.ndarray:
         """The loss on `batch` with the current parameters (no update)."""
-        out = self._fn["eval"](*(self._state[i] for i in self._eval_state),
+        out = self._fn["eval"](*(self._state[i] for i in self._eval_indices()),
                                *self._batch_args(batch))
         return self._host(_as_list(out)[0])
 
-    def _step_value(self):
-        return self._host(self._state[self._state_names.index("step")])
+    def _state_value(self, i):
+        return self._host(self._state[i])
 
-    def _values(self) -> dict[str, np.ndarray]:
-        """Every state tensor by name, on the host."""
-        values = {name: self._host(x) for name, x in zip(self._state_names, self._state)}
-        frozen = self.manifest["functions"]["frozen"]["outputs"]
-        if frozen:
-            values.update({name: self._host(x)
-                           for name, x in zip(frozen, _as_list(self._fn["frozen"]()))})
-        return values
+    def _frozen_values(self):
+        return [self._host(x) for x in _as_list(self._fn["frozen"]())]
 
 class ToolSession(_Artifact):
     """An artifact run by IREE's `iree-run-module` tool, one process per call.
@@ -309,21 +316,16 @@ class ToolSession(_Artifact):
         return {name: np.load(f) for name, f in zip(fn["outputs"], outs[len(self._state_names):])}
 
     def evaluate(self, batch) -> np.ndarray:
-        names = self.manifest["functions"]["eval"]["state"]
-        state = [self._state_files[self._state_names.index(n)] for n in names]
+        state = [self._state_files[i] for i in self._eval_indices()]
         out, = self._call("eval", state + self._write_batch(batch), 1, "eval")
         return np.load(out)
 
-    def _step_value(self):
-        return np.load(self._state_files[self._state_names.index("step")])
+    def _state_value(self, i):
+        return np.load(self._state_files[i])
 
-    def _values(self) -> dict[str, np.ndarray]:
-        values = {name: np.load(f) for name, f in zip(self._state_names, self._state_files)}
-        frozen = self.manifest["functions"]["frozen"]["outputs"]
-        if frozen:
-            files = self._call("frozen", [], len(frozen), "frozen")
-            values.update({name: np.load(f) for name, f in zip(frozen, files)})
-        return values
+    def _frozen_values(self):
+        n = len(self.manifest["functions"]["frozen"]["outputs"])
+        return [np.load(f) for f in self._call("frozen", [], n, "frozen")]
 
 
 def qemu_arm64(runtime_dir: str, sysroot: str = "/usr/aarch64-linux-gnu") -> list[str]:

@@ -208,9 +208,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
     grad_atoms = jaxpr.outvars[n_head:]
     placements = place_updates(jaxpr, param_vars, grad_atoms)
     loop_values = _loop_values(jaxpr)
-    at: dict[int, list[int]] = {}
-    for j, pl in enumerate(placements):
-        at.setdefault(pl.after, []).append(j)
+    at = _by_position(placements)
 
     new_params = list(param_leaves)
     new_state = list(state_leaves)
@@ -229,7 +227,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
             g, p, *tied = lax.optimization_barrier((g, p, *tied))
             tok = _token(tied)
         else:
-            zero = _zero(tied, barrier=any(v in loop_values for v in placements[j].ties))
+            zero = _data_tie(placements[j], read, loop_values)
         view = _kept_view(p, d)
         leaf = plan.leaves[j]
         ins = []
@@ -243,8 +241,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
                 assert i - n - m == j, "a per-leaf update read another leaf's parameter"
                 ins.append(view)
         u, *s = _call(leaf.jaxpr, ins)
-        new = view + u if zero is None else view + u + zero.astype(u.dtype)
-        new_params[k] = _write_back(p, d, new, tok)
+        new_params[k] = _write_back(p, d, _plus(view + u, zero), tok)
         for idx, v in zip(leaf.state_out, s):
             new_state[idx] = v
 
@@ -276,14 +273,11 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
         placements = place_updates(jaxpr, [jaxpr.invars[k] for k in train_idx],
                                    jaxpr.outvars[n_head:])
         loop_values = _loop_values(jaxpr)
-        at: dict[int, list[int]] = {}
-        for j, pl in enumerate(placements):
-            at.setdefault(pl.after, []).append(j)
+        at = _by_position(placements)
 
         def after(i, read):
             for j in at.get(i, ()):
-                zeros[j] = _zero([read(v) for v in placements[j].ties],
-                                 barrier=any(v in loop_values for v in placements[j].ties))
+                zeros[j] = _data_tie(placements[j], read, loop_values)
 
         outs = pushdown.interpret(jaxpr, grad_jaxpr.consts, [*param_leaves, *other_leaves],
                                   after=after)
@@ -295,8 +289,26 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
     updates, new_state = optimizer.update(g_tree, state, p_tree)
     new_params = list(param_leaves)
     for k, p, v, u, z in zip(train_idx, trained, views, jax.tree_util.tree_leaves(updates), zeros):
-        new_params[k] = _write_back(p, decisions[k], v + u if z is None else v + u + z.astype(u.dtype))
+        new_params[k] = _write_back(p, decisions[k], _plus(v + u, z))
     return head, new_params, new_state
+
+
+def _by_position(placements) -> dict[int, list[int]]:
+    """Update indices by the equation they follow."""
+    at: dict[int, list[int]] = {}
+    for j, pl in enumerate(placements):
+        at.setdefault(pl.after, []).append(j)
+    return at
+
+
+def _data_tie(placement: Placement, read, loop_values: set):
+    """The zero that orders a write after `placement`'s last reads (see `_zero`)."""
+    return _zero([read(v) for v in placement.ties],
+                 barrier=any(v in loop_values for v in placement.ties))
+
+
+def _plus(x, zero):
+    return x if zero is None else x + zero.astype(x.dtype)
 
 
 def _loop_values(jaxpr) -> set:

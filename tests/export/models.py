@@ -134,3 +134,18 @@ def assert_metrics_match(got, want, rtol=1e-4):
     assert sorted(got) == sorted(["loss"] + [f"aux/{p}" if p else "aux" for p, _ in aux])
     for p, x in aux:
         np.testing.assert_allclose(got[f"aux/{p}" if p else "aux"], x, rtol=rtol, atol=1e-6)
+
+
+def run_against_jax(sess, trainer, params, batch, steps=3):
+    """`steps` steps of an artifact session and of the JAX trainer side by side: metrics
+    each step, then parameters (rtol 1e-4) and the step count. Returns the JAX state."""
+    from tests.helpers import assert_trees_close
+
+    state = trainer.init(params)
+    for _ in range(steps):
+        got = sess.step(batch)
+        state, want = trainer(state, batch)
+        assert_metrics_match(got, want)
+    assert_trees_close(sess.params(), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
+    assert sess.step_count == steps
+    return state

@@ -6,14 +6,12 @@ CI installs qemu-user and the aarch64 C/C++ libraries; without them these tests 
 import os
 import sys
 
-import jax
 import numpy as np
 import pytest
 
 from pockjax import runtime
 from pockjax.export import ExportError
-from tests.export.models import MODELS, assert_metrics_match, eval_loss, make
-from tests.helpers import assert_trees_close
+from tests.export.models import MODELS, eval_loss, make, run_against_jax
 
 STEPS = 3
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
@@ -32,13 +30,7 @@ def test_arm64_artifact_under_qemu_matches_the_jax_trainer(exported, tmp_path):
     trainer, params, batch, art = exported
     assert "--iree-llvmcpu-target-triple=aarch64-linux-android34" in art.manifest["target"]["flags"]
     sess = runtime.ToolSession(art.path, runtime.qemu_arm64(RUNTIME), workdir=tmp_path / "run")
-    state = trainer.init(params)
-    for _ in range(STEPS):
-        got = sess.step(batch)
-        state, want = trainer(state, batch)
-        assert_metrics_match(got, want)
-    assert_trees_close(sess.params(), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
-    assert sess.step_count == STEPS
+    state = run_against_jax(sess, trainer, params, batch, STEPS)
     np.testing.assert_allclose(sess.evaluate(batch), eval_loss(trainer, state.params, batch), rtol=1e-4)
 
 

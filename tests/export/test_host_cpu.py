@@ -1,13 +1,12 @@
 """host-cpu artifacts run with IREE's runtime and match the JAX trainer step by step."""
 import json
 
-import jax
 import numpy as np
 import pytest
 
 import pockjax as pj
 from pockjax import runtime
-from tests.export.models import MODELS, assert_metrics_match, eval_loss, make
+from tests.export.models import MODELS, eval_loss, make, run_against_jax
 from tests.helpers import assert_trees_close
 
 STEPS = 3
@@ -24,13 +23,7 @@ def exported(request, tmp_path_factory):
 def test_artifact_matches_the_jax_trainer(exported, tmp_path):
     name, trainer, params, batch, art = exported
     sess = runtime.load(art.path, device="local-task")
-    state = trainer.init(params)
-    for _ in range(STEPS):
-        got = sess.step(batch)
-        state, want = trainer(state, batch)
-        assert_metrics_match(got, want)
-    assert_trees_close(sess.params(), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
-    assert sess.step_count == STEPS
+    state = run_against_jax(sess, trainer, params, batch, STEPS)
     np.testing.assert_allclose(sess.evaluate(batch), eval_loss(trainer, state.params, batch), rtol=1e-4)
     # The session's checkpoint is pockjax.save's format: it loads into the JAX state.
     sess.save(tmp_path / "ckpt.safetensors")

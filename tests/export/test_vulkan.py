@@ -3,13 +3,11 @@
 These tests need a Vulkan driver: CI installs mesa-vulkan-drivers, and without one they
 fail (the runtime raises), they are not skipped.
 """
-import jax
 import pytest
 
 from pockjax import runtime
 from pockjax.export import ExportError, vulkan
-from tests.export.models import MODELS, assert_metrics_match, make
-from tests.helpers import assert_trees_close
+from tests.export.models import MODELS, make, run_against_jax
 
 STEPS = 3
 
@@ -33,13 +31,7 @@ def exported(request, tmp_path_factory):
 def test_vulkan_artifact_matches_the_jax_trainer(exported):
     trainer, params, batch, art = exported
     sess = runtime.load(art.path, device="vulkan")
-    state = trainer.init(params)
-    for _ in range(STEPS):
-        got = sess.step(batch)
-        state, want = trainer(state, batch)
-        assert_metrics_match(got, want)
-    assert_trees_close(sess.params(), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
-    assert sess.step_count == STEPS
+    run_against_jax(sess, trainer, params, batch, STEPS)
 
 
 def test_manifest_records_the_compiled_for_gpu(exported):
