@@ -51,6 +51,17 @@ def test_tool_errors_name_the_problem(tmp_path):
     # The Python runtime of this x86 host refuses it and says how to run it.
     with pytest.raises(ExportError, match=r"is for android-arm64 \(aarch64 code\).*--qemu-arm64"):
         runtime.load(art.path)
+    # A manifest that hides the target: IREE's own refusal becomes an ExportError.
+    import json
+    import shutil
+    relabeled = tmp_path / "relabeled"
+    shutil.copytree(art.path, relabeled)
+    manifest = json.loads((relabeled / "manifest.json").read_text())
+    manifest["target"]["name"] = "host-cpu"
+    (relabeled / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match=r"IREE could not load artifact .*target 'host-cpu'.*"
+                                          r"device 'local-task'"):
+        runtime.load(relabeled)
 
 
 def test_cli_runs_an_arm64_artifact_under_qemu(tmp_path, capsys):
