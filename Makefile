@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
-EXTRAS ?= dev,export
+EXTRAS ?= dev,export,torch,examples
 # The aarch64 build of IREE's runtime tools, to run android-arm64 artifacts under QEMU.
 ARM64_RUNTIME ?= .cache/iree-aarch64
 # System packages the Vulkan and ARM64 tests use (Debian/Ubuntu): lavapipe, QEMU and the

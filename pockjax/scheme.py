@@ -116,7 +116,7 @@ class Channels:
                               f"Use Full() or Frozen() for it")
         if isinstance(self.axis, str):
             axis = _AXIS_NAMES[self.axis]
-            if ndim < 2:
+            if ndim < -axis:
                 raise SchemeError(
                     f"parameter '{path}' has shape {shape}, which has no '{self.axis}' axis "
                     f"('in'/'out' are axes -2/-1 of a kernel); use axis=0 or axis='out' for a vector")

@@ -1,17 +1,173 @@
-"""Ready-made schemes."""
+"""Ready-made schemes: the paper's sparse schemes and the common baselines.
+
+Each helper takes the model's parameters (a pytree, or an `nnx.Module`) so it can
+find the blocks and keep only rules that match; a helper that would select nothing
+raises `SchemeError` naming what it looked for.
+
+>>> import jax.numpy as jnp, pockjax as pj
+>>> params = {"layers": [{"attn": {"q_proj": {"kernel": jnp.zeros((4, 4))}},
+...                       "mlp": {"down_proj": {"kernel": jnp.zeros((4, 4))}}}] * 3}
+>>> pj.schemes.transformer(params, last=1)
+Scheme({'layers/2/**/q_proj/kernel': Full()}, default=Frozen())
+"""
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
-from pockjax.scheme import Frozen, Full, Scheme
+from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError, \
+    _glob_to_regex, leaves_with_paths
 
-__all__ = ["bias_only"]
+__all__ = ["bias_only", "blocks", "last_blocks", "transformer", "mobilenetv2", "lora"]
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_IN = ("gate_proj", "up_proj")
 
 
-def bias_only(names: Sequence[str] = ("bias",)) -> Scheme:
+def _paths(params) -> list[str]:
+    from flax import nnx  # only for modules
+
+    if isinstance(params, nnx.Module):
+        from pockjax.nnx import param_paths
+        return param_paths(params)
+    return [p for p, _ in leaves_with_paths(params)[0]]
+
+
+def _keep_matching(rules, paths, what: str):
+    kept = [(p, d) for p, d in rules if any(_glob_to_regex(p).match(x) for x in paths)]
+    if not kept:
+        raise SchemeError(f"no parameter matches {what}; parameters are e.g. "
+                          + ", ".join(repr(p) for p in paths[:4]))
+    return kept
+
+
+_BLOCK = re.compile(r"^(?:(?P<a>.*?)/(?P<i>\d+)|(?P<b>[^/]*?)_(?P<j>\d+))(?=/|$)")
+
+
+def blocks(params, name: str | None = None) -> list[str]:
+    """Glob prefixes of the model's repeated blocks in order: `layers/0`, `layers/1`, ...
+    (a list or `nnx.List` of modules) or `Block_0`, `Block_1`, ... (Linen's naming).
+
+    `name` picks the container (`"layers"`, `"blocks"`, `"Block"`); by default the one
+    with the most blocks.
+
+    >>> blocks({"h": [{"w": 0.0}, {"w": 0.0}], "head": {"w": 0.0}})
+    ['h/0', 'h/1']
+    """
+    found: dict[str, set[int]] = {}
+    for path in _paths(params):
+        m = _BLOCK.match(path)
+        if m:
+            base, idx = (m["a"], m["i"]) if m["a"] is not None else (m["b"], m["j"])
+            found.setdefault(base, set()).add(int(idx))
+    if name is not None:
+        if name not in found:
+            raise SchemeError(f"no blocks named {name!r}; the repeated blocks are "
+                              f"{sorted(found) or 'none'}")
+        found = {name: found[name]}
+    if not found:
+        raise SchemeError("the parameters have no repeated blocks (paths like 'layers/0/...' or "
+                          "'Block_0/...'); name the parameters in a Scheme instead")
+    base = max(found, key=lambda b: len(found[b]))
+    linen = not any(p.startswith(base + "/") for p in _paths(params))
+    return [f"{base}_{i}" if linen else f"{base}/{i}" for i in sorted(found[base])]
+
+
+def _chosen(params, last: int | None, name: str | None) -> list[str]:
+    all_blocks = blocks(params, name)
+    if last is None:
+        return all_blocks
+    if not 1 <= last <= len(all_blocks):
+        raise SchemeError(f"last={last} but the model has {len(all_blocks)} blocks; "
+                          f"use 1..{len(all_blocks)} or None for all")
+    return all_blocks[-last:]
+
+
+def bias_only(params=None, names: Sequence[str] = ("bias",)) -> Scheme:
     """Train only biases (BitFit): every parameter whose last path component is in `names`.
+
+    With `params`, only names the model has are kept (and none raises).
 
     >>> bias_only().match("blocks_0/mlp/bias")
     Full()
     """
+    rules = [(f"**/{n}", Full()) for n in names]
+    if params is not None:
+        rules = _keep_matching(rules, _paths(params), f"bias names {list(names)}")
+    return Scheme(rules, default=Frozen())
+
+
+def last_blocks(params, k: int, *, decision: Decision = Full(), extra: Sequence[str] = (),
+                block_name: str | None = None) -> Scheme:
+    """The last `k` blocks train (with `decision`), plus the `extra` glob patterns in full
+    (e.g. `"norm/**"`, `"lm_head/**"`, `"classifier/**"`)."""
+    rules = [(f"{b}/**", decision) for b in _chosen(params, k, block_name)]
+    rules += _keep_matching([(p, Full()) for p in extra], _paths(params),
+                            f"extra patterns {list(extra)}") if extra else []
+    return Scheme(rules, default=Frozen())
+
+
+def _decision(ratio, axis) -> Decision:
+    return Full() if ratio is None else Channels(ratio=ratio, axis=axis)
+
+
+def transformer(params, *, last: int | None = None, attention: Sequence[str] = ATTENTION,
+                mlp: Sequence[str] = MLP_IN, ratio: float | None = None, axis: str | int = "out",
+                norms: bool = False, extra: Sequence[str] = (),
+                block_name: str | None = None) -> Scheme:
+    """PockEngine's transformer scheme: in each chosen block the attention projections and
+    the first MLP linear (gate and up) train, the second (down) does not.
+
+    `last` keeps the last k blocks only; `ratio` trains that fraction of each chosen
+    kernel's channels along `axis` ("out" or "in"); `norms` also trains the chosen blocks'
+    normalisation scales; `extra` adds glob patterns trained in full (`"lm_head/**"`).
+    Projection names are the last-but-one path component (`.../q_proj/kernel`).
+    """
+    paths = _paths(params)
+    decision = _decision(ratio, axis)
+    rules = []
+    for b in _chosen(params, last, block_name):
+        for name in (*attention, *mlp):
+            rules.append((f"{b}/**/{name}/kernel", decision))
+            rules.append((f"{b}/**/{name}/bias", Full()))
+        if norms:
+            rules.append((f"{b}/**/*norm*/scale", Full()))
+            rules.append((f"{b}/**/*norm*/bias", Full()))
+    rules = _keep_matching(rules, paths, f"projections {[*attention, *mlp]}")
+    if extra:
+        rules += _keep_matching([(p, Full()) for p in extra], paths, f"extra patterns {list(extra)}")
+    return Scheme(rules, default=Frozen())
+
+
+def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
+                axis: str | int = "out", norms: bool = False, classifier: bool = True) -> Scheme:
+    """PockEngine's MobileNetV2 scheme: the first point-wise (expansion) convolution of each
+    chosen inverted-residual block trains; the depth-wise and the second point-wise
+    (projection) convolutions do not.
+
+    `last` keeps the last k blocks that have an expansion; `ratio` trains that fraction
+    of each kernel's channels along `axis`; `norms` also trains the chosen blocks' batch
+    norm scales and biases; `classifier` trains the classifier (a new task's head).
+    Paths follow `pockjax.models.MobileNetV2` (`blocks/{i}/expand/conv/kernel`).
+    """
+    paths = _paths(params)
+    expanding = [b for b in blocks(params, "blocks") if f"{b}/expand/conv/kernel" in paths]
+    if not expanding:
+        raise SchemeError("no 'blocks/{i}/expand/conv/kernel' parameters: this scheme needs "
+                          "pockjax.models.MobileNetV2's parameter paths")
+    if last is not None:
+        if not 1 <= last <= len(expanding):
+            raise SchemeError(f"last={last} but the model has {len(expanding)} blocks with an "
+                              f"expansion convolution; use 1..{len(expanding)}")
+        expanding = expanding[-last:]
+    rules: list = [(f"{b}/expand/conv/kernel", _decision(ratio, axis)) for b in expanding]
+    if norms:
+        rules += [(f"{b}/*/bn/{n}", Full()) for b in expanding for n in ("scale", "bias")]
+    if classifier:
+        rules += _keep_matching([("classifier/**", Full())], paths, "'classifier/**'")
+    return Scheme(rules, default=Frozen())
+
+
+def lora(names: Sequence[str] = ("lora_a", "lora_b")) -> Scheme:
+    """Only the LoRA adapters train (see `pockjax.models.lora`)."""
     return Scheme({f"**/{n}": Full() for n in names}, default=Frozen())

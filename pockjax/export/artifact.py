@@ -15,7 +15,7 @@ import numpy as np
 
 from pockjax.export import vulkan
 from pockjax.export.lowering import Lowered, lower_step
-from pockjax.export.stream import StreamReport, analyze
+from pockjax.export.stream import StreamReport, analyze, narrow_bindings
 from pockjax.export.targets import ExportError, resolve_target
 from pockjax.scheme import leaves_with_paths
 
@@ -90,6 +90,25 @@ def check_stream(stream: bytes | str, lowered: Lowered, target: str) -> StreamRe
     return report
 
 
+def check_storage(stream: bytes | str, gpu: vulkan.GpuTarget, target: str) -> None:
+    """Refuse kernels that keep 8- or 16-bit tensors in memory on a GPU target without
+    that storage width: IREE 3.13 emulates it with 32-bit words, and the emulated loads
+    gave wrong values (i1/i8/i16/f16 inputs and constants, on lavapipe)."""
+    text = stream.decode() if isinstance(stream, bytes) else stream
+    missing = {t: bits for t, bits in narrow_bindings(text).items() if f"b{bits}" not in gpu.storage}
+    if missing:
+        types = ", ".join(sorted(missing))
+        raise ExportError(
+            f"refusing to export for {target!r} ({gpu.arch}): the step's kernels keep {types} "
+            f"tensors in memory, and this GPU target has no "
+            f"{'/'.join(sorted({f'{b}-bit' for b in missing.values()}))} storage "
+            f"(storage = {'|'.join(sorted(gpu.storage))}); IREE's emulation of it computes wrong "
+            "values. Keep boolean and narrow tensors inside the computation (build a causal "
+            "mask from jnp.arange rather than a numpy constant; pass masks and labels as "
+            "float32/int32), or compile for a GPU that has the storage (gpu='valhall', "
+            "'adreno', or target 'host-vulkan')")
+
+
 def _write_params(path: str, lowered: Lowered) -> None:
     import iree.runtime as ir
 
@@ -119,7 +138,11 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     # Stop at stream IR, check the in-place updates there, then finish from it.
     stream = compile_module(mlir, target, flags, ("--compile-to=stream",))
     report = check_stream(stream, lowered, target)
-    gpu_target = vulkan.parse_target(stream.decode()).text if tgt.backend == "vulkan" else None
+    gpu_target = None
+    if tgt.backend == "vulkan":
+        parsed = vulkan.parse_target(stream.decode())
+        check_storage(stream, parsed, target)
+        gpu_target = parsed.text
     vmfb = compile_module(stream, target, flags, ("--compile-from=stream",))
     compile_s = time.perf_counter() - started
 

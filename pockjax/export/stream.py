@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-__all__ = ["StreamReport", "analyze"]
+__all__ = ["StreamReport", "analyze", "narrow_bindings"]
 
 _SSA = r"%[\w.$#-]+"
 _CONST = re.compile(r"(%[\w]+) = arith\.constant (\d+) : index")
@@ -203,3 +203,18 @@ def analyze(stream_ir: str, donated: dict[int, str], function: str = "train_step
         if out is None or w.root.get(out) != k:
             not_in_place.append(name)
     return StreamReport(w.hazards, not_in_place, input_bytes, peak, submissions)
+
+
+_BINDING = re.compile(r"dispatch\.tensor<(?:readonly|writeonly|readwrite):tensor<(?:[\d?]+x)*"
+                      r"([a-z]+\d+)>")
+
+
+def narrow_bindings(stream_text: str) -> dict[str, int]:
+    """Element types narrower than 32 bits that kernels read or write in memory (`i1`,
+    `i8`, `f16`, ...), with their bit widths."""
+    out = {}
+    for dtype in set(_BINDING.findall(stream_text)):
+        bits = int(re.sub(r"\D", "", dtype))
+        if bits < 32:
+            out[dtype] = 8 if bits <= 8 else bits
+    return out

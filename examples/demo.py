@@ -1,0 +1,157 @@
+"""pockjax's headline flow: sparse fine-tuning of a tiny LLaMA, exported to IREE and run there.
+
+1. Load a tiny LLaMA from a Hugging Face-layout checkpoint (`--pretrained DIR`), or build
+   one and pretrain it here on generated text, save it in that layout and load it back.
+2. Instruction-tune it with PockEngine's transformer scheme (attention and the MLP's
+   gate/up projections of the last 2 blocks, plus the output head), with a progress bar,
+   and print the step's report (FLOPs and compiled memory against full training).
+3. Export the training step for `android-vulkan` and `host-cpu`.
+4. Run the host-cpu artifact (and the android-vulkan one, where this machine has a
+   Vulkan device: lavapipe counts) for a few more steps from the tuned state, side by
+   side with the JAX trainer on the same batches: the losses continue the same curve and
+   the parameters agree.
+5. Write the loss curve to `OUT/demo_loss.png`.
+
+    python examples/demo.py [--steps 150] [--artifact-steps 5] [--out out/demo] [--fast]
+"""
+import argparse
+import os
+import time
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import pockjax as pj
+import tiny_lm as data
+from pockjax.models.hf import load_llama, save_llama
+from pockjax.models.llama import Llama, num_params
+
+BATCH = 32
+
+
+def pretrain(path: str, steps: int) -> None:
+    tokens, mask = data.pack_lines(data.corpus(20_000), data.LENGTH)
+    model = Llama(data.config(), rngs=nnx.Rngs(0))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(steps // 10, 1), steps, 3e-4)
+    trainer = pj.nnx.Trainer(model, data.lm_loss, optimizer=optax.adamw(schedule, weight_decay=0.01))
+    trainer.fit(data.batches(tokens, mask, BATCH), steps, desc="pretrain")
+    trainer.update(model)
+    save_llama(model, path)
+
+
+def vulkan_device() -> str | None:
+    """The name of this machine's Vulkan device, or None where there is none."""
+    try:
+        from pockjax.export import vulkan
+        return vulkan.device_caps().name
+    except Exception:  # no driver, no device, or no IREE Vulkan support
+        return None
+
+
+def max_relative_difference(a, b) -> float:
+    return max(float(np.max(np.abs(x - np.asarray(y))) / (np.max(np.abs(np.asarray(y))) + 1e-12))
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pretrained", help="a Hugging Face-layout LLaMA checkpoint directory")
+    ap.add_argument("--pretrain-steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=150, help="sparse fine-tuning steps")
+    ap.add_argument("--artifact-steps", type=int, default=5)
+    ap.add_argument("--out", default="out/demo")
+    ap.add_argument("--fast", action="store_true",
+                    help="a quick run for tests: 30 pretraining and 20 fine-tuning steps")
+    args = ap.parse_args(argv)
+    if args.fast:
+        args.pretrain_steps, args.steps, args.artifact_steps = 30, 20, 3
+    os.makedirs(args.out, exist_ok=True)
+
+    # 1. The model, from a checkpoint in Hugging Face's layout.
+    path = args.pretrained or os.path.join(args.out, f"pretrained-{args.pretrain_steps}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        print(f"no checkpoint at {path}: pretraining a tiny LLaMA on generated text")
+        pretrain(path, args.pretrain_steps)
+    model = load_llama(path)
+    print(f"loaded {path}: {model.config.num_layers} blocks, hidden {model.config.hidden_size}, "
+          f"{num_params(model.config):,} parameters\n")
+
+    # 2. Sparse instruction tuning.
+    train, _ = data.split_heldout(data.instructions(6000))
+    tokens, mask = data.pack_pairs(train, data.LENGTH)
+    batches = data.batches(tokens, mask, BATCH, seed=2)
+    scheme = pj.schemes.transformer(model, last=2, extra=["lm_head/**"])
+    trainer = pj.nnx.Trainer(model, data.lm_loss, optimizer=optax.adam(1e-3), scheme=scheme)
+    first = next(batches)
+    print(trainer.report(first), "\n")
+    history = trainer.fit(batches, args.steps, desc="sparse fine-tune")
+    print(f"loss {history.loss[:5].mean():.3f} -> {history.loss[-5:].mean():.3f} in "
+          f"{history.steps} steps ({history.steps_per_second:.1f} steps/s)\n")
+
+    # 3. Export the step from the tuned state.
+    artifacts = {}
+    for target in ("android-vulkan", "host-cpu"):
+        start = time.perf_counter()
+        art = trainer.export(first, target=target, out_dir=os.path.join(args.out, target))
+        files = ", ".join(f"{k} {v['bytes'] / 1024:.0f} KiB" for k, v in art.manifest["files"].items())
+        print(f"exported {target} in {time.perf_counter() - start:.1f} s: {art.path} ({files})")
+        artifacts[target] = art
+
+    # 4. Keep training in the artifacts and in JAX on the same batches.
+    sessions = {"host-cpu": pj.runtime.load(artifacts["host-cpu"].path, device="local-task")}
+    device = vulkan_device()
+    if device:
+        sessions["android-vulkan"] = pj.runtime.load(artifacts["android-vulkan"].path,
+                                                     device="vulkan")
+    else:
+        print("no Vulkan device here: the android-vulkan artifact is compiled but not run")
+    more = [next(batches) for _ in range(args.artifact_steps)]
+    jax_loss, art_loss = [], {name: [] for name in sessions}
+    for batch in more:
+        for name, sess in sessions.items():
+            art_loss[name].append(float(sess.step(batch)["loss"]))
+        jax_loss.append(float(trainer(batch)["loss"]))
+    print(f"\n{'step':>5}  {'JAX':>9}  " + "  ".join(f"{n:>14}" for n in sessions))
+    for i in range(len(more)):
+        print(f"{history.steps + i + 1:>5}  {jax_loss[i]:9.5f}  "
+              + "  ".join(f"{art_loss[n][i]:14.5f}" for n in sessions))
+    for name, sess in sessions.items():
+        err = max_relative_difference(sess.params(), trainer.params())
+        where = f" on {device}" if name == "android-vulkan" else ""
+        print(f"{name}{where}: max relative parameter difference to JAX after "
+              f"{len(more)} steps: {err:.1e}")
+        assert err < 1e-3, f"the {name} artifact does not match the JAX trainer"
+        np.testing.assert_allclose(art_loss[name], jax_loss, rtol=1e-3)
+
+    png = os.path.join(args.out, "demo_loss.png")
+    plot(history.loss, jax_loss, art_loss, png)
+    print(f"loss curve: {png}")
+    return {"history": history, "jax": jax_loss, "artifacts": art_loss}
+
+
+def plot(history, jax_loss, art_loss, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    n = len(history)
+    ax.plot(np.arange(1, n + 1), history, color="0.6", label="JAX (pockjax), fine-tuning")
+    steps = np.arange(n + 1, n + len(jax_loss) + 1)
+    ax.plot(steps, jax_loss, "o-", color="k", label="JAX, continued")
+    for (name, loss), marker in zip(art_loss.items(), "x+"):
+        ax.plot(steps, loss, marker, markersize=9, label=f"IREE {name} artifact")
+    ax.set(xlabel="step", ylabel="training loss", yscale="log",
+           title="sparse fine-tuning, then the exported step")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, path)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

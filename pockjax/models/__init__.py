@@ -1,0 +1,1 @@
+"""Flax NNX models of the paper: MobileNetV2, a LLaMA-family decoder, and LoRA."""

@@ -1,0 +1,234 @@
+"""Hugging Face LLaMA checkpoints: `load_llama` reads a `save_pretrained` directory
+(`config.json` and `model.safetensors`, or a sharded `model.safetensors.index.json`)
+into a `Llama`; `save_llama` writes one back in the same layout.
+
+HF stores linear weights as `[out, in]`; `Llama`'s kernels are `[in, out]`, so they are
+transposed on the way. Rotary embeddings already use HF's layout, so q/k weights are
+not permuted. Nothing but safetensors is needed (no torch).
+
+>>> from pockjax.models.hf import load_llama
+>>> model = load_llama("path/to/Llama-2-7b-hf", dtype="bfloat16")   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from pockjax import nnx as pj_nnx
+from pockjax.checkpoint import CheckpointError, write_atomic
+from pockjax.models.llama import Llama, LlamaConfig
+
+__all__ = ["load_llama", "save_llama"]
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    path: tuple  # the parameter's path in `Llama`
+    hf_shape: tuple[int, ...]
+    transposed: bool
+
+
+def _hf_names(config: LlamaConfig) -> dict[str, _Tensor]:
+    """HF tensor name -> where it goes in `Llama(config)` and its shape in the checkpoint."""
+    d, f, v = config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    names = {"model.embed_tokens.weight": _Tensor(("embed", "embedding"), (v, d), False),
+             "model.norm.weight": _Tensor(("norm", "scale"), (d,), False)}
+    for i in range(config.num_layers):
+        hf, ours = f"model.layers.{i}", ("layers", i)
+        linears = {"self_attn.q_proj": (("attn", "q_proj"), (q, d)),
+                   "self_attn.k_proj": (("attn", "k_proj"), (kv, d)),
+                   "self_attn.v_proj": (("attn", "v_proj"), (kv, d)),
+                   "self_attn.o_proj": (("attn", "o_proj"), (d, q)),
+                   "mlp.gate_proj": (("mlp", "gate_proj"), (f, d)),
+                   "mlp.up_proj": (("mlp", "up_proj"), (f, d)),
+                   "mlp.down_proj": (("mlp", "down_proj"), (d, f))}
+        for name, (path, shape) in linears.items():
+            names[f"{hf}.{name}.weight"] = _Tensor(ours + path + ("kernel",), shape, True)
+        names[f"{hf}.input_layernorm.weight"] = _Tensor(ours + ("attn_norm", "scale"), (d,), False)
+        names[f"{hf}.post_attention_layernorm.weight"] = _Tensor(
+            ours + ("mlp_norm", "scale"), (d,), False)
+    if not config.tie_embeddings:
+        names["lm_head.weight"] = _Tensor(("lm_head", "kernel"), (v, d), True)
+    return names
+
+
+def _node(tree: dict, keys) -> dict:
+    for key in keys:
+        tree = tree[key]
+    return tree
+
+
+def _ignored(name: str, config: LlamaConfig) -> bool:
+    # Buffers older checkpoints saved; a tied model's copy of the embedding, which HF
+    # also ignores when tying.
+    return name.endswith(".rotary_emb.inv_freq") or (
+        config.tie_embeddings and name == "lm_head.weight")
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: one file, or the shards its index names."""
+    index = directory / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"'{index}' is not a safetensors index (a JSON object with "
+                                  f"a 'weight_map'): {e}") from None
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (directory / s).is_file()]
+        if missing:
+            raise CheckpointError(f"'{index}' names shards that are not in '{directory}': "
+                                  f"{', '.join(missing)}")
+        return [directory / s for s in shards]
+    if (directory / WEIGHTS).is_file():
+        return [directory / WEIGHTS]
+    bins = sorted(p.name for p in directory.glob("*.bin"))
+    hint = (f"; it has {', '.join(bins)}, but PyTorch .bin files are not read: re-save with "
+            f"save_pretrained(..., safe_serialization=True)" if bins else "")
+    raise CheckpointError(f"'{directory}' has neither {WEIGHTS} nor {INDEX}{hint}")
+
+
+def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
+    """name -> (file, shape, dtype) for every tensor of the files, without reading data."""
+    found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
+    for file in files:
+        try:
+            with safe_open(os.fspath(file), framework="numpy") as f:
+                for name in f.keys():
+                    if name in found:
+                        raise CheckpointError(f"tensor '{name}' is in both '{found[name][0]}' "
+                                              f"and '{file}'")
+                    s = f.get_slice(name)
+                    found[name] = (file, tuple(s.get_shape()), s.get_dtype())
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error type for bad headers
+            raise CheckpointError(f"'{file}' is not a readable safetensors file "
+                                  f"(truncated or corrupt?): {e}") from None
+    return found
+
+
+def _problems(expected: dict[str, _Tensor], found: dict, config: LlamaConfig) -> list[str]:
+    problems = []
+    for name, t in expected.items():
+        if name not in found:
+            problems.append(f"missing tensor '{name}' (expected shape {list(t.hf_shape)})")
+    for name, (file, shape, dtype) in found.items():
+        if name not in expected and not _ignored(name, config):
+            problems.append(f"unexpected tensor '{name}' {list(shape)} in {file.name}")
+    for name, t in expected.items():
+        if name in found:
+            file, shape, dtype = found[name]
+            if shape != t.hf_shape:
+                problems.append(f"'{name}': expected shape {list(t.hf_shape)}, found "
+                                f"{list(shape)} in {file.name}")
+            elif dtype not in _FLOAT_DTYPES:
+                problems.append(f"'{name}': dtype {dtype} in {file.name} is not a float type "
+                                f"(quantized checkpoints are not read)")
+    return problems
+
+
+def load_llama(path: str | os.PathLike, *, dtype=None) -> Llama:
+    """A `Llama` from a Hugging Face checkpoint directory.
+
+    Weights are cast to `dtype`, or to the config's `param_dtype` (float32) when None;
+    bf16 and f16 checkpoints load either way. Every name and shape is checked before
+    any weight is read: a checkpoint that does not fit its config raises
+    `CheckpointError` listing all missing, unexpected and misshapen tensors. The model
+    is built abstractly and filled tensor by tensor, so its weights exist once.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"'{directory}' is not a directory; load_llama reads a Hugging "
+                              f"Face checkpoint directory (config.json + model.safetensors)")
+    config_file = directory / CONFIG
+    if not config_file.is_file():
+        raise CheckpointError(f"'{config_file}' does not exist; a Hugging Face checkpoint "
+                              f"directory has the model's config.json beside its weights")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"'{config_file}' is not valid JSON: {e}") from None
+    try:
+        config = LlamaConfig.from_hf(hf_config,
+                                     **({} if dtype is None else {"param_dtype": dtype}))
+    except ValueError as e:
+        raise CheckpointError(f"'{config_file}': {e}") from None
+
+    expected = _hf_names(config)
+    found = _headers(_weight_files(directory))
+    problems = _problems(expected, found, config)
+    if problems:
+        shown = "\n  ".join(problems)
+        raise CheckpointError(f"checkpoint '{directory}' does not fit its config "
+                              f"({len(problems)} problems):\n  {shown}")
+
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    values = nnx.to_pure_dict(state)
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(found[name][0], []).append(name)
+
+    for file, names in by_file.items():
+        with safe_open(os.fspath(file), framework="flax") as f:
+            for name in names:
+                t = expected[name]
+                array = f.get_tensor(name)
+                array = (array.T if t.transposed else array).astype(config.param_dtype)
+                _node(values, t.path[:-1])[t.path[-1]] = array
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
+
+
+def save_llama(model: Llama, path: str | os.PathLike) -> None:
+    """Write `model` as a Hugging Face checkpoint directory: `config.json` and
+    `model.safetensors`, each written to a temporary file and renamed into place (a
+    sharded checkpoint's index in the directory is removed, so the new file is read).
+    `transformers.LlamaForCausalLM.from_pretrained(path)` and `load_llama` read it."""
+    if not isinstance(model, Llama):
+        raise TypeError(f"save_llama saves a pockjax Llama, got {type(model).__name__}")
+    config = model.config
+    names = _hf_names(config)
+    ours = {"/".join(map(str, t.path)) for t in names.values()}
+    extra = [p for p in pj_nnx.param_paths(model) if p not in ours]
+    if extra:
+        raise CheckpointError(f"the model has parameters a Hugging Face LLaMA checkpoint has no "
+                              f"place for: {', '.join(extra[:6])}"
+                              f"{' ...' if len(extra) > 6 else ''}; fold adapters into the "
+                              f"weights first (pockjax.models.lora.merge_lora)")
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tensors = {}
+    for name, t in names.items():
+        value = np.asarray(jax.device_get(_node(params, t.path)))
+        tensors[name] = np.ascontiguousarray(value.T if t.transposed else value)
+
+    directory = Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=WEIGHTS, dir=directory)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata={"format": "pt"})  # "pt": what transformers expects
+        os.replace(tmp, directory / WEIGHTS)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    (directory / INDEX).unlink(missing_ok=True)
+    write_atomic(directory / CONFIG, (json.dumps(config.to_hf(), indent=2) + "\n").encode())

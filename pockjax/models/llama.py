@@ -1,0 +1,381 @@
+"""A LLaMA-family decoder in Flax NNX: RMSNorm, rotary attention with grouped-query
+heads, SwiGLU MLP.
+
+Parameter paths are those of Hugging Face's `LlamaForCausalLM` in NNX form, so schemes
+can name them: `embed/embedding` [V, D], `layers/{i}/attn_norm/scale`,
+`layers/{i}/attn/{q,k,v,o}_proj/kernel`, `layers/{i}/mlp_norm/scale`,
+`layers/{i}/mlp/{gate,up,down}_proj/kernel`, `norm/scale` and, unless the embeddings
+are tied, `lm_head/kernel` [D, V]. Kernels are `[in, out]` (HF's weights transposed);
+rotary embeddings use HF's "rotate half" layout, so HF checkpoints load as they are
+(see `pockjax.models.hf`).
+
+>>> import jax.numpy as jnp
+>>> from flax import nnx
+>>> from pockjax.models.llama import Llama, LlamaConfig, generate
+>>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+>>> model(jnp.zeros((2, 8), jnp.int32)).shape
+(2, 8, 256)
+>>> generate(model, jnp.zeros((1, 3), jnp.int32), max_new_tokens=4).shape
+(1, 7)
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+__all__ = ["LlamaConfig", "Llama", "LlamaBlock", "Attention", "MLP", "RMSNorm", "generate",
+           "num_params"]
+
+# Hugging Face's `initializer_range` default for LLaMA.
+_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The shape of a LLaMA-family model.
+
+    `num_kv_heads` below `num_heads` is grouped-query attention (None: one k/v head per
+    query head). `head_dim` None is `hidden_size // num_heads`; after construction both
+    hold their resolved values.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_embeddings: bool = False
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                 "max_position_embeddings")
+        for name in sizes + ("num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if value is None and name in ("num_kv_heads", "head_dim"):
+                continue
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"LlamaConfig: hidden_size={self.hidden_size} is not divisible by "
+                    f"num_heads={self.num_heads}; choose sizes that divide or give head_dim "
+                    f"explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even: rotary "
+                             f"embeddings rotate pairs of channels")
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"LlamaConfig: num_heads={self.num_heads} is not divisible by "
+                             f"num_kv_heads={self.num_kv_heads}; each k/v head serves a whole "
+                             f"group of query heads")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"LlamaConfig.{name} must be positive, got "
+                                 f"{getattr(self, name)!r}")
+        try:
+            dtype = jnp.dtype(self.param_dtype)
+        except TypeError:
+            raise ValueError(f"LlamaConfig.param_dtype={self.param_dtype!r} is not a "
+                             f"dtype") from None
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise ValueError(f"LlamaConfig.param_dtype must be a float type, got {dtype}")
+        object.__setattr__(self, "param_dtype", dtype)
+
+    @classmethod
+    def llama2_7b(cls, **overrides) -> "LlamaConfig":
+        """LLaMA-2-7B's shape (6,738,415,616 parameters)."""
+        return cls(**{**dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                             num_layers=32, num_heads=32, max_position_embeddings=4096),
+                      **overrides})
+
+    @classmethod
+    def tiny(cls, **overrides) -> "LlamaConfig":
+        """A small model for tests and examples (grouped-query attention, 2 layers)."""
+        return cls(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=172,
+                             num_layers=2, num_heads=4, num_kv_heads=2,
+                             max_position_embeddings=512),
+                      **overrides})
+
+    @classmethod
+    def from_hf(cls, config: dict, **overrides) -> "LlamaConfig":
+        """The config of a Hugging Face `config.json` (as a dict); `overrides` replace
+        fields afterwards (e.g. `param_dtype=jnp.bfloat16`).
+
+        Settings this model does not implement raise `ValueError` naming them: RoPE
+        scaling (a `rope_scaling` or `rope_parameters` whose type is not "default"),
+        biases in attention or MLP, an activation other than SiLU, another model_type.
+        Both transformers 5's `rope_parameters` and the older top-level `rope_theta` are read.
+        """
+        def unsupported(field, value, why):
+            raise ValueError(f"Hugging Face config {field}={value!r} is not supported: {why}")
+
+        model_type = config.get("model_type", "llama")
+        if model_type != "llama":
+            unsupported("model_type", model_type, "LlamaConfig reads LLaMA configs "
+                        "(model_type 'llama')")
+        rope_scaling = config.get("rope_scaling")
+        if rope_scaling is not None and _rope_type(rope_scaling) != "default":
+            unsupported("rope_scaling", config["rope_scaling"], "only unscaled rotary "
+                        "embeddings are implemented")
+        rope_theta = config.get("rope_theta", 10000.0)
+        rope_parameters = config.get("rope_parameters")
+        if rope_parameters is not None:
+            if _rope_type(rope_parameters) != "default":
+                unsupported("rope_parameters", rope_parameters, "only unscaled rotary "
+                            "embeddings (rope_type 'default') are implemented")
+            rope_theta = rope_parameters.get("rope_theta", rope_theta)
+        for field in ("attention_bias", "mlp_bias"):
+            if config.get(field, False):
+                unsupported(field, config[field], "the projections have no biases")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            unsupported("hidden_act", act, "the MLP is SwiGLU (silu)")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in config]
+        if missing:
+            raise ValueError(f"Hugging Face config lacks {', '.join(missing)}; is it a "
+                             f"LlamaForCausalLM config.json?")
+        fields = dict(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_layers=config["num_hidden_layers"],
+            num_heads=config["num_attention_heads"],
+            num_kv_heads=config.get("num_key_value_heads"),
+            head_dim=config.get("head_dim"),
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=config.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+        return cls(**{**fields, **overrides})
+
+    def to_hf(self) -> dict:
+        """A Hugging Face `config.json` dict for this shape (`LlamaForCausalLM`)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "rope_scaling": None,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "dtype": self.param_dtype.name,
+        }
+
+
+def _rope_type(params) -> str | None:
+    if not isinstance(params, dict):
+        return params
+    return params.get("rope_type", params.get("type"))
+
+
+class RMSNorm(nnx.Module):
+    """`x * rsqrt(mean(x**2) + eps) * scale`, computed in float32."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (x32 * inv_rms * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def _linear(d_in: int, d_out: int, config: LlamaConfig, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(d_in, d_out, use_bias=False, param_dtype=config.param_dtype,
+                      kernel_init=_INIT, rngs=rngs)
+
+
+def rope_tables(length: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """`cos`, `sin` [length, head_dim] for positions 0..length-1 in HF's layout: both
+    halves of a head hold the same frequencies."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim))
+    angles = np.arange(length, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None]
+    angles = np.concatenate([angles, angles], axis=-1)
+    return np.cos(angles), np.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos, sin) -> jax.Array:
+    """Rotary embedding of `x` [B, T, heads, head_dim], HF's `x * cos + rotate_half(x) * sin`:
+    channel `j` of the first half pairs with channel `j` of the second."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    # Explicit broadcasts rather than size-1 broadcasting inside `mul`: sparse_grad
+    # narrows `broadcast_in_dim` and same-shape products, not the implicit form.
+    cos = jnp.broadcast_to(jnp.asarray(cos, x.dtype)[:, None, :], x.shape)
+    sin = jnp.broadcast_to(jnp.asarray(sin, x.dtype)[:, None, :], x.shape)
+    return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+    """Causal self-attention with rotary embeddings and grouped-query heads."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        d, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
+        self.q_proj = _linear(d, config.num_heads * hd, config, rngs)
+        self.k_proj = _linear(d, config.num_kv_heads * hd, config, rngs)
+        self.v_proj = _linear(d, config.num_kv_heads * hd, config, rngs)
+        self.o_proj = _linear(config.num_heads * hd, d, config, rngs)
+
+    def __call__(self, x: jax.Array, cos, sin, mask) -> jax.Array:
+        b, t, _ = x.shape
+        kv, hd = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kv
+        q = apply_rope(self.q_proj(x).reshape(b, t, kv * group, hd), cos, sin)
+        k = apply_rope(self.k_proj(x).reshape(b, t, kv, hd), cos, sin)
+        v = self.v_proj(x).reshape(b, t, kv, hd)
+        # Query head h reads k/v head h // group: the same as repeating each k/v head
+        # `group` times (HF's repeat_kv), without materialising the copies.
+        q = q.reshape(b, t, kv, group, hd)
+        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * hd ** -0.5
+        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+        return self.o_proj(out.reshape(b, t, kv * group * hd))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = _linear(d, f, config, rngs)
+        self.up_proj = _linear(d, f, config, rngs)
+        self.down_proj = _linear(f, d, config, rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaBlock(nnx.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        norm = functools.partial(RMSNorm, config.hidden_size, eps=config.rms_norm_eps,
+                                 param_dtype=config.param_dtype)
+        self.attn_norm = norm()
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = norm()
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos, sin, mask) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nnx.Module):
+    """A LLaMA-family causal language model: `model(tokens [B, T]) -> logits [B, T, V]`
+    (float32), each position attending to itself and the ones before it."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.hidden_size,
+                               param_dtype=config.param_dtype, embedding_init=_INIT, rngs=rngs)
+        self.layers = nnx.List([LlamaBlock(config, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
+                            param_dtype=config.param_dtype)
+        if not config.tie_embeddings:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, config, rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        if tokens.ndim != 2:
+            raise ValueError(f"Llama takes tokens [batch, length], got shape {tokens.shape}")
+        length = tokens.shape[1]
+        cfg = self.config
+        if length > cfg.max_position_embeddings:
+            raise ValueError(f"Llama: {length} tokens exceed max_position_embeddings="
+                             f"{cfg.max_position_embeddings}")
+        cos, sin = rope_tables(length, cfg.head_dim, cfg.rope_theta)
+        # Computed, not a constant: a stored boolean tensor is wrong on GPU targets
+        # without 8-bit storage (see pockjax.export), and this fuses into the softmax.
+        positions = jnp.arange(length)
+        mask = positions[:, None] >= positions[None, :]
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
+        h = self.norm(h)
+        logits = self.embed.attend(h) if cfg.tie_embeddings else self.lm_head(h)
+        return logits.astype(jnp.float32)
+
+
+def num_params(config: LlamaConfig) -> int:
+    """The number of parameters of `Llama(config)`, counted without allocating them."""
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+
+
+def generate(model: Llama, prompt: jax.Array, max_new_tokens: int, *,
+             stop_token: int | None = None) -> jax.Array:
+    """Greedy decoding: `prompt` [B, T0] followed by `max_new_tokens` argmax tokens.
+
+    Each step runs the whole forward pass over a fixed buffer of T0 + max_new_tokens
+    tokens (no KV cache; causality makes the not-yet-written tail harmless), so the
+    loop compiles once. After a sequence emits `stop_token`, the rest of it is
+    `stop_token`.
+    """
+    prompt = jnp.asarray(prompt)
+    if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
+        raise ValueError(f"generate takes integer tokens [batch, length], got "
+                         f"{prompt.dtype}{list(prompt.shape)}")
+    if prompt.shape[1] == 0:
+        raise ValueError("generate needs a prompt of at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    total = prompt.shape[1] + max_new_tokens
+    if total > model.config.max_position_embeddings:
+        raise ValueError(f"generate: prompt ({prompt.shape[1]}) + max_new_tokens "
+                         f"({max_new_tokens}) exceed max_position_embeddings="
+                         f"{model.config.max_position_embeddings}")
+    graphdef, state = nnx.split(model)
+    return _generate(graphdef, state, prompt, int(max_new_tokens), stop_token)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _generate(graphdef, state, prompt, max_new_tokens, stop_token):
+    batch, start = prompt.shape
+    buffer = jnp.pad(prompt, ((0, 0), (0, max_new_tokens)))
+    done = jnp.zeros((batch,), bool)
+
+    def step(t, carry):
+        buffer, done = carry
+        logits = nnx.merge(graphdef, state)(buffer)
+        token = jnp.argmax(jax.lax.dynamic_index_in_dim(logits, t - 1, axis=1, keepdims=False),
+                           axis=-1).astype(buffer.dtype)
+        if stop_token is not None:
+            token = jnp.where(done, stop_token, token)
+            done = done | (token == stop_token)
+        buffer = jax.lax.dynamic_update_index_in_dim(buffer, token, t, axis=1)
+        return buffer, done
+
+    buffer, _ = jax.lax.fori_loop(start, start + max_new_tokens, step, (buffer, done))
+    return buffer

@@ -1,0 +1,197 @@
+"""Flax NNX adapter: train an `nnx.Module` with `sparse_train`.
+
+A module is split into its graph definition, the state that trains (`nnx.Param` by
+default) as a plain nested dict, and the rest (batch statistics, RNG counters) as
+another. Parameter paths are the module's attribute path joined with "/", e.g.
+`layers/0/attn/q_proj/kernel`, the same paths `Scheme` globs see.
+
+>>> import optax, jax.numpy as jnp, pockjax as pj
+>>> from flax import nnx
+>>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+>>> trainer = pj.nnx.Trainer(model, lambda m, b: jnp.mean(m(b) ** 2), optimizer=optax.sgd(0.1),
+...                          scheme=nnx.PathContains("bias"))
+>>> metrics = trainer(jnp.ones((4, 3)))
+>>> trainer.update(model)          # the trained values back into the module
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Sequence
+
+from flax import nnx
+
+from pockjax.scheme import Decision, Frozen, Full, Scheme, SchemeError, _DECISIONS
+from pockjax.train import History, SparseTrainer, TrainState, fit
+
+__all__ = ["split", "merge", "param_paths", "scheme", "Trainer"]
+
+Filter = Any
+
+
+def split(model: nnx.Module, wrt: Filter = nnx.Param) -> tuple[Any, dict, dict]:
+    """`(graphdef, params, rest)`: the `wrt` variables and all others as nested dicts of arrays."""
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
+
+
+def merge(graphdef, params: dict, rest: dict) -> nnx.Module:
+    """The module back from `split`'s parts (a new module; inside a trace, a traced one)."""
+    return nnx.merge(graphdef, params, rest)
+
+
+def _variables(model: nnx.Module, wrt: Filter):
+    wanted = nnx.filterlib.to_predicate(wrt)
+    for path, node in nnx.graph.iter_graph(model):
+        if isinstance(node, nnx.Variable) and wanted(path, node):
+            yield path, node
+
+
+def param_paths(model: nnx.Module, wrt: Filter = nnx.Param) -> list[str]:
+    """The "/"-joined paths of the module's `wrt` variables, as schemes see them."""
+    return sorted("/".join(map(str, p)) for p, _ in _variables(model, wrt))
+
+
+def _escape(path: str) -> str:
+    """A glob matching exactly `path`."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
+
+
+def scheme(model: nnx.Module, rules: Filter | Sequence[tuple[Filter, Decision]],
+           *, default: Decision = Frozen(), wrt: Filter = nnx.Param) -> Scheme:
+    """A `Scheme` from NNX filters over `model`'s `wrt` variables.
+
+    `rules` is one filter (its variables train in full) or `(filter, decision)` pairs,
+    first match wins. Filters are anything `nnx` accepts: a variable type
+    (`nnx.LoRAParam`), `nnx.PathContains("attn")`, `nnx.Any(...)`, `nnx.All(...)`,
+    `nnx.Not(...)`, a predicate `(path, variable) -> bool`, or a string tag.
+
+    >>> from flax import nnx; import pockjax as pj
+    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> pj.nnx.scheme(model, nnx.PathContains("bias"))
+    Scheme({'bias': Full()}, default=Frozen())
+    """
+    if isinstance(rules, (list, tuple)) and rules and all(
+            isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], _DECISIONS) for r in rules):
+        pairs = list(rules)
+    else:
+        pairs = [(rules, Full())]
+    predicates = [(nnx.filterlib.to_predicate(f), d, f) for f, d in pairs]
+    found = {id(f): False for _, _, f in predicates}
+    out = []
+    for path, var in _variables(model, wrt):
+        for pred, decision, f in predicates:
+            if pred(path, var):
+                found[id(f)] = True
+                if decision != default:
+                    out.append((_escape("/".join(map(str, path))), decision))
+                break
+    missing = [f for _, _, f in predicates if not found[id(f)]]
+    if missing:
+        raise SchemeError(f"NNX filter {missing[0]!r} matches no {wrt!r} variable of "
+                          f"{type(model).__name__}; its parameters are e.g. "
+                          f"{', '.join(param_paths(model, wrt)[:4])}")
+    return Scheme(out, default=default)
+
+
+_filter_scheme = scheme
+
+
+class Trainer:
+    """An `nnx.Module` trained by `sparse_train`, one call per step.
+
+    `loss_fn(model, batch)` returns the loss, or `(loss, aux)` with `has_aux=True`. The
+    trainer keeps the `TrainState` (step, parameters, optimizer state) and the module's
+    other state: batch statistics a training-mode `BatchNorm` updates are carried from
+    step to step. `scheme` is a `pockjax.Scheme`, an NNX filter (its parameters train)
+    or `(filter, decision)` pairs (see `scheme`); None trains every parameter.
+    `update(model)` writes the trained values back into a module, `model()` builds a new one.
+    """
+
+    def __init__(self, model: nnx.Module, loss_fn: Callable, *, optimizer, scheme=None,
+                 wrt: Filter = nnx.Param, has_aux: bool = False, donate: bool = True):
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"pockjax.nnx.Trainer needs an nnx.Module, got {type(model).__name__}; "
+                            "for Linen or plain functions use pockjax.sparse_train")
+        self.graphdef, params, self.rest = split(model, wrt)
+        if not params:
+            raise SchemeError(f"{type(model).__name__} has no {wrt!r} variables to train")
+        if scheme is None:
+            scheme = Scheme(default=Full())
+        elif not isinstance(scheme, Scheme):
+            scheme = _filter_scheme(model, scheme, wrt=wrt)
+        self.wrt, self.has_aux, self.loss_fn = wrt, has_aux, loss_fn
+        graphdef, others = self.graphdef, nnx.Not(wrt)
+
+        def pure(params, batch):
+            m = nnx.merge(graphdef, params, batch["model_state"]) if self.rest else \
+                nnx.merge(graphdef, params)
+            out = loss_fn(m, batch["batch"] if self.rest else batch)
+            loss, aux = out if has_aux else (out, None)
+            if not self.rest:
+                return out
+            return loss, {"aux": aux, "model_state": nnx.to_pure_dict(nnx.state(m, others))}
+
+        pure.__name__ = getattr(loss_fn, "__name__", "loss")
+        self.sparse = SparseTrainer(pure, optimizer, scheme, has_aux=has_aux or bool(self.rest),
+                                    donate=donate)
+        self.state: TrainState = self.sparse.init(params)
+
+    @property
+    def scheme(self) -> Scheme:
+        return self.sparse.scheme
+
+    def _batch(self, batch):
+        return {"batch": batch, "model_state": self.rest} if self.rest else batch
+
+    def _metrics(self, metrics):
+        if self.rest:
+            inner = metrics.pop("aux")
+            self.rest = inner["model_state"]
+            if self.has_aux:
+                metrics["aux"] = inner["aux"]
+        return metrics
+
+    def __call__(self, batch) -> dict:
+        """One step; `{"loss": ..., "aux": ...}`. The trainer's state advances in place."""
+        self.state, metrics = self.sparse(self.state, self._batch(batch))
+        return self._metrics(metrics)
+
+    def fit(self, batches: Iterable, steps: int | None = None, **kwargs) -> History:
+        """`pockjax.fit` over `batches` (progress bar, losses); the state advances."""
+        def step(carry, batch):
+            self.state, self.rest = carry
+            metrics = self(batch)
+            return (self.state, self.rest), metrics
+
+        (self.state, self.rest), history = fit(step, (self.state, self.rest), batches, steps,
+                                                **kwargs)
+        return history
+
+    def params(self) -> dict:
+        """The current parameters as a nested dict."""
+        return self.state.params
+
+    def model(self) -> nnx.Module:
+        """A new module with the trained parameters and state."""
+        return nnx.merge(self.graphdef, self.state.params, self.rest) if self.rest else \
+            nnx.merge(self.graphdef, self.state.params)
+
+    def update(self, model: nnx.Module) -> None:
+        """Write the trained parameters and state into `model` (the module trained)."""
+        nnx.update(model, self.state.params, *([self.rest] if self.rest else []))
+
+    def report(self, batch):
+        """`SparseTrainer.report` for this step: FLOPs and memory against full training."""
+        return self.sparse.report(self.state, self._batch(batch))
+
+    def explain(self, batch):
+        return self.sparse.explain(self.state, self._batch(batch))
+
+    def lower(self, batch):
+        return self.sparse.lower(self.state, self._batch(batch))
+
+    def export(self, batch, target: str = "host-cpu", out_dir: str = "export", **kwargs):
+        """Export the step (see `pockjax.export`). A module with other state (batch
+        statistics) takes it as batch inputs `model_state/...` and returns it as outputs
+        `aux/model_state/...`."""
+        return self.sparse.export(self.state, self._batch(batch), target=target,
+                                  out_dir=out_dir, **kwargs)

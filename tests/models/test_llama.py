@@ -1,0 +1,460 @@
+"""The LLaMA decoder against Hugging Face's `LlamaForCausalLM`, its checkpoint loader,
+greedy decoding, and sparse gradients through it."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import load_file, save_file
+
+import pockjax as pj
+from pockjax.models.hf import load_llama, save_llama
+from pockjax.models.llama import Llama, LlamaConfig, generate, num_params
+from tests.helpers import assert_matches_dense
+
+VOCAB = 128
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(graphdef, state, tokens):
+    return nnx.merge(graphdef, state)(tokens)
+
+
+def forward(model: Llama, tokens) -> np.ndarray:
+    """The model's logits, compiled once per model structure (eager dispatch is slow)."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(_forward(graphdef, state, jnp.asarray(tokens)))
+
+
+def random_tokens(shape, seed=0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, shape)
+
+
+def hf_model(tie: bool, dtype=torch.float32) -> transformers.LlamaForCausalLM:
+    """A tiny random LlamaForCausalLM. Weights are larger than HF's initialisation
+    (std 0.02 makes attention nearly uniform, hiding rotary or masking mistakes) and
+    norm scales are not all ones."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+    torch.manual_seed(1 + tie)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.2)
+    return model.to(dtype)
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(tokens)).logits.float().numpy()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """HF models, tied and untied, saved as one file and as shards."""
+    out = {}
+    for tie in (False, True):
+        model = hf_model(tie)
+        single = tmp_path_factory.mktemp(f"hf_tie{tie}")
+        sharded = tmp_path_factory.mktemp(f"hf_tie{tie}_sharded")
+        model.save_pretrained(single)
+        model.save_pretrained(sharded, max_shard_size="40KB")
+        out[tie] = (model, single, sharded)
+    return out
+
+
+# -- Hugging Face checkpoints -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_logits_match_transformers(checkpoints, tie, layout):
+    hf, single, sharded = checkpoints[tie]
+    directory = single if layout == "single" else sharded
+    assert (directory / ("model.safetensors" if layout == "single"
+                         else "model.safetensors.index.json")).is_file()
+    model = load_llama(directory)
+    assert model.config.tie_embeddings == tie and model.config.rope_theta == 1000.0
+    assert hasattr(model, "lm_head") != tie
+    tokens = random_tokens((2, 16))
+    np.testing.assert_allclose(forward(model, tokens), hf_logits(hf, tokens), atol=1e-4, rtol=1e-4)
+
+
+def test_saved_model_loads_in_transformers_and_back(checkpoints, tmp_path):
+    hf, single, _ = checkpoints[False]
+    model = load_llama(single)
+    save_llama(model, tmp_path / "ours")
+    assert sorted(os.listdir(tmp_path / "ours")) == ["config.json", "model.safetensors"]
+    tokens = random_tokens((2, 10), seed=3)
+    again = load_llama(tmp_path / "ours")
+    assert again.config == model.config
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(again), nnx.state(model))
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(hf, tokens), atol=1e-6)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_save_load_round_trip(tmp_path, tie):
+    model = Llama(LlamaConfig.tiny(tie_embeddings=tie), rngs=nnx.Rngs(3))
+    save_llama(model, tmp_path)
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    loaded = load_llama(tmp_path)
+    assert loaded.config == model.config
+    assert pj.nnx.param_paths(loaded) == pj.nnx.param_paths(model)
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(loaded), nnx.state(model))
+    # Saving again replaces the files in place, leaving no temporaries behind.
+    save_llama(loaded, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+
+
+def test_save_over_a_sharded_checkpoint(checkpoints, tmp_path):
+    _, _, sharded = checkpoints[True]
+    shutil.copytree(sharded, tmp_path, dirs_exist_ok=True)
+    model = Llama(LlamaConfig.tiny(tie_embeddings=True), rngs=nnx.Rngs(4))
+    save_llama(model, tmp_path)
+    assert not (tmp_path / "model.safetensors.index.json").exists()
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(load_llama(tmp_path)), nnx.state(model))
+
+
+def test_save_refuses_parameters_without_a_place(tmp_path):
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    model.layers[0].attn.q_proj.lora_a = nnx.Param(jnp.zeros((64, 2)))
+    with pytest.raises(pj.CheckpointError, match="no place for: layers/0/attn/q_proj/lora_a; "
+                       "fold adapters"):
+        save_llama(model, tmp_path)
+    assert not os.listdir(tmp_path)
+    with pytest.raises(TypeError, match="save_llama saves a pockjax Llama, got Linear"):
+        save_llama(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), tmp_path)
+
+
+def test_half_precision_checkpoints_load(tmp_path):
+    hf = hf_model(tie=False, dtype=torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    want = hf.model.layers[1].mlp.up_proj.weight.detach().float().numpy().T
+
+    as_f32 = load_llama(tmp_path)
+    kernel = as_f32.layers[1].mlp.up_proj.kernel[...]
+    assert as_f32.config.param_dtype == jnp.float32 and kernel.dtype == jnp.float32
+    np.testing.assert_array_equal(kernel, want)
+
+    as_bf16 = load_llama(tmp_path, dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(as_bf16))} == {jnp.dtype(jnp.bfloat16)}
+    np.testing.assert_array_equal(as_bf16.layers[1].mlp.up_proj.kernel[...].astype(np.float32),
+                                  want)
+    assert forward(as_bf16, random_tokens((1, 8))).dtype == np.float32
+
+    save_llama(as_bf16, tmp_path / "again")
+    with safe_open(tmp_path / "again" / "model.safetensors", framework="numpy") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_mismatched_checkpoint_lists_every_problem(tmp_path):
+    save_llama(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.0.mlp.upproj.weight"] = tensors.pop("model.layers.0.mlp.up_proj.weight")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:32]
+    tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)  # ignored
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+
+    with pytest.raises(pj.CheckpointError) as e:
+        load_llama(tmp_path)
+    message = str(e.value)
+    assert str(tmp_path) in message and "3 problems" in message
+    assert ("missing tensor 'model.layers.0.mlp.up_proj.weight' (expected shape [172, 64])"
+            in message)
+    assert "unexpected tensor 'model.layers.0.mlp.upproj.weight' [172, 64]" in message
+    assert "'model.norm.weight': expected shape [64], found [32]" in message
+    assert "inv_freq" not in message
+
+
+def test_checkpoint_of_another_shape_fails(tmp_path):
+    save_llama(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(pj.CheckpointError, match=r"\(6 problems\)") as e:
+        load_llama(tmp_path)
+    assert "'model.layers.1.mlp.down_proj.weight': expected shape [64, 128], found [64, 172]" \
+        in str(e.value)
+
+
+def test_missing_files_are_named(tmp_path):
+    with pytest.raises(pj.CheckpointError, match="is not a directory"):
+        load_llama(tmp_path / "nowhere")
+    with pytest.raises(pj.CheckpointError, match=r"config\.json' does not exist"):
+        load_llama(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(LlamaConfig.tiny().to_hf()))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(pj.CheckpointError, match=r"neither model\.safetensors nor "
+                       r"model\.safetensors\.index\.json.*pytorch_model\.bin.*safe_serialization"):
+        load_llama(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"model.norm.weight": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(pj.CheckpointError, match="model-00001-of-00002.safetensors"):
+        load_llama(tmp_path)
+
+
+def test_corrupt_weights_are_named(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(LlamaConfig.tiny().to_hf()))
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00\x00not a header")
+    with pytest.raises(pj.CheckpointError, match="model.safetensors' is not a readable"):
+        load_llama(tmp_path)
+
+
+def test_unreadable_checkpoint_parts_are_named(tmp_path):
+    save_llama(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)), tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.norm.weight"] = np.ones(64, np.int8)
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(pj.CheckpointError, match="'model.norm.weight': dtype I8 in "
+                       "model.safetensors is not a float type"):
+        load_llama(tmp_path)
+
+    # Two shards holding the same tensor.
+    norm = {"model.norm.weight": np.ones(64, np.float32)}
+    save_file(norm, tmp_path / "a.safetensors")
+    save_file(norm, tmp_path / "b.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"model.norm.weight": "a.safetensors",
+                                                "lm_head.weight": "b.safetensors"}}))
+    with pytest.raises(pj.CheckpointError, match="'model.norm.weight' is in both"):
+        load_llama(tmp_path)
+    index.write_text("{")
+    with pytest.raises(pj.CheckpointError, match="is not a safetensors index"):
+        load_llama(tmp_path)
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(pj.CheckpointError, match=r"config\.json' is not valid JSON"):
+        load_llama(tmp_path)
+
+
+def test_unsupported_config_in_checkpoint_names_file(tmp_path):
+    config = LlamaConfig.tiny().to_hf()
+    config["mlp_bias"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(pj.CheckpointError, match=r"config\.json': .*mlp_bias=True"):
+        load_llama(tmp_path)
+
+
+# -- configuration ------------------------------------------------------------------------
+
+
+def test_config_defaults_resolve():
+    config = LlamaConfig(vocab_size=10, hidden_size=48, intermediate_size=96, num_layers=1,
+                         num_heads=6)
+    assert (config.head_dim, config.num_kv_heads) == (8, 6)
+    assert config.param_dtype == jnp.float32
+    assert LlamaConfig.tiny(num_layers=3).num_layers == 3
+    hash(config)  # a static attribute of the module
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(hidden_size=65), "hidden_size=65 is not divisible by num_heads=4"),
+    (dict(num_kv_heads=3), "num_heads=4 is not divisible by num_kv_heads=3"),
+    (dict(num_layers=0), "num_layers must be a positive integer, got 0"),
+    (dict(vocab_size=-1), "vocab_size must be a positive integer"),
+    (dict(num_heads=2.0), "num_heads must be a positive integer"),
+    (dict(head_dim=15), "head_dim=15 must be even"),
+    (dict(rms_norm_eps=0.0), "rms_norm_eps must be positive"),
+    (dict(param_dtype=jnp.int32), "param_dtype must be a float type"),
+    (dict(param_dtype="nonsense"), "param_dtype='nonsense' is not a dtype"),
+])
+def test_config_validation(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        LlamaConfig.tiny(**overrides)
+
+
+def test_explicit_head_dim_need_not_divide_hidden():
+    config = LlamaConfig.tiny(hidden_size=60, head_dim=16)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0))))
+    assert state["layers"][0]["attn"]["q_proj"]["kernel"].shape == (60, 64)
+    logits = jax.eval_shape(lambda s, t: nnx.merge(graphdef, s)(t), state,
+                            jax.ShapeDtypeStruct((1, 4), jnp.int32))
+    assert logits.shape == (1, 4, 256)
+
+
+def test_hf_config_round_trip():
+    config = LlamaConfig.tiny(rope_theta=5e5, rms_norm_eps=1e-6, tie_embeddings=True)
+    assert LlamaConfig.from_hf(config.to_hf()) == config
+    hf = transformers.LlamaConfig(**config.to_hf())
+    assert LlamaConfig.from_hf(hf.to_dict()) == config
+    # Older config.json files give rope_theta at the top level.
+    old = {k: v for k, v in config.to_hf().items() if k != "rope_parameters"}
+    assert LlamaConfig.from_hf(old).rope_theta == 5e5
+    assert LlamaConfig.from_hf({**old, "rope_scaling": {"rope_type": "default"}}) == config
+    assert LlamaConfig.from_hf(config.to_hf(), param_dtype="bfloat16").param_dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("field, value", [
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
+    ("rope_scaling", {"type": "linear", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+    ("attention_bias", True),
+    ("mlp_bias", True),
+    ("hidden_act", "gelu"),
+    ("model_type", "qwen2"),
+])
+def test_unsupported_hf_settings(field, value):
+    config = {**LlamaConfig.tiny().to_hf(), field: value}
+    with pytest.raises(ValueError, match=re.escape(f"{field}={value!r} is not supported")):
+        LlamaConfig.from_hf(config)
+
+
+def test_hf_config_without_sizes_is_refused():
+    with pytest.raises(ValueError, match="lacks num_hidden_layers, num_attention_heads"):
+        LlamaConfig.from_hf({"vocab_size": 8, "hidden_size": 8, "intermediate_size": 8})
+
+
+def test_too_long_input_is_refused():
+    model = Llama(LlamaConfig.tiny(max_position_embeddings=8), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="9 tokens exceed max_position_embeddings=8"):
+        model(jnp.zeros((1, 9), jnp.int32))
+    with pytest.raises(ValueError, match="max_position_embeddings=8"):
+        generate(model, jnp.zeros((1, 4), jnp.int32), max_new_tokens=5)
+
+
+# -- the module -------------------------------------------------------------------------
+
+
+def test_parameter_paths_and_shapes():
+    config = LlamaConfig.tiny()
+    model = Llama(config, rngs=nnx.Rngs(0))
+    _, params, rest = pj.nnx.split(model)
+    assert rest == {}
+    shapes = {"/".join(str(k.key) for k in path): leaf.shape
+              for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    layer = {"attn_norm/scale": (64,), "attn/q_proj/kernel": (64, 64),
+             "attn/k_proj/kernel": (64, 32), "attn/v_proj/kernel": (64, 32),
+             "attn/o_proj/kernel": (64, 64), "mlp_norm/scale": (64,),
+             "mlp/gate_proj/kernel": (64, 172), "mlp/up_proj/kernel": (64, 172),
+             "mlp/down_proj/kernel": (172, 64)}
+    want = {"embed/embedding": (256, 64), "norm/scale": (64,), "lm_head/kernel": (64, 256),
+            **{f"layers/{i}/{k}": v for i in range(2) for k, v in layer.items()}}
+    assert shapes == want
+    tied = Llama(LlamaConfig.tiny(tie_embeddings=True), rngs=nnx.Rngs(0))
+    assert "lm_head/kernel" not in pj.nnx.param_paths(tied)
+
+
+def test_llama2_7b_shape_without_allocation():
+    config = LlamaConfig.llama2_7b()
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    leaves = jax.tree.leaves(nnx.state(abstract, nnx.Param))
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert sum(int(np.prod(x.shape)) for x in leaves) == 6_738_415_616
+    assert num_params(config) == 6_738_415_616
+    assert abstract.layers[31].mlp.down_proj.kernel.shape == (11008, 4096)
+    assert config.to_hf()["max_position_embeddings"] == 4096
+
+
+def test_causal():
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    tokens = random_tokens((1, 10))
+    changed = tokens.copy()
+    changed[0, 6:] = (changed[0, 6:] + 1) % VOCAB
+    a, b = forward(model, tokens), forward(model, changed)
+    np.testing.assert_array_equal(a[:, :6], b[:, :6])
+    assert np.abs(a[:, 6:] - b[:, 6:]).max() > 1e-3
+
+
+# -- greedy decoding ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def decoder() -> Llama:
+    """A small model with weights large enough for varied greedy output."""
+    model = Llama(LlamaConfig.tiny(vocab_size=VOCAB), rngs=nnx.Rngs(7))
+    graphdef, state = nnx.split(model)
+    state = jax.tree.map(lambda x: x * 10 if x.ndim == 2 else x, state)
+    return nnx.merge(graphdef, state)
+
+
+def test_generate_is_greedy_decoding(decoder):
+    prompt = random_tokens((2, 5), seed=4)
+    out = np.asarray(generate(decoder, jnp.asarray(prompt, jnp.int32), max_new_tokens=4))
+    assert out.shape == (2, 9)
+    np.testing.assert_array_equal(out[:, :5], prompt)
+    tokens = prompt
+    for _ in range(4):
+        nxt = forward(decoder, tokens)[:, -1].argmax(-1)
+        tokens = np.concatenate([tokens, nxt[:, None]], axis=1)
+    np.testing.assert_array_equal(out, tokens)
+    assert len(np.unique(out[:, 5:])) > 1
+
+
+def test_generate_stops(decoder):
+    prompt = jnp.asarray(random_tokens((2, 5), seed=4), jnp.int32)
+    free = np.asarray(generate(decoder, prompt, max_new_tokens=4))
+    stop = int(free[0, 6])  # the first sequence's second new token
+    out = np.asarray(generate(decoder, prompt, max_new_tokens=4, stop_token=stop))
+    assert (out[0, 7:] == stop).all()
+    for row_free, row in zip(free, out):  # the same up to the first stop, then only stops
+        new = list(row_free[5:])
+        end = 5 + (new.index(stop) + 1 if stop in new else 4)
+        np.testing.assert_array_equal(row[:end], row_free[:end])
+        assert (row[end:] == stop).all()
+    assert generate(decoder, prompt, max_new_tokens=0).shape == (2, 5)
+
+
+def test_generate_refuses_bad_prompts(decoder):
+    with pytest.raises(ValueError, match="integer tokens"):
+        generate(decoder, jnp.zeros((5,), jnp.int32), max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        generate(decoder, jnp.zeros((1, 2), jnp.int32), max_new_tokens=-1)
+
+
+# -- sparse gradients -------------------------------------------------------------------
+
+TRAIN_LAYER_1 = {
+    "layers/1/attn/*_proj/kernel": pj.Full(),
+    "layers/1/mlp/gate_proj/kernel": pj.Channels(ratio=0.25, axis="out"),
+    "layers/1/mlp/up_proj/kernel": pj.Channels(ratio=0.5, axis="in"),
+    "norm/scale": pj.Full(),
+}
+
+
+def lm_loss(tie: bool):
+    model = Llama(LlamaConfig.tiny(vocab_size=VOCAB, tie_embeddings=tie), rngs=nnx.Rngs(0))
+    graphdef, params, rest = pj.nnx.split(model)
+
+    @jax.jit  # one compiled program for the dense reference, inlined by sparse_grad
+    def loss(params, tokens):
+        logits = pj.nnx.merge(graphdef, params, rest)(tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]).mean()
+
+    return loss, params
+
+
+@pytest.mark.parametrize("tie, head, fallbacks", [
+    (False, {"lm_head/kernel": pj.Channels(ratio=0.25, axis="out")}, {}),
+    # The embedding's gradient from the token lookup is a scatter-add, which has no
+    # push-down rule: computed whole, then sliced.
+    (True, {"embed/embedding": pj.Channels(ratio=0.25, axis="in")}, {"scatter-add": 1}),
+], ids=["untied", "tied"])
+def test_sparse_grad_matches_dense(tie, head, fallbacks):
+    loss, params = lm_loss(tie)
+    scheme = pj.Scheme({**TRAIN_LAYER_1, **head}, default=pj.Frozen())
+    tokens = jnp.asarray(random_tokens((2, 12), seed=5), jnp.int32)
+    info = assert_matches_dense(loss, scheme, params, tokens, rtol=1e-4, atol=1e-6)
+    assert dict(info.fallbacks) == fallbacks, str(info)
+    assert len(info.channels) == 3 and info.rules["dot_general"] >= 4
+    assert "layers/0/attn/q_proj/kernel" in info.frozen
