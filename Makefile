@@ -36,20 +36,23 @@ arm64-runtime: $(ARM64_RUNTIME)/.done
 system-deps:
 	apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SYSTEM_DEPS)
 
-test: venv arm64-runtime
-	mkdir -p $${XDG_RUNTIME_DIR:=/tmp/pockjax-xdg} && \
-	  XDG_RUNTIME_DIR=$$XDG_RUNTIME_DIR POCKJAX_ARM64_RUNTIME=$(abspath $(ARM64_RUNTIME)) \
-	  $(PY) -m pytest -q tests
+# Vulkan (lavapipe) needs a runtime directory; the arm64 tests find the aarch64 tools here.
+RUN_ENV = mkdir -p $${XDG_RUNTIME_DIR:=/tmp/pockjax-xdg} && export XDG_RUNTIME_DIR && \
+	  export POCKJAX_ARM64_RUNTIME=$(abspath $(ARM64_RUNTIME)) &&
 
+test: venv arm64-runtime
+	$(RUN_ENV) $(PY) -m pytest -q tests
+
+# A tiny LLaMA: pretrained on generated text (cached in out/demo), sparse instruction
+# tuning, export for android-vulkan and host-cpu, and more steps in the artifacts.
 demo: venv
-	$(PY) examples/sparse_train_mlp.py
+	$(RUN_ENV) cd examples && $(abspath $(PY)) demo.py --out ../out/demo
 
 # Benchmarks compare with PyTorch (CPU build), installed from the `torch` extra.
-bench:
-	$(MAKE) venv EXTRAS=dev,export,torch
+bench: venv
 	$(PY) benchmarks/sparse_grad.py
 	$(PY) benchmarks/train_step.py
 	$(PY) benchmarks/export.py
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis out

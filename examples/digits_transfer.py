@@ -1,6 +1,6 @@
 """Transfer learning on scikit-learn's bundled handwritten digits with MobileNetV2.
 
-A small MobileNetV2 (width 0.5, 16x16 inputs) is pretrained on the digits 0-4, then
+A small MobileNetV2 (width 0.35, 16x16 inputs) is pretrained on the digits 0-4, then
 fine-tuned on the digits 5-9 with a fresh classifier, four ways:
 
 - full: every parameter;
@@ -14,7 +14,7 @@ Batch norm runs in training mode while tuning (running statistics updated) and i
 mode for the accuracy. The script prints test accuracy, step time and the compiled
 step's memory for each method and writes the curves to `OUT/digits_curves.png`.
 
-    python examples/digits_transfer.py [--pretrain-steps 400] [--steps 300] [--out out/digits]
+    python examples/digits_transfer.py [--pretrain-steps 200] [--steps 120] [--out out/digits]
 """
 import argparse
 import os
@@ -27,7 +27,7 @@ from flax import nnx
 import pockjax as pj
 from pockjax.models.mobilenetv2 import MobileNetV2
 
-SIZE, BATCH = 16, 64
+SIZE, BATCH, WIDTH = 16, 32, 0.35
 
 
 def load(classes, seed: int = 0):
@@ -82,8 +82,8 @@ def schemes(model) -> dict:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pretrain-steps", type=int, default=400)
-    ap.add_argument("--steps", type=int, default=300, help="fine-tuning steps per method")
+    ap.add_argument("--pretrain-steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=120, help="fine-tuning steps per method")
     ap.add_argument("--out", default="out/digits")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -93,7 +93,7 @@ def main(argv=None):
     print(f"pretraining on digits 0-4: {len(pre_y)} images; fine-tuning on 5-9: "
           f"{len(new_y)} images, {len(test_y)} held out")
 
-    model = MobileNetV2(5, width_mult=0.5, input_size=SIZE, in_channels=1, rngs=nnx.Rngs(0))
+    model = MobileNetV2(5, width_mult=WIDTH, input_size=SIZE, in_channels=1, rngs=nnx.Rngs(0))
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, args.pretrain_steps // 10,
                                                   args.pretrain_steps)
     trainer = pj.nnx.Trainer(model, xent, optimizer=optax.adamw(schedule, weight_decay=1e-4))

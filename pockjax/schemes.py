@@ -151,7 +151,8 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
     Paths follow `pockjax.models.MobileNetV2` (`blocks/{i}/expand/conv/kernel`).
     """
     paths = _paths(params)
-    expanding = [b for b in blocks(params, "blocks") if f"{b}/expand/conv/kernel" in paths]
+    found = (re.fullmatch(r"blocks/(\d+)/expand/conv/kernel", p) for p in paths)
+    expanding = [f"blocks/{i}" for i in sorted(int(m[1]) for m in found if m)]
     if not expanding:
         raise SchemeError("no 'blocks/{i}/expand/conv/kernel' parameters: this scheme needs "
                           "pockjax.models.MobileNetV2's parameter paths")

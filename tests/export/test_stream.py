@@ -132,3 +132,15 @@ def test_the_exported_step_updates_in_place_with_less_memory(wide_mlp, extra):
     assert fused.peak_bytes < barrier.peak_bytes < undonated.peak_bytes
     if extra:
         assert fused.peak_alloc_bytes < 0.5 * barrier.peak_alloc_bytes
+
+
+def test_narrow_bindings_lists_sub_32_bit_kernel_operands():
+    from pockjax.export.stream import narrow_bindings
+
+    text = """
+      %0 = stream.binding.subspan %a[%c0] : !stream.binding -> !iree_tensor_ext.dispatch.tensor<readonly:tensor<6400xi8>>
+      %1 = stream.binding.subspan %b[%c0] : !stream.binding -> !iree_tensor_ext.dispatch.tensor<readonly:tensor<4x?xf16>>
+      %2 = stream.binding.subspan %c[%c0] : !stream.binding -> !iree_tensor_ext.dispatch.tensor<writeonly:tensor<16x6400xf32>>
+      %3 = stream.binding.subspan %d[%c0] : !stream.binding -> !iree_tensor_ext.dispatch.tensor<readwrite:tensor<i1>>
+    """
+    assert narrow_bindings(text) == {"i8": 8, "f16": 16, "i1": 8}

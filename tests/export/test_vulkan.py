@@ -99,3 +99,36 @@ def test_a_machine_without_vulkan_is_told_what_to_install(monkeypatch):
     monkeypatch.setattr(ir, "get_driver", no_driver)
     with pytest.raises(ExportError, match="no Vulkan driver here.*install mesa-vulkan-drivers"):
         vulkan.device_caps()
+
+
+def masked_model():
+    """Attention-like scores under a constant boolean mask (a numpy array in the trace)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import pockjax as pj
+
+    mask = np.tril(np.ones((80, 80), bool))
+
+    def loss(p, x):
+        scores = jnp.where(mask, x @ p["w"], -1e9)
+        return jnp.mean(jax.nn.softmax(scores, axis=-1) ** 2)
+
+    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2))
+    return trainer, {"w": jax.random.normal(jax.random.key(0), (80, 80))}, \
+        jax.random.normal(jax.random.key(1), (4, 80, 80))
+
+
+def test_narrow_tensors_in_memory_are_refused_without_8bit_storage(tmp_path):
+    """IREE emulates 8-bit storage on vp_android_baseline_2022 and gets a stored boolean
+    mask wrong; export refuses it. host-vulkan (lavapipe has 8-bit storage) is right."""
+    trainer, params, batch = masked_model()
+    with pytest.raises(ExportError, match=r"keep i8 tensors in memory.*no 8-bit storage "
+                                          r"\(storage = b32\).*jnp.arange"):
+        trainer.export(trainer.init(params), batch, target="android-vulkan",
+                       out_dir=tmp_path / "baseline")
+    assert not (tmp_path / "baseline").exists()
+    art = trainer.export(trainer.init(params), batch, target="host-vulkan", out_dir=tmp_path / "host")
+    run_against_jax(runtime.load(art.path, device="vulkan"), trainer, params, batch, STEPS)
