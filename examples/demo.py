@@ -3,7 +3,7 @@
 1. Load a tiny LLaMA from a Hugging Face-layout checkpoint (`--pretrained DIR`), or build
    one and pretrain it here on generated text, save it in that layout and load it back.
 2. Instruction-tune it with PockEngine's transformer scheme (attention and the MLP's
-   gate/up projections of the last 2 blocks, plus the output head), with a progress bar,
+   gate/up projections of the last 3 blocks, plus the output head), with a progress bar,
    and print the step's report (FLOPs and compiled memory against full training).
 3. Export the training step for `android-vulkan` and `host-cpu`.
 4. Run the host-cpu artifact (and the android-vulkan one, where this machine has a
@@ -79,10 +79,10 @@ def main(argv=None):
           f"{num_params(model.config):,} parameters\n")
 
     # 2. Sparse instruction tuning.
-    train, _ = data.split_heldout(data.instructions(6000))
+    train, _ = data.split_heldout(data.instructions(20_000))
     tokens, mask = data.pack_pairs(train, data.LENGTH)
     batches = data.batches(tokens, mask, BATCH, seed=2)
-    scheme = pj.schemes.transformer(model, last=2, extra=["lm_head/**"])
+    scheme = pj.schemes.transformer(model, last=3, extra=["lm_head/**"])
     trainer = pj.nnx.Trainer(model, data.lm_loss, optimizer=optax.adam(1e-3), scheme=scheme)
     first = next(batches)
     print(trainer.report(first), "\n")

@@ -22,3 +22,25 @@ def test_demo_fine_tunes_exports_and_continues_in_the_artifacts(tmp_path):
     assert "host-cpu: max relative parameter difference to JAX" in out
     assert "android-vulkan on " in out
     assert (tmp_path / "demo_loss.png").stat().st_size > 10_000
+
+
+def test_digits_transfer_fast(tmp_path):
+    out = run("digits_transfer.py", "--fast", "--out", str(tmp_path))
+    for method in ("full", "sparse", "bias-only", "last layer"):
+        assert f"\n{method.rjust(10)} " in out, out
+    assert (tmp_path / "digits_curves.png").exists()
+
+
+def test_instruct_llama_fast(tmp_path):
+    out = run("instruct_llama.py", "--fast", "--out", str(tmp_path))
+    for method in ("full", "sparse", "lora"):
+        assert f"\n{method.rjust(6)} " in out, out
+    assert "generations (before -> after" in out and (tmp_path / "loss_curves.png").exists()
+    assert (tmp_path / "pretrained-20" / "config.json").exists()   # HF layout
+
+
+def test_flax_loop_examples():
+    out = run("nnx_digits.py", "--epochs", "2")
+    assert "epoch  2:" in out and "parameters trained" in out
+    out = run("linen_mlp.py", "--steps", "60")
+    assert "digits 5-9 after sparse fine-tuning" in out

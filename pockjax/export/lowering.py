@@ -173,9 +173,11 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
     batch_avals = [aval(x) for _, x in named_batch]
     step_fn = _legalized(flat_step, mut_avals, frz_avals, batch_avals)
     eval_fn = _legalized(flat_eval, mut_avals[1:1 + n_train], frz_avals, batch_avals)
-    step_text = jax.jit(step_fn, donate_argnums=0 if donate else ()).lower(
+    # keep_unused: the module's signatures list every input, used or not (batch-norm
+    # running statistics, for one, do not enter a training-mode loss).
+    step_text = jax.jit(step_fn, donate_argnums=0 if donate else (), keep_unused=True).lower(
         mut_avals, frz_avals, batch_avals).as_text(debug_info=False)
-    eval_text = jax.jit(eval_fn).lower(
+    eval_text = jax.jit(eval_fn, keep_unused=True).lower(
         mut_avals[1:1 + n_train], frz_avals, batch_avals).as_text(debug_info=False)
     step_body, step_main = _module_body(step_text, "step_")
     eval_body, eval_main = _module_body(eval_text, "eval_")
