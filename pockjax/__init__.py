@@ -1,5 +1,5 @@
 """pockjax: sparse, efficient fine-tuning for JAX, after PockEngine (MICRO 2023)."""
-from pockjax import nnx, runtime, schemes
+from pockjax import models, nnx, runtime, schemes
 from pockjax.checkpoint import CheckpointError, load, save
 from pockjax import export
 from pockjax.export import ExportError
@@ -14,5 +14,5 @@ __all__ = [
     "Scheme", "SchemeError", "Full", "Frozen", "Channels", "schemes",
     "sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo",
     "sparse_train", "SparseTrainer", "TrainState", "TrainReport", "fit", "History",
-    "save", "load", "CheckpointError", "export", "ExportError", "runtime", "nnx",
+    "save", "load", "CheckpointError", "export", "ExportError", "runtime", "nnx", "models",
 ]
