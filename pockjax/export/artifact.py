@@ -11,6 +11,7 @@ import tempfile
 import time
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from pockjax.export import vulkan
@@ -90,17 +91,26 @@ def check_stream(stream: bytes | str, lowered: Lowered, target: str) -> StreamRe
     return report
 
 
-def check_storage(stream: bytes | str, gpu: vulkan.GpuTarget, target: str) -> None:
-    """Refuse kernels that keep 8- or 16-bit tensors in memory on a GPU target without
-    that storage width: IREE 3.13 emulates it with 32-bit words, and the emulated loads
-    gave wrong values (i1/i8/i16/f16 inputs and constants, on lavapipe)."""
+def check_storage(stream: bytes | str, gpu: vulkan.GpuTarget, target: str,
+                  lowered: Lowered | None = None) -> None:
+    """Refuse arrays of 8- or 16-bit values in memory on a GPU target without that storage
+    width: IREE 3.13 emulates it with 32-bit words, and the emulated accesses gave wrong
+    values on lavapipe (i1/i8/i16/f16 inputs and constants, and an int8 scalar input).
+    Scalar predicates passed between kernels (e.g. `clip_by_global_norm`'s) were right
+    both ways and are allowed."""
     text = stream.decode() if isinstance(stream, bytes) else stream
-    missing = {t: bits for t, bits in narrow_bindings(text).items() if f"b{bits}" not in gpu.storage}
+    found = narrow_bindings(text)
+    if lowered is not None:
+        for slot in lowered.state + lowered.batch:
+            bits = jnp.dtype(slot.dtype).itemsize * 8 if slot.dtype != "bool" else 8
+            if bits < 32:
+                found[f"{slot.dtype} ('{slot.name}')"] = bits
+    missing = {t: bits for t, bits in found.items() if f"b{bits}" not in gpu.storage}
     if missing:
         types = ", ".join(sorted(missing))
         raise ExportError(
-            f"refusing to export for {target!r} ({gpu.arch}): the step's kernels keep {types} "
-            f"tensors in memory, and this GPU target has no "
+            f"refusing to export for {target!r} ({gpu.arch}): the step keeps {types} "
+            f"arrays in memory, and this GPU target has no "
             f"{'/'.join(sorted({f'{b}-bit' for b in missing.values()}))} storage "
             f"(storage = {'|'.join(sorted(gpu.storage))}); IREE's emulation of it computes wrong "
             "values. Keep boolean and narrow tensors inside the computation (build a causal "
@@ -141,7 +151,7 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     gpu_target = None
     if tgt.backend == "vulkan":
         parsed = vulkan.parse_target(stream.decode())
-        check_storage(stream, parsed, target)
+        check_storage(stream, parsed, target, lowered)
         gpu_target = parsed.text
     vmfb = compile_module(stream, target, flags, ("--compile-from=stream",))
     compile_s = time.perf_counter() - started

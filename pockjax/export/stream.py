@@ -205,16 +205,16 @@ def analyze(stream_ir: str, donated: dict[int, str], function: str = "train_step
     return StreamReport(w.hazards, not_in_place, input_bytes, peak, submissions)
 
 
-_BINDING = re.compile(r"dispatch\.tensor<(?:readonly|writeonly|readwrite):tensor<(?:[\d?]+x)*"
+_BINDING = re.compile(r"dispatch\.tensor<(?:readonly|writeonly|readwrite):tensor<((?:[\d?]+x)*)"
                       r"([a-z]+\d+)>")
 
 
-def narrow_bindings(stream_text: str) -> dict[str, int]:
-    """Element types narrower than 32 bits that kernels read or write in memory (`i1`,
-    `i8`, `f16`, ...), with their bit widths."""
+def narrow_bindings(stream_text: str, *, scalars: bool = False) -> dict[str, int]:
+    """Element types narrower than 32 bits of the arrays kernels read or write in memory
+    (`i1`, `i8`, `f16`, ...), with their storage widths; 0-d ones only with `scalars`."""
     out = {}
-    for dtype in set(_BINDING.findall(stream_text)):
+    for dims, dtype in set(_BINDING.findall(stream_text)):
         bits = int(re.sub(r"\D", "", dtype))
-        if bits < 32:
+        if bits < 32 and (dims or scalars):
             out[dtype] = 8 if bits <= 8 else bits
     return out

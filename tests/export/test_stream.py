@@ -143,4 +143,5 @@ def test_narrow_bindings_lists_sub_32_bit_kernel_operands():
       %2 = stream.binding.subspan %c[%c0] : !stream.binding -> !iree_tensor_ext.dispatch.tensor<writeonly:tensor<16x6400xf32>>
       %3 = stream.binding.subspan %d[%c0] : !stream.binding -> !iree_tensor_ext.dispatch.tensor<readwrite:tensor<i1>>
     """
-    assert narrow_bindings(text) == {"i8": 8, "f16": 16, "i1": 8}
+    assert narrow_bindings(text) == {"i8": 8, "f16": 16}
+    assert narrow_bindings(text, scalars=True) == {"i8": 8, "f16": 16, "i1": 8}

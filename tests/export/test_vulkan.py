@@ -125,10 +125,26 @@ def test_narrow_tensors_in_memory_are_refused_without_8bit_storage(tmp_path):
     """IREE emulates 8-bit storage on vp_android_baseline_2022 and gets a stored boolean
     mask wrong; export refuses it. host-vulkan (lavapipe has 8-bit storage) is right."""
     trainer, params, batch = masked_model()
-    with pytest.raises(ExportError, match=r"keep i8 tensors in memory.*no 8-bit storage "
+    with pytest.raises(ExportError, match=r"keeps i8 arrays in memory.*no 8-bit storage "
                                           r"\(storage = b32\).*jnp.arange"):
         trainer.export(trainer.init(params), batch, target="android-vulkan",
                        out_dir=tmp_path / "baseline")
     assert not (tmp_path / "baseline").exists()
     art = trainer.export(trainer.init(params), batch, target="host-vulkan", out_dir=tmp_path / "host")
     run_against_jax(runtime.load(art.path, device="vulkan"), trainer, params, batch, STEPS)
+
+
+def test_narrow_batch_inputs_are_refused_without_8bit_storage(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import pockjax as pj
+
+    trainer = pj.sparse_train(lambda p, b: jnp.mean((b["x"] * p["w"]) ** 2 * b["flag"]),
+                              optimizer=optax.sgd(0.1))
+    params = {"w": jnp.ones(8)}
+    batch = {"x": jax.random.normal(jax.random.key(0), (4, 8)), "flag": np.int8(1)}
+    with pytest.raises(ExportError, match=r"int8 \('flag'\)"):
+        trainer.export(trainer.init(params), batch, target="android-vulkan", out_dir=tmp_path / "a")
