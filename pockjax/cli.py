@@ -4,7 +4,8 @@
 name, or a path to a .py file) and reads ATTR from it. ATTR is either a function
 taking no arguments that returns `(trainer, state, batch)`, or such a tuple itself:
 the trainer made with `@pockjax.sparse_train`, its initial `TrainState`, and an
-example batch with the shapes to compile for. See examples/export_mlp.py.
+example batch with the shapes to compile for (see examples/export_mlp.py); or
+`(nnx_trainer, batch)` with a `pockjax.nnx.Trainer`.
 """
 from __future__ import annotations
 
@@ -39,9 +40,14 @@ def _load_spec(spec: str):
         raise SystemExit(f"pockjax export: '{module_name}' has no attribute {attr!r}")
     obj = getattr(module, attr)
     obj = obj() if callable(obj) else obj
+    from pockjax.nnx import Trainer
+
+    if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], Trainer):
+        nnx_trainer, batch = obj
+        return nnx_trainer.sparse, nnx_trainer.state, nnx_trainer._batch(batch)
     if not (isinstance(obj, tuple) and len(obj) == 3):
-        raise SystemExit(f"pockjax export: {spec} must give (trainer, state, batch), got "
-                         f"{type(obj).__name__}")
+        raise SystemExit(f"pockjax export: {spec} must give (trainer, state, batch) or "
+                         f"(pockjax.nnx.Trainer, batch), got {type(obj).__name__}")
     return obj
 
 

@@ -1,4 +1,5 @@
 """The targets table, compile-only targets, and the errors of export and runtime."""
+import json
 import os
 
 import jax
@@ -201,3 +202,23 @@ def test_cli_run_needs_every_input_in_the_data(mlp_artifact, tmp_path):
     np.savez(data, x=np.zeros((8, 16), np.float32))
     with pytest.raises(SystemExit, match=r"lacks inputs \['y'\]"):
         cli(["run", path, "--data", str(data)])
+
+
+def test_cli_exports_an_nnx_trainer(tmp_path, capsys):
+    spec = tmp_path / "nnx_model.py"
+    spec.write_text(
+        "import numpy as np, optax, pockjax as pj\n"
+        "from flax import nnx\n"
+        "def make():\n"
+        "    model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu,\n"
+        "                           nnx.Linear(8, 2, rngs=nnx.Rngs(1)))\n"
+        "    loss = lambda m, b: ((m(b) - 1.0) ** 2).mean()\n"
+        "    trainer = pj.nnx.Trainer(model, loss, optimizer=optax.sgd(0.1),\n"
+        "                             scheme=nnx.PathContains(2))\n"
+        "    return trainer, np.ones((3, 4), np.float32)\n")
+    out = tmp_path / "art"
+    assert cli(["export", f"{spec}:make", "--target", "host-cpu", "--out", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["functions"]["train_step"]["state"] == ["step", "params/layers/2/bias",
+                                                            "params/layers/2/kernel"]
+    assert [s["name"] for s in manifest["functions"]["train_step"]["inputs"]] == ["batch"]
