@@ -50,9 +50,10 @@ demo: venv
 
 # Benchmarks compare with PyTorch (CPU build), installed from the `torch` extra.
 bench: venv
-	$(PY) benchmarks/sparse_grad.py
-	$(PY) benchmarks/train_step.py
-	$(PY) benchmarks/export.py
+	$(PY) -m benchmarks paper --quick
+	$(PY) -m benchmarks sparse_grad
+	$(PY) -m benchmarks train_step
+	$(PY) -m benchmarks export
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .hypothesis out

@@ -44,3 +44,9 @@ def test_flax_loop_examples():
     assert "epoch  2:" in out and "parameters trained" in out
     out = run("linen_mlp.py", "--steps", "60")
     assert "digits 5-9 after sparse fine-tuning" in out
+
+
+def test_plain_pytree_example(tmp_path):
+    out = run("sparse_train_mlp.py", "--steps", "20", "--out", str(tmp_path))
+    assert "max relative difference to the JAX + optax reference" in out
+    assert "artifact step 5" in out

@@ -1,0 +1,12 @@
+"""`python -m benchmarks [paper|sparse_grad|train_step|export] [args...]`: run one benchmark."""
+import runpy
+import sys
+
+SCRIPTS = {"paper": "paper_table", "sparse_grad": "sparse_grad", "train_step": "train_step",
+           "export": "export"}
+
+if len(sys.argv) < 2 or sys.argv[1] not in SCRIPTS:
+    sys.exit(f"usage: python -m benchmarks {{{'|'.join(SCRIPTS)}}} [args...]")
+name = SCRIPTS[sys.argv[1]]
+sys.argv = [f"benchmarks/{name}.py"] + sys.argv[2:]
+runpy.run_module(f"benchmarks.{name}", run_name="__main__")

@@ -1,0 +1,692 @@
+"""PockEngine's headline table on this machine: per-iteration latency, memory and loss of
+full fine-tuning, LoRA and sparse fine-tuning, PyTorch against JAX and pockjax, in one run.
+
+Workloads (the same weights, data, Adam 1e-4 and steps for every row of a workload):
+
+- `llama`: pockjax's Llama (8 layers, hidden 512, MLP 1376, 8 heads, vocabulary 256),
+  random tokens, sequence 128, batch 8, next-token cross-entropy. PyTorch runs
+  `transformers.LlamaForCausalLM` loaded from the same weights (`hf.save_llama`).
+  Sparse: `schemes.transformer(last=num_layers // 2, extra=["lm_head/**"])`.
+- `mobilenetv2`: MobileNetV2 width 1.0, 128x128 random images, 10 classes, batch 16,
+  batch norm in training mode. PyTorch runs a port written below over the same weights.
+  Sparse: `schemes.mobilenetv2(norms=True)`.
+
+`--quick`: llama 4 layers, hidden 256, MLP 688, sequence 64, batch 4; mobilenetv2 width
+0.5, 64x64 images, batch 8.
+
+Rows: PyTorch eager full, frozen (`requires_grad=False` on what the sparse scheme
+freezes), LoRA r=8 (peft), torch.compile full; JAX + optax full and multi_transform
+(the sparse scheme's tensors trained whole, the rest set to zero); pockjax full and
+sparse (`pj.nnx.Trainer`); the sparse step exported to IREE host-cpu and run with
+`pj.runtime`. Each row runs in its own process (peak resident memory from the OS is that
+row's alone) with a timeout; a row that fails says why in its cell. Prints markdown
+tables and writes benchmarks/results/paper_table.md and paper_table.png.
+
+    python benchmarks/paper_table.py [--quick] [--steps 10] [--warmup 3] [--workloads llama,mobilenetv2]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+WORKLOADS = ["llama", "mobilenetv2"]
+ROWS = ["torch full", "torch frozen", "torch lora r8", "torch.compile full", "jax+optax full",
+        "jax+optax multi_transform", "pockjax full", "pockjax sparse",
+        "pockjax sparse iree host-cpu"]
+LR = 1e-4
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+def sizes(workload: str, quick: bool) -> dict:
+    if workload == "llama":
+        return (dict(layers=4, hidden=256, intermediate=688, seq=64, batch=4) if quick else
+                dict(layers=8, hidden=512, intermediate=1376, seq=128, batch=8))
+    return (dict(width=0.5, size=64, batch=8) if quick else dict(width=1.0, size=128, batch=16))
+
+
+def describe(workload: str, s: dict) -> str:
+    if workload == "llama":
+        return (f"LLaMA {s['layers']} layers, hidden {s['hidden']}, MLP {s['intermediate']}, "
+                f"8 heads, vocabulary 256; sequence {s['seq']}, batch {s['batch']}")
+    return (f"MobileNetV2 width {s['width']}, {s['size']}x{s['size']} images, 10 classes, "
+            f"batch {s['batch']}, batch norm in training mode")
+
+
+def items_per_step(workload: str, s: dict) -> tuple[int, str]:
+    return (s["batch"] * s["seq"], "tokens/s") if workload == "llama" else (s["batch"], "images/s")
+
+
+def make_model(workload: str, s: dict):
+    from flax import nnx
+
+    from pockjax.models import Llama, MobileNetV2
+    from pockjax.models.llama import LlamaConfig
+
+    if workload == "llama":
+        config = LlamaConfig(vocab_size=256, hidden_size=s["hidden"],
+                             intermediate_size=s["intermediate"], num_layers=s["layers"],
+                             num_heads=8, num_kv_heads=8, max_position_embeddings=128)
+        return Llama(config, rngs=nnx.Rngs(0))
+    return MobileNetV2(10, width_mult=s["width"], input_size=s["size"], rngs=nnx.Rngs(0))
+
+
+def make_batch(workload: str, s: dict):
+    """numpy data from a fixed seed: tokens [B, T], or (images NHWC, labels)."""
+    rng = np.random.default_rng(0)
+    if workload == "llama":
+        return rng.integers(0, 256, size=(s["batch"], s["seq"])).astype(np.int32)
+    x = rng.standard_normal((s["batch"], s["size"], s["size"], 3)).astype(np.float32)
+    return x, rng.integers(0, 10, size=s["batch"]).astype(np.int32)
+
+
+def jax_loss(workload: str):
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    def lm_loss(model, tokens):
+        logits = model(tokens)[:, :-1]
+        targets = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1])
+        return -jnp.mean(jnp.sum(targets * jax.nn.log_softmax(logits), axis=-1))
+
+    def image_loss(model, batch):
+        x, y = batch
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    return lm_loss if workload == "llama" else image_loss
+
+
+def sparse_scheme(workload: str, model):
+    import pockjax as pj
+
+    if workload == "llama":
+        return pj.schemes.transformer(model, last=model.config.num_layers // 2,
+                                      extra=["lm_head/**"])
+    return pj.schemes.mobilenetv2(model, norms=True)
+
+
+def _path(keys) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+
+
+def trained_paths(workload: str, model) -> list[str]:
+    """Parameters the sparse scheme trains at all (partially trained tensors count whole)."""
+    import pockjax as pj
+
+    scheme = sparse_scheme(workload, model)
+    return [p for p in pj.nnx.param_paths(model) if not isinstance(scheme.match(p), pj.Frozen)]
+
+
+def torch_name(workload: str, path: str) -> str:
+    """A JAX parameter path as the PyTorch model names it."""
+    if workload == "mobilenetv2":
+        parts = path.split("/")
+        parts[-1] = {"kernel": "weight", "scale": "weight"}.get(parts[-1], parts[-1])
+        return ".".join(parts)
+    table = {"embed/embedding": "model.embed_tokens.weight", "norm/scale": "model.norm.weight",
+             "lm_head/kernel": "lm_head.weight"}
+    if path in table:
+        return table[path]
+    parts = path.split("/")
+    if len(parts) == 5:  # layers/{i}/attn|mlp/{name}/kernel
+        group = "self_attn" if parts[2] == "attn" else "mlp"
+        return f"model.layers.{parts[1]}.{group}.{parts[3]}.weight"
+    _, i, module, leaf = parts
+    norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    if module in norms:
+        return f"model.layers.{i}.{norms[module]}.weight"
+    raise ValueError(f"no PyTorch name for {path!r}")
+
+
+# --------------------------------------------------------------------------- preparation
+
+
+def prepare(workload: str, s: dict, data_dir: str) -> dict:
+    """Weights for the PyTorch rows, and the JAX first-batch loss the ports must match."""
+    import jax
+    from flax import nnx
+
+    import pockjax as pj
+
+    model = make_model(workload, s)
+    batch = make_batch(workload, s)
+    if workload == "llama":
+        from pockjax.models.hf import save_llama
+        save_llama(model, os.path.join(data_dir, "hf"))
+    else:
+        _, params, rest = pj.nnx.split(model)
+        flat = {}
+        for tree in (params, rest):
+            for keys, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                flat[_path(keys)] = np.asarray(leaf)
+        np.savez(os.path.join(data_dir, "mobilenetv2.npz"), **flat)
+        with open(os.path.join(data_dir, "layout.json"), "w") as f:
+            json.dump(mobilenetv2_layout(model), f)
+    loss = nnx.jit(jax_loss(workload))(model, batch)
+    trained = trained_paths(workload, model)
+    with open(os.path.join(data_dir, "trained.json"), "w") as f:
+        json.dump(trained, f)
+    return {"jax_first_loss": float(loss), "trained_tensors": len(trained),
+            "tensors": len(pj.nnx.param_paths(model))}
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _timed(step, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """`step()` returns the loss as a float (synchronised); warm-up includes compilation."""
+    losses, times = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = step()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+        losses.append(loss)
+    return losses, times
+
+
+# --------------------------------------------------------------------------- PyTorch rows
+
+
+def mobilenetv2_layout(model) -> dict:
+    """The NNX MobileNetV2's convolutions as plain data, so the PyTorch rows need no JAX."""
+    def conv(m):
+        kh, kw, cin, cout = m.conv.kernel.shape
+        groups = m.conv.feature_group_count
+        return {"in": cin * groups, "out": cout, "k": kh, "stride": m.conv.strides[0],
+                "groups": groups, "relu6": m.relu6}
+
+    return {"stem": conv(model.stem), "head": conv(model.head),
+            "classifier": list(model.classifier.kernel.shape),
+            "blocks": [{"expand": conv(b.expand) if b.expand is not None else None,
+                        "depthwise": conv(b.depthwise), "project": conv(b.project),
+                        "residual": b.residual} for b in model.blocks]}
+
+
+def torch_mobilenetv2(layout: dict, flat: dict):
+    """MobileNetV2 as a torch nn.Module with `layout` and `flat`'s (NNX) weights."""
+    import torch
+    from torch import nn
+
+    class ConvBN(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.conv = nn.Conv2d(c["in"], c["out"], c["k"], stride=c["stride"],
+                                  padding=(c["k"] - 1) // 2, groups=c["groups"], bias=False)
+            self.bn = nn.BatchNorm2d(c["out"], eps=1e-5, momentum=0.1)
+            self.relu6 = c["relu6"]
+
+        def forward(self, x):
+            y = self.bn(self.conv(x))
+            return nn.functional.relu6(y) if self.relu6 else y
+
+    class Block(nn.Module):
+        def __init__(self, src):
+            super().__init__()
+            self.expand = ConvBN(src["expand"]) if src["expand"] is not None else None
+            self.depthwise, self.project = ConvBN(src["depthwise"]), ConvBN(src["project"])
+            self.residual = src["residual"]
+
+        def forward(self, x):
+            y = self.expand(x) if self.expand is not None else x
+            y = self.project(self.depthwise(y))
+            return x + y if self.residual else y
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = ConvBN(layout["stem"])
+            self.blocks = nn.ModuleList([Block(b) for b in layout["blocks"]])
+            self.head = ConvBN(layout["head"])
+            self.classifier = nn.Linear(*layout["classifier"])
+
+        def forward(self, x):  # NHWC in, as the JAX model takes it
+            h = self.stem(x.permute(0, 3, 1, 2))
+            for block in self.blocks:
+                h = block(h)
+            return self.classifier(self.head(h).mean(dim=(2, 3)))
+
+    net = Net()
+    names = dict(net.named_parameters()) | dict(net.named_buffers())
+    for path, value in flat.items():
+        if path.endswith("/mean") or path.endswith("/var"):
+            name = path.rsplit("/", 1)[0].replace("/", ".") + (
+                ".running_mean" if path.endswith("/mean") else ".running_var")
+        else:
+            name = torch_name("mobilenetv2", path)
+            if value.ndim == 4:
+                value = value.transpose(3, 2, 0, 1)  # HWIO -> OIHW
+            elif value.ndim == 2:
+                value = value.T
+        with torch.no_grad():
+            names[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
+    return net.train()
+
+
+def run_torch(workload: str, row: str, s: dict, args) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    if workload == "llama":
+        import transformers  # noqa: F401  (counted in the baseline, as JAX's imports are)
+    if row == "torch lora r8":
+        import peft  # noqa: F401
+    rss_imports = _rss_mib()
+    batch = make_batch(workload, s)
+    with open(os.path.join(args.data, "trained.json")) as f:
+        trained = {torch_name(workload, p) for p in json.load(f)}
+    if workload == "llama":
+        from transformers import LlamaForCausalLM
+        net = LlamaForCausalLM.from_pretrained(os.path.join(args.data, "hf"),
+                                               torch_dtype=torch.float32)
+        net.train()
+        tokens = torch.from_numpy(batch).long()
+
+        def loss_fn(net):
+            logits = net(input_ids=tokens).logits[:, :-1]
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                   tokens[:, 1:].reshape(-1))
+    else:
+        flat = dict(np.load(os.path.join(args.data, "mobilenetv2.npz")))
+        with open(os.path.join(args.data, "layout.json")) as f:
+            net = torch_mobilenetv2(json.load(f), flat)
+        x, y = torch.from_numpy(batch[0]), torch.from_numpy(batch[1]).long()
+
+        def loss_fn(net):
+            return F.cross_entropy(net(x), y)
+
+    names = {n for n, _ in net.named_parameters()}
+    if row == "torch frozen":
+        missing = trained - names
+        if missing:
+            raise RuntimeError(f"scheme paths with no torch parameter: {sorted(missing)[:4]}")
+        for n, p in net.named_parameters():
+            p.requires_grad_(n in trained)
+    elif row == "torch lora r8":
+        from peft import LoraConfig, get_peft_model
+        targets = (LORA_TARGETS if workload == "llama" else
+                   r".*\.(expand|project)\.conv|head\.conv")  # the 1x1 convs
+        net = get_peft_model(net, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                             target_modules=targets))
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=LR)
+    forward = torch.compile(loss_fn) if row == "torch.compile full" else loss_fn
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = forward(net)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    losses, times = _timed(step, args.steps, args.warmup)
+    return {"losses": losses, "times": times, "rss_imports_mib": rss_imports,
+            "trained_params": sum(p.numel() for p in params)}
+
+
+# --------------------------------------------------------------------------- JAX rows
+
+
+def _memory(compiled) -> dict:
+    """XLA's temp memory and FLOPs for a compiled step."""
+    out = {}
+    m = compiled.memory_analysis()
+    if m is not None:
+        out["temp_mib"] = m.temp_size_in_bytes / 2**20
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    if cost and "flops" in cost:
+        out["gflop"] = float(cost["flops"]) / 1e9
+    return out
+
+
+def run_jax(workload: str, row: str, s: dict, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import pockjax as pj
+
+    rss_imports = _rss_mib()
+    model = make_model(workload, s)
+    loss_fn = jax_loss(workload)
+    batch = jax.tree.map(jnp.asarray, make_batch(workload, s))
+    opt = optax.adam(LR)
+    trained = set(trained_paths(workload, model))
+
+    if row.startswith("pockjax"):
+        scheme = pj.Scheme(default=pj.Full()) if row == "pockjax full" else \
+            sparse_scheme(workload, model)
+        trainer = pj.nnx.Trainer(model, loss_fn, optimizer=opt, scheme=scheme)
+        del model
+        extra = {"trained_params": trainer.explain(batch).trainable_params,
+                 "rss_imports_mib": rss_imports}
+        if row.endswith("iree host-cpu"):
+            return {**extra, **run_iree(workload, trainer, batch, args)}
+        extra |= _memory(trainer.lower(batch).compile())
+
+        def step():
+            metrics = trainer(batch)
+            return float(jax.block_until_ready(metrics["loss"]))
+
+        losses, times = _timed(step, args.steps, args.warmup)
+        return {"losses": losses, "times": times, **extra}
+
+    graphdef, params, rest = pj.nnx.split(model)
+    del model
+    if row == "jax+optax full":
+        tx = opt
+    else:
+        labels = jax.tree_util.tree_map_with_path(
+            lambda keys, _: "train" if _path(keys) in trained else "frozen", params)
+        tx = optax.multi_transform({"train": opt, "frozen": optax.set_to_zero()}, labels)
+
+    def pure(params, rest, batch):
+        m = pj.nnx.merge(graphdef, params, rest) if rest else nnx.merge(graphdef, params)
+        loss = loss_fn(m, batch)
+        return loss, (pj.nnx.split(m)[2] if rest else rest)
+
+    def train_step(state, batch):
+        params, rest, opt_state = state
+        (loss, rest), grads = jax.value_and_grad(pure, has_aux=True)(params, rest, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), rest, opt_state), loss
+
+    state = [(params, rest, tx.init(params))]
+    compiled = jax.jit(train_step, donate_argnums=0).lower(state[0], batch).compile()
+    trained_params = sum(int(np.prod(np.shape(x))) for keys, x in
+                         jax.tree_util.tree_flatten_with_path(params)[0]
+                         if row == "jax+optax full" or _path(keys) in trained)
+
+    def step():
+        state[0], loss = compiled(state[0], batch)
+        return float(jax.block_until_ready(loss))
+
+    losses, times = _timed(step, args.steps, args.warmup)
+    return {"losses": losses, "times": times, "trained_params": trained_params,
+            "rss_imports_mib": rss_imports, **_memory(compiled)}
+
+
+def run_iree(workload: str, trainer, batch, args) -> dict:
+    import jax
+
+    import pockjax as pj
+
+    out = tempfile.mkdtemp(prefix="paper-table-iree-")
+    try:
+        t0 = time.perf_counter()
+        art = trainer.export(batch, target="host-cpu", out_dir=os.path.join(out, "step"))
+        export_s = time.perf_counter() - t0
+        sess = pj.runtime.load(art.path, device="local-task")
+        numpy_batch = jax.tree.map(np.asarray, batch)
+        if not trainer.rest:
+            def step():
+                return float(sess.step(numpy_batch)["loss"])
+        else:
+            flat = pj.scheme.leaves_with_paths(trainer.rest)[0]
+            treedef = jax.tree_util.tree_structure(trainer.rest)
+            stats = [jax.tree.map(np.asarray, trainer.rest)]
+
+            def step():
+                got = sess.step({"batch": numpy_batch, "model_state": stats[0]})
+                stats[0] = jax.tree_util.tree_unflatten(
+                    treedef, [got[f"aux/model_state/{p}"] for p, _ in flat])
+                return float(got["loss"])
+
+        losses, times = _timed(step, args.steps, args.warmup)
+        return {"losses": losses, "times": times, "export_s": export_s}
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- driver
+
+
+def child(args) -> None:
+    s = sizes(args.workload, args.quick)
+    run = run_torch if args.row.startswith("torch") else run_jax
+    result = run(args.workload, args.row, s, args)
+    result["rss_peak_mib"] = _peak_rss_mib()
+    result["imports_jax"] = "jax" in sys.modules
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_row(workload: str, row: str, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--workload", workload, "--row", row,
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--data", args.data]
+    cmd += ["--quick"] if args.quick else []
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:.0f} s"}
+    wall = time.perf_counter() - t0
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {**json.loads(line[len("RESULT "):]), "wall_s": wall}
+    lines = [l for l in (proc.stderr or proc.stdout).strip().splitlines() if l.strip()]
+    errors = [l for l in lines if "Error" in l or "error" in l]
+    tail = (errors or lines or ["no output"])[-1].strip()
+    return {"error": f"exit {proc.returncode}: {tail[:240]}"}
+
+
+def versions() -> str:
+    import importlib.metadata as md
+    out = []
+    for name in ("pockjax", "jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft",
+                 "iree-base-compiler", "iree-base-runtime"):
+        try:
+            out.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            out.append(f"{name} (not installed)")
+    return ", ".join(out)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "/").replace("\n", " ")
+
+
+def table(workload: str, s: dict, prep: dict, results: dict, rows: list[str], args) -> list[str]:
+    n, unit = items_per_step(workload, s)
+    ok = lambda r: r in results and "error" not in results[r]
+    med = lambda r: statistics.median(results[r]["times"]) * 1e3
+    ref = med("torch full") if ok("torch full") else None
+    lines = [f"## {workload}: {describe(workload, s)}", "",
+             f"Sparse scheme: {prep['trained_tensors']} of {prep['tensors']} parameter tensors "
+             f"train. JAX first-batch loss {prep['jax_first_loss']:.6f}.", "",
+             f"| row | median ms | min-max ms | {unit} | speed vs torch full | trained params "
+             f"| GFLOP | XLA temp MiB | RSS after imports MiB | peak RSS MiB "
+             f"| loss step 1 -> {args.warmup + args.steps} |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        r = results[row]
+        if "error" in r:
+            lines.append(f"| {row} | {_cell('failed: ' + r['error'])} |" + " |" * 9)
+            continue
+        t = np.asarray(r["times"]) * 1e3
+        cells = [row, f"{med(row):.1f}", f"{t.min():.1f}-{t.max():.1f}",
+                 f"{n / (med(row) / 1e3):,.0f}", f"{ref / med(row):.2f}x" if ref else "-",
+                 f"{r['trained_params']:,}" if "trained_params" in r else "-",
+                 f"{r['gflop']:.2f}" if "gflop" in r else "-",
+                 f"{r['temp_mib']:.1f}" if "temp_mib" in r else "-",
+                 f"{r['rss_imports_mib']:.0f}" if "rss_imports_mib" in r else "-",
+                 f"{r['rss_peak_mib']:.0f}",
+                 f"{r['losses'][0]:.5f} -> {r['losses'][-1]:.5f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    for row in rows:
+        if ok(row) and row.startswith("torch"):
+            first = results[row]["losses"][0]
+            rel = abs(first - prep["jax_first_loss"]) / abs(prep["jax_first_loss"])
+            lines.append(f"- port check, {row}: first-batch loss {first:.6f} vs JAX "
+                         f"{prep['jax_first_loss']:.6f} (relative difference {rel:.1e})"
+                         + ("; this process imported JAX" if results[row].get("imports_jax")
+                            else ""))
+    if ok("pockjax sparse iree host-cpu"):
+        lines.append(f"- IREE export and compilation took "
+                     f"{results['pockjax sparse iree host-cpu']['export_s']:.1f} s")
+    lines += ["", "Targets:", ""] + targets(workload, results, med, ok) + [""]
+    return lines
+
+
+def targets(workload: str, results: dict, med, ok) -> list[str]:
+    out = []
+
+    def check(name, a, b, want, fmt):
+        if not (ok(a) and ok(b)):
+            out.append(f"- {name}: not measured ({a} or {b} failed)")
+            return
+        value, held = fmt(a, b)
+        out.append(f"- {name}: {value} (target {want}) -> {'holds' if held else 'MISSED'}")
+
+    speed = {"llama": 4.4, "mobilenetv2": 3.0}[workload]
+    check("pockjax sparse vs torch full, speed", "pockjax sparse", "torch full", f">= {speed}x",
+          lambda a, b: (f"{med(b) / med(a):.2f}x", med(b) / med(a) >= speed))
+    check("pockjax sparse vs torch lora r8, speed", "pockjax sparse", "torch lora r8", "> 1x",
+          lambda a, b: (f"{med(b) / med(a):.2f}x", med(b) / med(a) > 1))
+    check("pockjax sparse vs torch lora r8, final loss", "pockjax sparse", "torch lora r8",
+          "<= LoRA's", lambda a, b: (f"{results[a]['losses'][-1]:.5f} vs "
+                                     f"{results[b]['losses'][-1]:.5f}",
+                                     results[a]["losses"][-1] <= results[b]["losses"][-1]))
+    check("pockjax sparse vs torch full, peak RSS", "pockjax sparse", "torch full", "<= 0.5",
+          lambda a, b: (f"{results[a]['rss_peak_mib'] / results[b]['rss_peak_mib']:.2f}",
+                        results[a]["rss_peak_mib"] <= 0.5 * results[b]["rss_peak_mib"]))
+    check("pockjax full vs jax+optax full, speed", "pockjax full", "jax+optax full", ">= 1x",
+          lambda a, b: (f"{med(b) / med(a):.2f}x", med(b) / med(a) >= 1.0))
+    return out
+
+
+def chart(all_results: dict, rows: list[str], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(all_results)
+    fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4.2 * len(workloads)), squeeze=False)
+    for i, w in enumerate(workloads):
+        res = all_results[w]
+        names = [r for r in rows if r in res]
+        good = ["error" not in res[r] for r in names]
+        lat = [statistics.median(res[r]["times"]) * 1e3 if g else 0 for r, g in zip(names, good)]
+        mem = [res[r]["rss_peak_mib"] if g else 0 for r, g in zip(names, good)]
+        colors = ["tab:orange" if r.startswith("torch") else "tab:green" if r.startswith(
+            "pockjax") else "tab:blue" for r in names]
+        for ax, values, label in ((axes[i][0], lat, "median step latency (ms)"),
+                                  (axes[i][1], mem, "peak RSS (MiB)")):
+            ax.barh(names, values, color=colors)
+            for y, (v, g) in enumerate(zip(values, good)):
+                ax.text(v, y, f" {v:.0f}" if g else " failed", va="center", fontsize=8)
+            ax.invert_yaxis()
+            ax.set_xlabel(label)
+            ax.set_title(f"{w}: {label}")
+    fig.tight_layout()
+    from pockjax.checkpoint import write_atomic
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller models (a few minutes)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per row")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (compilation)")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per row")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " +
+                    ", ".join(ROWS))
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "paper_table.md"))
+    ap.add_argument("--workload", help=argparse.SUPPRESS)
+    ap.add_argument("--row", help=argparse.SUPPRESS)
+    ap.add_argument("--data", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.row:
+        return child(args)
+
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    for name, got, known in (("workloads", workloads, WORKLOADS), ("rows", rows, ROWS)):
+        if [x for x in got if x not in known]:
+            ap.error(f"unknown {name} {[x for x in got if x not in known]}; choose from {known}")
+    command = "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:]))
+    started = time.perf_counter()
+    lines = ["# PockEngine's table on this machine: full, LoRA and sparse fine-tuning", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}. "
+             f"{versions()}. Commit {commit()}. Command: `{command}`.", "",
+             f"Adam {LR:g}, the same weights and batch every step. Each row in its own process: "
+             f"{args.warmup} warm-up steps (compilation included), then {args.steps} timed "
+             f"steps; median and min-max. Peak RSS is the row process's `ru_maxrss`; XLA temp is "
+             f"the compiled step's `memory_analysis().temp_size_in_bytes`. `torch frozen` and "
+             f"`jax+optax multi_transform` train the tensors the sparse scheme trains, whole.", ""]
+    all_results = {}
+    for w in workloads:
+        s = sizes(w, args.quick)
+        data = tempfile.mkdtemp(prefix=f"paper-table-{w}-")
+        try:
+            args.data = data
+            print(f"[{w}] preparing weights ...", file=sys.stderr, flush=True)
+            prep = prepare(w, s, data)
+            results = {}
+            for row in rows:
+                print(f"[{w}] {row} ...", file=sys.stderr, flush=True, end=" ")
+                results[row] = run_row(w, row, args)
+                r = results[row]
+                print(r.get("error") or f"{statistics.median(r['times']) * 1e3:.1f} ms, "
+                      f"{r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(data, ignore_errors=True)
+        all_results[w] = results
+        lines += table(w, s, prep, results, rows, args)
+    lines.append(f"Whole run: {time.perf_counter() - started:.0f} s.")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    from pockjax.checkpoint import write_atomic  # not at the top: PyTorch rows import no JAX
+    write_atomic(args.out, text.encode())
+    chart(all_results, rows, os.path.splitext(args.out)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()
