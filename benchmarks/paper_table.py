@@ -31,18 +31,17 @@ import io
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import (ROOT, commit, report_result, rss_mib,  # noqa: E402
+                               run_row as run_process, versions)
 
 WORKLOADS = ["llama", "mobilenetv2"]
 ROWS = ["torch full", "torch frozen", "torch lora r8", "torch.compile full", "jax+optax full",
@@ -191,18 +190,6 @@ def prepare(workload: str, s: dict, data_dir: str) -> dict:
 # --------------------------------------------------------------------------- timing
 
 
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
 def _timed(step, steps: int, warmup: int) -> tuple[list[float], list[float]]:
     """`step()` returns the loss as a float (synchronised); warm-up includes compilation."""
     losses, times = [], []
@@ -304,7 +291,7 @@ def run_torch(workload: str, row: str, s: dict, args) -> dict:
         import transformers  # noqa: F401  (counted in the baseline, as JAX's imports are)
     if row == "torch lora r8":
         import peft  # noqa: F401
-    rss_imports = _rss_mib()
+    rss_imports = rss_mib()
     batch = make_batch(workload, s)
     with open(os.path.join(args.data, "trained.json")) as f:
         trained = {torch_name(workload, p) for p in json.load(f)}
@@ -381,7 +368,7 @@ def run_jax(workload: str, row: str, s: dict, args) -> dict:
 
     import pockjax as pj
 
-    rss_imports = _rss_mib()
+    rss_imports = rss_mib()
     model = make_model(workload, s)
     loss_fn = jax_loss(workload)
     batch = jax.tree.map(jnp.asarray, make_batch(workload, s))
@@ -480,48 +467,18 @@ def child(args) -> None:
     s = sizes(args.workload, args.quick)
     run = run_torch if args.row.startswith("torch") else run_jax
     result = run(args.workload, args.row, s, args)
-    result["rss_peak_mib"] = _peak_rss_mib()
     result["imports_jax"] = "jax" in sys.modules
-    print("RESULT " + json.dumps(result), flush=True)
+    report_result(result)
 
 
 def run_row(workload: str, row: str, args) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--workload", workload, "--row", row,
+    cmd = [os.path.abspath(__file__), "--workload", workload, "--row", row,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--data", args.data]
-    cmd += ["--quick"] if args.quick else []
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout:.0f} s"}
-    wall = time.perf_counter() - t0
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {**json.loads(line[len("RESULT "):]), "wall_s": wall}
-    lines = [l for l in (proc.stderr or proc.stdout).strip().splitlines() if l.strip()]
-    errors = [l for l in lines if "Error" in l or "error" in l]
-    tail = (errors or lines or ["no output"])[-1].strip()
-    return {"error": f"exit {proc.returncode}: {tail[:240]}"}
+    return run_process(cmd + (["--quick"] if args.quick else []), args.timeout)
 
 
-def versions() -> str:
-    import importlib.metadata as md
-    out = []
-    for name in ("pockjax", "jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft",
-                 "iree-base-compiler", "iree-base-runtime"):
-        try:
-            out.append(f"{name} {md.version(name)}")
-        except md.PackageNotFoundError:
-            out.append(f"{name} (not installed)")
-    return ", ".join(out)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+PACKAGES = ("pockjax", "jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft",
+            "iree-base-compiler", "iree-base-runtime")
 
 
 def _cell(text: str) -> str:
@@ -655,7 +612,7 @@ def main(argv=None):
     started = time.perf_counter()
     lines = ["# PockEngine's table on this machine: full, LoRA and sparse fine-tuning", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}. "
-             f"{versions()}. Commit {commit()}. Command: `{command}`.", "",
+             f"{versions(PACKAGES)}. Commit {commit()}. Command: `{command}`.", "",
              f"Adam {LR:g}, the same weights and batch every step. Each row in its own process: "
              f"{args.warmup} warm-up steps (compilation included), then {args.steps} timed "
              f"steps; median and min-max. Peak RSS is the row process's `ru_maxrss`; XLA temp is "

@@ -18,21 +18,20 @@ that row alone. Prints a markdown table and writes benchmarks/results/train_step
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import resource
 import statistics
-import subprocess
 import sys
 import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import (ROOT, commit, report_result, rss_mib,  # noqa: E402
+                               run_row as run_process, versions)
 from pockjax.checkpoint import write_atomic  # noqa: E402
 
+PACKAGES = ("pockjax", "jax", "optax", "torch")
 ROWS = ["pockjax full", "pockjax sparse", "jax+optax full", "jax+optax multi_transform",
         "torch full", "torch frozen"]
 LR = 1e-3
@@ -46,18 +45,6 @@ def make_data(layers, width, batch):
     x = rng.standard_normal((batch, width)).astype(np.float32)
     y = (0.1 * rng.standard_normal((batch, width))).astype(np.float32)
     return weights, biases, x, y
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def _peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _timed(step, state, batch, steps, warmup, sync):
@@ -126,7 +113,7 @@ def run_jax(row, args):
                                     - m.alias_size_in_bytes + m.temp_size_in_bytes) / 2**20}
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    rss_before = _rss_mib()
+    rss_before = rss_mib()
     losses, times = _timed(step, state, batch, args.steps, args.warmup,
                            lambda s, l: jax.block_until_ready((s, l)))
     return {"losses": losses, "times": times, "rss_setup_mib": rss_before,
@@ -160,49 +147,19 @@ def run_torch(row, args):
         opt.step()
         return state, loss.detach()
 
-    rss_before = _rss_mib()
+    rss_before = rss_mib()
     losses, times = _timed(step, None, (xt, yt), args.steps, args.warmup, lambda s, l: None)
     return {"losses": losses, "times": times, "rss_setup_mib": rss_before}
 
 
 def child(row, args):
-    result = run_torch(row, args) if row.startswith("torch") else run_jax(row, args)
-    result["rss_peak_mib"] = _peak_rss_mib()
-    print("RESULT " + json.dumps(result))
+    report_result(run_torch(row, args) if row.startswith("torch") else run_jax(row, args))
 
 
 def run_row(row, args):
-    cmd = [sys.executable, os.path.abspath(__file__), "--row", row, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--layers", str(args.layers), "--width", str(args.width),
-           "--batch", str(args.batch)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    return {"error": f"exit {proc.returncode}: {tail[0][:200]}"}
-
-
-def versions() -> str:
-    import importlib.metadata as md
-    out = []
-    for name in ("pockjax", "jax", "optax", "torch"):
-        try:
-            out.append(f"{name} {md.version(name)}")
-        except md.PackageNotFoundError:
-            out.append(f"{name} (not installed)")
-    return ", ".join(out)
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return run_process([os.path.abspath(__file__), "--row", row, "--steps", str(args.steps),
+                        "--warmup", str(args.warmup), "--layers", str(args.layers),
+                        "--width", str(args.width), "--batch", str(args.batch)], args.timeout)
 
 
 def main(argv=None):
@@ -234,7 +191,7 @@ def main(argv=None):
     ref = "torch full" if ok("torch full") else None
     lines = [f"# Training step: {args.layers} x dense {args.width}x{args.width} + gelu, batch {args.batch}, Adam",
              "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; {versions()}; "
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; {versions(PACKAGES)}; "
              f"commit {commit()}. Each row in its own process: {args.warmup} warm-up steps, then "
              f"{args.steps} timed steps (median, and p90-p10 spread). Sparse rows train the kernels of "
              f"the last 2 layers: pockjax with Channels(1/4, in), the others whole.",

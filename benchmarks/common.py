@@ -1,0 +1,71 @@
+"""What the benchmark scripts share: memory readings, the one-process-per-row protocol,
+and the machine description. Imports neither JAX nor PyTorch (rows import one of them)."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rss_mib() -> float:
+    """This process's resident memory now."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident memory, from the OS."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def report_result(result: dict) -> None:
+    """A row process's answer to `run_row` (on stdout)."""
+    result["rss_peak_mib"] = peak_rss_mib()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run_row(cmd: list[str], timeout: float) -> dict:
+    """Run one row in its own process; its `report_result` dict plus `wall_s`, or
+    `{"error": reason}` (a timeout, or the last error line of a failed process)."""
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    wall = time.perf_counter() - t0
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return {**json.loads(line[len("RESULT "):]), "wall_s": wall}
+    lines = [l for l in (proc.stderr or proc.stdout).strip().splitlines() if l.strip()]
+    errors = [l for l in lines if "Error" in l or "error" in l]
+    tail = (errors or lines or ["no output"])[-1].strip()
+    return {"error": f"exit {proc.returncode}: {tail[:240]}"}
+
+
+def versions(names) -> str:
+    import importlib.metadata as md
+
+    out = []
+    for name in names:
+        try:
+            out.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            out.append(f"{name} (not installed)")
+    return ", ".join(out)
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
