@@ -21,24 +21,14 @@ import time
 import jax
 import numpy as np
 import optax
-from flax import nnx
 
 import pockjax as pj
 import tiny_lm as data
-from pockjax.models.hf import load_llama, save_llama
-from pockjax.models.llama import Llama, num_params
+from pockjax.models.hf import load_llama
+from pockjax.models.llama import num_params
+from reporting import figure, save_figure
 
 BATCH = 32
-
-
-def pretrain(path: str, steps: int) -> None:
-    tokens, mask = data.pack_lines(data.corpus(20_000), data.LENGTH)
-    model = Llama(data.config(), rngs=nnx.Rngs(0))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(steps // 10, 1), steps, 3e-4)
-    trainer = pj.nnx.Trainer(model, data.lm_loss, optimizer=optax.adamw(schedule, weight_decay=0.01))
-    trainer.fit(data.batches(tokens, mask, BATCH), steps, desc="pretrain")
-    trainer.update(model)
-    save_llama(model, path)
 
 
 def vulkan_device() -> str | None:
@@ -70,10 +60,7 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
 
     # 1. The model, from a checkpoint in Hugging Face's layout.
-    path = args.pretrained or os.path.join(args.out, f"pretrained-{args.pretrain_steps}")
-    if not os.path.exists(os.path.join(path, "config.json")):
-        print(f"no checkpoint at {path}: pretraining a tiny LLaMA on generated text")
-        pretrain(path, args.pretrain_steps)
+    path = args.pretrained or data.pretrained(args.out, args.pretrain_steps)
     model = load_llama(path)
     print(f"loaded {path}: {model.config.num_layers} blocks, hidden {model.config.hidden_size}, "
           f"{num_params(model.config):,} parameters\n")
@@ -132,11 +119,7 @@ def main(argv=None):
 
 
 def plot(history, jax_loss, art_loss, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = figure()
     n = len(history)
     ax.plot(np.arange(1, n + 1), history, color="0.6", label="JAX (pockjax), fine-tuning")
     steps = np.arange(n + 1, n + len(jax_loss) + 1)
@@ -146,11 +129,7 @@ def plot(history, jax_loss, art_loss, path: str) -> None:
     ax.set(xlabel="step", ylabel="training loss", yscale="log",
            title="sparse fine-tuning, then the exported step")
     ax.legend()
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from flax import nnx
 
 import pockjax as pj
 from pockjax.models.mobilenetv2 import MobileNetV2
+from reporting import plot_loss_curves, print_table
 
 SIZE, BATCH, WIDTH = 16, 32, 0.35
 
@@ -61,9 +62,13 @@ def xent(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(model(images), labels).mean()
 
 
+@nnx.jit
+def predict(model, images):
+    return jnp.argmax(model(images), -1)
+
+
 def accuracy(model, images, labels) -> float:
     model.eval()
-    predict = nnx.jit(lambda m, x: jnp.argmax(m(x), -1))
     right = sum(int(jnp.sum(predict(model, images[i:i + 256]) == labels[i:i + 256]))
                 for i in range(0, len(labels), 256))
     model.train()
@@ -126,36 +131,13 @@ def main(argv=None):
                      "FLOPs": f"{report.flops / 1e9:.2f} G"})
 
     print()
-    keys = list(rows[0])
-    widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in keys}
-    print("  ".join(k.rjust(widths[k]) for k in keys))
-    for r in rows:
-        print("  ".join(r[k].rjust(widths[k]) for k in keys))
+    print_table(rows)
     print(f"\n(accuracy on {len(test_y)} held-out images of 5-9; step memory is the compiled "
           "step's peak estimate from XLA)")
     png = os.path.join(args.out, "digits_curves.png")
-    plot(curves, png)
+    plot_loss_curves(curves, png, "MobileNetV2 transfer, digits 0-4 -> 5-9")
     print(f"loss curves: {png}")
     return rows
-
-
-def plot(curves: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, loss in curves.items():
-        smooth = np.convolve(loss, np.ones(10) / 10, mode="valid")
-        ax.plot(np.arange(len(smooth)) + 10, smooth, label=name)
-    ax.set(xlabel="step", ylabel="training loss (10-step mean)", yscale="log",
-           title="MobileNetV2 transfer, digits 0-4 -> 5-9")
-    ax.legend()
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -28,28 +28,11 @@ from flax import nnx
 
 import pockjax as pj
 import tiny_lm as data
-from pockjax.models.hf import load_llama, save_llama
-from pockjax.models.llama import Llama
+from pockjax.models.hf import load_llama
 from pockjax.models.lora import apply_lora
+from reporting import plot_loss_curves, print_table
 
 BATCH = 32
-
-
-def pretrained(out: str, steps: int) -> str:
-    """The pretrained checkpoint's directory, trained and saved on first use."""
-    path = os.path.join(out, f"pretrained-{steps}")
-    if os.path.exists(os.path.join(path, "config.json")):
-        print(f"pretrained model: {path} (cached)")
-        return path
-    tokens, mask = data.pack_lines(data.corpus(20_000), data.LENGTH)
-    model = Llama(data.config(), rngs=nnx.Rngs(0))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, steps // 10, steps, 3e-4)
-    trainer = pj.nnx.Trainer(model, data.lm_loss, optimizer=optax.adamw(schedule, weight_decay=0.01))
-    history = trainer.fit(data.batches(tokens, mask, BATCH), steps, desc="pretrain")
-    trainer.update(model)
-    save_llama(model, path)
-    print(f"pretrained {steps} steps, final loss {history.loss[-20:].mean():.3f}; saved {path}")
-    return path
 
 
 def method(name: str, path: str):
@@ -84,7 +67,7 @@ def main(argv=None):
         args.pretrain_steps, args.steps, args.prompts = 20, 10, 8
     os.makedirs(args.out, exist_ok=True)
 
-    path = pretrained(args.out, args.pretrain_steps)
+    path = data.pretrained(args.out, args.pretrain_steps)
     train, held = data.split_heldout(data.instructions(20_000))
     tokens, mask = data.pack_pairs(train, data.LENGTH)
     held_tokens, held_mask = data.pack_pairs(held, data.LENGTH)
@@ -105,7 +88,7 @@ def main(argv=None):
         trainer.update(model)
         accuracy, _ = data.exact_match(model, held[:args.prompts])
         _, after[name] = data.exact_match(model, shown)
-        curves[name] = np.concatenate([[np.nan], history.loss])
+        curves[name] = history.loss
         rows.append({"method": name, "trained": f"{report.trainable_params:,}", "lr": f"{lr:g}",
                      "train loss": f"{history.loss[-20:].mean():.3f}",
                      "held-out loss": f"{heldout_loss(model, held_tokens, held_mask):.3f}",
@@ -115,11 +98,7 @@ def main(argv=None):
                      "optimizer state": pj.train.format_bytes(report.opt_state_bytes)})
 
     print()
-    keys = list(rows[0])
-    widths = {k: max(len(k), *(len(r[k]) for r in rows)) for k in keys}
-    print("  ".join(k.rjust(widths[k]) for k in keys))
-    for r in rows:
-        print("  ".join(r[k].rjust(widths[k]) for k in keys))
+    print_table(rows)
     print(f"\n(exact match over {min(args.prompts, len(held))} held-out prompts; step memory is the compiled "
           "step's peak estimate from XLA)")
     print("\ngenerations (before -> after, per method):")
@@ -130,28 +109,9 @@ def main(argv=None):
             print(f"    {name:>10}: {after[name][i]!r}")
 
     png = os.path.join(args.out, "loss_curves.png")
-    plot(curves, png)
+    plot_loss_curves(curves, png, "tiny LLaMA instruction tuning")
     print(f"\nloss curves: {png}")
     return rows
-
-
-def plot(curves: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, loss in curves.items():
-        smooth = np.convolve(np.nan_to_num(loss, nan=loss[1]), np.ones(10) / 10, mode="valid")
-        ax.plot(np.arange(len(smooth)) + 10, smooth, label=name)
-    ax.set(xlabel="step", ylabel="training loss (10-step mean)", yscale="log",
-           title="tiny LLaMA instruction tuning")
-    ax.legend()
-    fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -162,3 +162,31 @@ def exact_match(model, pairs, max_new_tokens: int = 36) -> tuple[float, list[str
             answers[i] = decode(row[:row.index(EOS)] if EOS in row else row)
     right = sum(a == want for a, (_, want) in zip(answers, pairs))
     return right / max(len(pairs), 1), answers
+
+
+def pretrained(out: str, steps: int, batch: int = 32) -> str:
+    """A Hugging Face-layout checkpoint of the tiny LLaMA pretrained `steps` steps on the
+    generated corpus, in `out/pretrained-{steps}`: trained and saved on first use."""
+    import os
+
+    import optax
+    from flax import nnx
+
+    import pockjax as pj
+    from pockjax.models.hf import save_llama
+    from pockjax.models.llama import Llama
+
+    path = os.path.join(out, f"pretrained-{steps}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        print(f"pretrained model: {path} (cached)")
+        return path
+    print(f"no checkpoint at {path}: pretraining a tiny LLaMA on generated text")
+    tokens, mask = pack_lines(corpus(20_000), LENGTH)
+    model = Llama(config(), rngs=nnx.Rngs(0))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(steps // 10, 1), steps, 3e-4)
+    trainer = pj.nnx.Trainer(model, lm_loss, optimizer=optax.adamw(schedule, weight_decay=0.01))
+    history = trainer.fit(batches(tokens, mask, batch), steps, desc="pretrain")
+    trainer.update(model)
+    save_llama(model, path)
+    print(f"pretrained {steps} steps, final loss {history.loss[-20:].mean():.3f}; saved {path}")
+    return path
