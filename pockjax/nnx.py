@@ -18,8 +18,10 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Sequence
 
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from pockjax.scheme import Decision, Frozen, Full, Scheme, SchemeError, _DECISIONS
+from pockjax.sharding import Layout
 from pockjax.train import History, SparseTrainer, TrainState, fit
 
 __all__ = ["split", "merge", "param_paths", "scheme", "Trainer"]
@@ -104,10 +106,13 @@ class Trainer:
     step to step. `scheme` is a `pockjax.Scheme`, an NNX filter (its parameters train)
     or `(filter, decision)` pairs (see `scheme`); None trains every parameter.
     `update(model)` writes the trained values back into a module, `model()` builds a new one.
+    `mesh`, `data_axis`, `param_axis` and `param_specs` train on several devices, as in
+    `pockjax.sparse_train`; the module's other state is replicated.
     """
 
     def __init__(self, model: nnx.Module, loss_fn: Callable, *, optimizer, scheme=None,
-                 wrt: Filter = nnx.Param, has_aux: bool = False, donate: bool = True):
+                 wrt: Filter = nnx.Param, has_aux: bool = False, donate: bool = True,
+                 mesh=None, data_axis="data", param_axis=None, param_specs=None):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"pockjax.nnx.Trainer needs an nnx.Module, got {type(model).__name__}; "
                             "for Linen or plain functions use pockjax.sparse_train")
@@ -131,8 +136,17 @@ class Trainer:
             return loss, {"aux": aux, "model_state": nnx.to_pure_dict(nnx.state(m, others))}
 
         pure.__name__ = getattr(loss_fn, "__name__", "loss")
+        layout = None
+        if mesh is not None:  # the module's other state (batch statistics) is replicated
+            layout = Layout(mesh, data_axis=data_axis, param_axis=param_axis,
+                            param_specs=param_specs,
+                            batch_specs=lambda path, shape: P() if path.startswith("model_state/")
+                            else None)
+        elif param_axis is not None or param_specs is not None:
+            raise TypeError("param_axis and param_specs need a mesh: Trainer(..., mesh=jax.make_mesh("
+                            "(4,), ('data',)), param_axis='data')")
         self.sparse = SparseTrainer(pure, optimizer, scheme, has_aux=has_aux or bool(self.rest),
-                                    donate=donate)
+                                    donate=donate, layout=layout)
         self.state: TrainState = self.sparse.init(params)
 
     @property
@@ -195,3 +209,4 @@ class Trainer:
         `aux/model_state/...`."""
         return self.sparse.export(self.state, self._batch(batch), target=target,
                                   out_dir=out_dir, **kwargs)
+

@@ -27,9 +27,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pockjax import sharding as _sharding
 from pockjax.optim import fused, perleaf
 from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
-from pockjax.transforms.sparse_grad import TransformInfo, _SparseGradFn, _is_dynamic, trainable
+from pockjax.transforms.sparse_grad import TransformInfo, _SparseGradFn, _is_dynamic, _resolved, trainable
 
 __all__ = ["TrainState", "SparseTrainer", "sparse_train", "fit", "History", "TrainReport"]
 
@@ -55,8 +56,19 @@ jax.tree_util.register_dataclass(TrainState, data_fields=["step", "params", "opt
 
 
 def _avals(tree):
-    return jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x)),
-                                  tree)
+    """Shapes and dtypes of a tree's leaves, with the sharding of those that have one."""
+    def one(x):
+        sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
+        if sharding is not None and len(sharding.device_set) > 1:
+            return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x), sharding=sharding)
+        return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _with_shardings(avals, shardings):
+    return jax.tree_util.tree_map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), avals, shardings)
 
 
 def _nbytes(tree) -> int:
@@ -68,14 +80,15 @@ class SparseTrainer:
     """A compiled sparse training step; make one with `pockjax.sparse_train`."""
 
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
-                 scheme: Scheme, has_aux: bool = False, donate: bool = True):
+                 scheme: Scheme, has_aux: bool = False, donate: bool = True,
+                 layout: _sharding.Layout | None = None):
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(f"optimizer must be an optax GradientTransformation (with init and "
                             f"update), got {type(optimizer).__name__}")
         if not isinstance(scheme, Scheme):
             raise SchemeError(f"scheme must be a pockjax.Scheme, got {type(scheme).__name__}")
         self.loss_fn, self.optimizer, self.scheme = loss_fn, optimizer, scheme
-        self.has_aux, self.donate = has_aux, donate
+        self.has_aux, self.donate, self.layout = has_aux, donate, layout
         self._grad = _SparseGradFn(loss_fn, scheme, 0, has_aux, with_value=True)
         self._plans: dict = {}
         self._step_jit = jax.jit(self._step, donate_argnums=(0,) if donate else ())
@@ -83,7 +96,8 @@ class SparseTrainer:
 
     def __repr__(self) -> str:
         name = getattr(self.loss_fn, "__name__", "loss")
-        return f"SparseTrainer({name}, scheme={self.scheme!r}, donate={self.donate})"
+        mesh = f", mesh={dict(self.layout.mesh.shape)}" if self.layout is not None else ""
+        return f"SparseTrainer({name}, scheme={self.scheme!r}, donate={self.donate}{mesh})"
 
     # -- state -----------------------------------------------------------------
 
@@ -96,11 +110,30 @@ class SparseTrainer:
         """
         scheme, optimizer = self.scheme, self.optimizer
         scheme.resolve(params)  # scheme errors surface here, outside any trace
-        opt_state = jax.jit(lambda p: optimizer.init(trainable(p, scheme)))(params)
         if copy:
             params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
-        state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, scheme)
+        init = lambda p: optimizer.init(trainable(p, scheme))
+        if self.layout is None:
+            opt_state = jax.jit(init)(params)
+            step = jnp.zeros((), jnp.int32)
+        else:
+            shardings = self._shardings(params, jax.eval_shape(init, params))
+            params = _sharding.place(params, shardings.params)
+            opt_state = jax.jit(init, out_shardings=shardings.opt_state)(params)
+            step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
+        state = TrainState(step, params, opt_state, scheme)
         return _distinct_buffers(state) if self.donate else state
+
+    def _shardings(self, params, opt_state, decisions=None) -> TrainState:
+        """Where each array of the state lives on the mesh (a TrainState of shardings)."""
+        layout = self.layout
+        decisions = _resolved(params, self.scheme) if decisions is None else decisions
+        view = jax.eval_shape(lambda p: trainable(p, _decisions_tree(p, decisions)), _avals(params))
+        view_shardings = layout.view_shardings(params, decisions)
+        return TrainState(
+            layout.replicated, layout.param_shardings(params, decisions),
+            layout.opt_state_shardings(self.optimizer, view, view_shardings, _avals(opt_state)),
+            self.scheme)
 
     # -- the step --------------------------------------------------------------
 
@@ -135,31 +168,72 @@ class SparseTrainer:
         plan = self._plan(view, state.opt_state)
         n_head = 1 + aux_def.num_leaves
         state_leaves, state_def = jax.tree_util.tree_flatten(state.opt_state)
+        mesh = {}
+        if self.layout is not None:
+            mesh = self._mesh_reads(state.params, param_leaves, decisions)
         if (placement or plan.mode) == "fused":
             head, new_params, new_state = fused.fused_step(
                 info.jaxpr, param_leaves, other, decisions, plan, state_leaves, n_head,
-                ties=ties)
+                ties=ties, **mesh)
             new_state = jax.tree_util.tree_unflatten(state_def, new_state)
         else:
             view_def = jax.tree_util.tree_structure(view)
             head, new_params, new_state = fused.global_step(
                 info.jaxpr, param_leaves, other, decisions, self.optimizer, state.opt_state,
-                view_def, n_head, ties=ties)
+                view_def, n_head, ties=ties, **mesh)
         params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.params),
                                               new_params)
         metrics = {"loss": head[0]}
         if self.has_aux:
             metrics["aux"] = jax.tree_util.tree_unflatten(aux_def, head[1:])
-        return TrainState(state.step + 1, params, new_state, state.scheme), metrics
+        new = TrainState(state.step + 1, params, new_state, state.scheme)
+        if self.layout is not None:
+            # The updated state keeps the layout it came in with (in place, no gather).
+            new = _sharding.constrain(new, self._shardings(state.params, state.opt_state, decisions))
+            metrics["loss"] = jax.lax.with_sharding_constraint(metrics["loss"], self.layout.replicated)
+        return new, metrics
+
+    def _mesh_reads(self, params, param_leaves, decisions) -> dict:
+        """FSDP-style: the step reads each weight gathered over the parameter axis
+        (other axes of a `param_specs` layout stay split) and reduces each gradient
+        straight into the weight's own layout."""
+        layout = self.layout
+        view_shardings = layout.view_shardings(params, decisions)
+        grad_shardings = [s for s in jax.tree_util.tree_leaves(view_shardings)]
+        gathered = [_sharding.constrain(x, layout.gathered(s.spec)) if s.spec != layout.gathered(s.spec).spec
+                    else x for x, s in zip(param_leaves, jax.tree_util.tree_leaves(
+                        layout.param_shardings(params, decisions)))]
+        return {"reads": gathered, "grad_shardings": grad_shardings}
 
     def __call__(self, state: TrainState, batch):
         """One training step: `(state, batch) -> (new state, {"loss": ..., "aux": ...})`."""
         self._check_state(state)
+        if self.layout is not None:
+            batch = self.layout.put_batch(batch)
         return self._step_jit(state, batch)
+
+    def shard_batch(self, batch):
+        """The batch placed on the trainer's mesh (split over the data axis); with
+        several processes, each passes its own part of the global batch."""
+        if self.layout is None:
+            raise ValueError("this trainer has no mesh; pass mesh= to sparse_train to shard")
+        return self.layout.put_batch(batch)
+
+    def _step_avals(self, state: TrainState, batch):
+        """Abstract arguments of the step, with the mesh layout where there is one."""
+        if self.layout is None:
+            return _avals(state), _avals(batch)
+        state_avals = _with_shardings(_avals(state), self._shardings(state.params, state.opt_state))
+        batch_avals = _avals(batch)
+        if not all(getattr(a, "sharding", None) for a in jax.tree_util.tree_leaves(batch_avals)):
+            batch_avals = _with_shardings(batch_avals, self.layout.batch_shardings(batch))
+        return state_avals, batch_avals
 
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
         """The lowered step, for `.as_text()`, `.compile().memory_analysis()`, ..."""
         self._check_state(state)
+        if self.layout is not None:
+            return self._step_jit.lower(*self._step_avals(state, batch))
         return self._step_jit.lower(state, batch)
 
     def update_mode(self, state: TrainState, batch) -> tuple[str, str]:
@@ -186,21 +260,40 @@ class SparseTrainer:
         """The same model trained in full with plain `jax.value_and_grad` + optax."""
         loss_fn, optimizer, has_aux = self.loss_fn, self.optimizer, self.has_aux
 
+        layout = self.layout
+        gather = lambda p: p
+        if layout is not None and layout.param_axis is not None:  # read gathered, as the step does
+            def gather(p):
+                named = leaves_with_paths(p)[0]
+                return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(p), [
+                    jax.lax.with_sharding_constraint(
+                        x, layout.gathered(layout.param_spec(path, np.shape(x), Full())))
+                    for path, x in named])
+
         def full_step(params, opt_state, batch):
-            out, g = jax.value_and_grad(loss_fn, has_aux=has_aux)(params, batch)
+            out, g = jax.value_and_grad(lambda p, b: loss_fn(gather(p), b), has_aux=has_aux)(
+                params, batch)
             updates, opt_state = optimizer.update(g, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, out
 
         params = _avals(state.params)
         opt_state = jax.eval_shape(optimizer.init, params)
+        batch_avals = _avals(batch)
+        if layout is not None:  # the same layout, every parameter trained
+            full = [Full()] * len(jax.tree_util.tree_leaves(params))
+            param_shardings = layout.param_shardings(params, full)
+            opt_state = _with_shardings(opt_state, layout.opt_state_shardings(
+                optimizer, params, param_shardings, opt_state))
+            params = _with_shardings(params, param_shardings)
+            batch_avals = _with_shardings(batch_avals, layout.batch_shardings(batch))
         donate = (0, 1) if self.donate else ()
-        return jax.jit(full_step, donate_argnums=donate).lower(params, opt_state, _avals(batch))
+        return jax.jit(full_step, donate_argnums=donate).lower(params, opt_state, batch_avals)
 
     def report(self, state: TrainState, batch) -> "TrainReport":
         """Trainable vs total parameters, FLOPs and compiled memory of this step against
         the same model trained in full, the update mode, and what the transform did."""
         self._check_state(state)
-        sparse = self._step_jit.lower(_avals(state), _avals(batch)).compile()
+        sparse = self._step_jit.lower(*self._step_avals(state, batch)).compile()
         full = self._full_lowered(state, batch).compile()
         mode, reason = self.update_mode(state, batch)
         info = self.explain(state, batch)
@@ -211,7 +304,11 @@ class SparseTrainer:
             flops=_flops(sparse), flops_full=_flops(full),
             memory=_memory(sparse), memory_full=_memory(full),
             opt_state_bytes=_nbytes(state.opt_state), opt_state_bytes_full=_nbytes(full_state),
-            transform=info)
+            transform=info,
+            devices=1 if self.layout is None else self.layout.mesh.devices.size,
+            layout=None if self.layout is None else self.layout.describe(),
+            collectives=_sharding.collectives(sparse) if self.layout is not None else [],
+            collectives_full=_sharding.collectives(full) if self.layout is not None else [])
 
 
 def _distinct_buffers(tree):
@@ -281,12 +378,26 @@ class TrainReport:
     opt_state_bytes: int
     opt_state_bytes_full: int
     transform: TransformInfo
+    devices: int = 1
+    layout: str | None = None
+    collectives: list = dataclasses.field(default_factory=list)
+    collectives_full: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["memory"], d["memory_full"] = dict(self.memory), dict(self.memory_full)
         d["transform"] = self.transform.as_dict()
+        for k in ("collectives", "collectives_full"):
+            d[k] = [{"op": c.op, "shapes": [list(x) for x in c.shapes], "dtypes": list(c.dtypes),
+                     "bytes": c.nbytes} for c in getattr(self, k)]
         return d
+
+    def collective_bytes(self, full: bool = False) -> dict[str, int]:
+        """Bytes each kind of collective moves per step (per device, result sizes)."""
+        out: dict[str, int] = {}
+        for c in (self.collectives_full if full else self.collectives):
+            out[c.op] = out.get(c.op, 0) + c.nbytes
+        return out
 
     def __str__(self) -> str:
         ratio = lambda a, b: f"{a / b:.2f}x" if b else "-"
@@ -297,28 +408,47 @@ class TrainReport:
                  ratio(self.flops, self.flops_full)),
                 ("optimizer state", format_bytes(self.opt_state_bytes), format_bytes(self.opt_state_bytes_full),
                  ratio(self.opt_state_bytes, self.opt_state_bytes_full))]
+        per = " per device" if self.devices > 1 else ""
         for k, label in (("temp", "temporary memory"), ("argument", "arguments"),
                          ("output", "outputs"), ("alias", "donated (aliased)"),
                          ("peak", "peak estimate")):
-            rows.append((label, format_bytes(self.memory[k]), format_bytes(self.memory_full[k]),
+            rows.append((label + per, format_bytes(self.memory[k]), format_bytes(self.memory_full[k]),
                          ratio(self.memory[k], self.memory_full[k])))
+        if self.layout is not None:
+            ops, ops_full = self.collective_bytes(), self.collective_bytes(full=True)
+            for op in sorted(set(ops) | set(ops_full)):
+                n = sum(c.op == op for c in self.collectives)
+                n_full = sum(c.op == op for c in self.collectives_full)
+                rows.append((f"{op} ({n} vs {n_full} ops)", format_bytes(ops.get(op, 0)),
+                             format_bytes(ops_full.get(op, 0)),
+                             ratio(ops.get(op, 0), ops_full.get(op, 0))))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         fmt = lambda r: "  ".join([r[0].ljust(widths[0])] + [c.rjust(w) for c, w in
                                                               zip(r[1:], widths[1:])])
         lines = [fmt(r) for r in rows]
         lines.insert(1, "-" * len(lines[0]))
         # The transform's own summary, less its first line (the parameter count above).
+        if self.layout is not None:
+            lines += ["", f"layout: {self.layout}"]
         lines += ["", f"update mode: {self.mode} ({self.mode_reason})",
                   *str(self.transform).splitlines()[1:]]
         return "\n".join(lines)
 
 
 def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransformation | None = None,
-                 scheme: Scheme | None = None, has_aux: bool = False, donate: bool = True):
+                 scheme: Scheme | None = None, has_aux: bool = False, donate: bool = True,
+                 mesh: jax.sharding.Mesh | None = None, data_axis="data", param_axis=None,
+                 param_specs=None, batch_specs=None):
     """Turn `loss(params, batch)` into a `SparseTrainer`.
 
     `scheme` defaults to training everything (`Scheme(default=Full())`). Use as
     `@sparse_train(optimizer=..., scheme=...)` or `sparse_train(loss, optimizer=...)`.
+
+    With `mesh` the step runs on all its devices (`pockjax.sharding`): the batch is
+    split over `data_axis`, parameters are replicated or, with `param_axis`, sharded
+    FSDP-style; `param_specs` (a `{path: PartitionSpec}` dict or a function of
+    `(path, shape)` returning one or None) sets the layout of chosen parameters and
+    `batch_specs` that of chosen batch leaves.
 
     >>> import jax.numpy as jnp, optax, pockjax as pj
     >>> @pj.sparse_train(optimizer=optax.sgd(0.1))
@@ -333,11 +463,18 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
         raise TypeError("sparse_train needs an optimizer: @pockjax.sparse_train(optimizer=optax.adam(1e-3), "
                         "scheme=...)")
     scheme = Scheme(default=Full()) if scheme is None else scheme
+    layout = None
+    if mesh is not None:
+        layout = _sharding.Layout(mesh, data_axis=data_axis, param_axis=param_axis,
+                                  param_specs=param_specs, batch_specs=batch_specs)
+    elif param_axis is not None or param_specs is not None or batch_specs is not None:
+        raise TypeError("param_axis, param_specs and batch_specs need a mesh: sparse_train(..., mesh=jax.make_mesh("
+                        "(4,), ('data',)), param_axis='data')")
 
     def wrap(f):
         if not callable(f):
             raise TypeError(f"sparse_train decorates a loss function, got {type(f).__name__}")
-        return SparseTrainer(f, optimizer, scheme, has_aux=has_aux, donate=donate)
+        return SparseTrainer(f, optimizer, scheme, has_aux=has_aux, donate=donate, layout=layout)
 
     return wrap if fun is None else wrap(fun)
 

@@ -50,3 +50,10 @@ def test_plain_pytree_example(tmp_path):
     out = run("sparse_train_mlp.py", "--steps", "20", "--out", str(tmp_path))
     assert "max relative difference to the JAX + optax reference" in out
     assert "artifact step 5" in out
+
+
+def test_data_parallel_example():
+    out = run("data_parallel.py", "--devices", "4", "--steps", "3")
+    for name in ("one device", "data-parallel x4", "FSDP x4"):
+        assert f"\n{name.rjust(16)} " in out, out
+    assert "peak estimate per device" in out and "all-gather" in out

@@ -123,6 +123,10 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
     before all updates. `ties`: see `pockjax.optim.fused.fused_step`.
     """
     _check_static(batch)
+    if trainer.layout is not None:
+        # An artifact runs on one device: the same step without the mesh layout.
+        trainer = SparseTrainer(trainer.loss_fn, trainer.optimizer, trainer.scheme,
+                                has_aux=trainer.has_aux, donate=trainer.donate)
     decisions = jax.tree_util.tree_leaves(trainer.scheme.resolve(state.params))
     named_params, params_def = leaves_with_paths(state.params)
     named_opt, opt_def = leaves_with_paths(state.opt_state)

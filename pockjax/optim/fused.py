@@ -184,7 +184,8 @@ def _value(read, atom):
 
 
 def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisions,
-               plan: UpdatePlan, state_leaves, n_head: int, ties: str = "barrier"):
+               plan: UpdatePlan, state_leaves, n_head: int, ties: str = "barrier",
+               reads=None, grad_shardings=None):
     """Run the gradient jaxpr with each parameter's update fused in; returns
     `(head outputs, new parameter leaves, new optimizer state leaves)`.
 
@@ -199,6 +200,10 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
       added to the new value (see `_zero`). IREE keeps barriers as real ops that hide
       buffer lifetimes (every transient of the backward pass then lives to the end of
       the step), and computes dynamic slice offsets on the host.
+
+    On a mesh, `reads` are the values the forward and backward read in place of the
+    parameters (FSDP: the gathered weights), and `grad_shardings` lays out each
+    trainable gradient like its slice of the sharded parameter before the update.
     """
     jaxpr = grad_jaxpr.jaxpr
     train_idx = [k for k, d in enumerate(decisions) if isinstance(d, (Full, Channels))]
@@ -220,7 +225,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
     def update(j, read):
         k = train_idx[j]
         d = decisions[k]
-        g = _value(read, grad_atoms[j])
+        g = _shard(_value(read, grad_atoms[j]), grad_shardings, j)
         tied = [read(v) for v in placements[j].ties]
         p, tok, zero = param_leaves[k], None, None
         if ties == "barrier":
@@ -249,25 +254,35 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
         for j in at.get(i, ()):
             update(j, read)
 
-    outs = pushdown.interpret(jaxpr, grad_jaxpr.consts, [*param_leaves, *other_leaves],
+    outs = pushdown.interpret(jaxpr, grad_jaxpr.consts,
+                              [*(param_leaves if reads is None else reads), *other_leaves],
                               after=after)
     return outs[:n_head], new_params, new_state
 
 
+def _shard(g, shardings, j):
+    if shardings is None or shardings[j] is None:
+        return g
+    return lax.with_sharding_constraint(g, shardings[j])
+
+
 def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisions,
-                optimizer, state, view_def, n_head: int, ties: str = "barrier"):
+                optimizer, state, view_def, n_head: int, ties: str = "barrier",
+                reads=None, grad_shardings=None):
     """The optimizer after the whole backward pass (for chains that need every gradient,
     such as clip_by_global_norm). Writes are ordered after the last reads as in
     `fused_step`: `ties="barrier"` puts one barrier over every gradient and trainable
     parameter; `ties="data"` adds each parameter's data tie (on IREE a barrier over
-    donated parameters makes it copy them onto themselves, which its runtime rejects)."""
+    donated parameters makes it copy them onto themselves, which its runtime rejects).
+    `reads` and `grad_shardings` as in `fused_step`."""
     jaxpr = grad_jaxpr.jaxpr
+    inputs = [*(param_leaves if reads is None else reads), *other_leaves]
     train_idx = [k for k, d in enumerate(decisions) if isinstance(d, (Full, Channels))]
     trained = [param_leaves[k] for k in train_idx]
     zeros: list = [None] * len(train_idx)
     if ties == "barrier":
-        outs = _call(grad_jaxpr, [*param_leaves, *other_leaves])
-        grads = outs[n_head:]
+        outs = _call(grad_jaxpr, inputs)
+        grads = [_shard(g, grad_shardings, j) for j, g in enumerate(outs[n_head:])]
         grads, trained = lax.optimization_barrier((grads, trained))
     else:
         placements = place_updates(jaxpr, [jaxpr.invars[k] for k in train_idx],
@@ -279,9 +294,8 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
             for j in at.get(i, ()):
                 zeros[j] = _data_tie(placements[j], read, loop_values)
 
-        outs = pushdown.interpret(jaxpr, grad_jaxpr.consts, [*param_leaves, *other_leaves],
-                                  after=after)
-        grads = outs[n_head:]
+        outs = pushdown.interpret(jaxpr, grad_jaxpr.consts, inputs, after=after)
+        grads = [_shard(g, grad_shardings, j) for j, g in enumerate(outs[n_head:])]
     head = outs[:n_head]
     views = [_kept_view(p, decisions[k]) for k, p in zip(train_idx, trained)]
     g_tree = jax.tree_util.tree_unflatten(view_def, grads)
