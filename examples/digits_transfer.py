@@ -75,6 +75,17 @@ def accuracy(model, images, labels) -> float:
     return right / len(labels)
 
 
+def pretrained(steps: int) -> MobileNetV2:
+    """The MobileNetV2 trained on digits 0-4 for `steps` steps (a 5-way classifier)."""
+    (pre_x, pre_y), _ = load(np.arange(0, 5))
+    model = MobileNetV2(5, width_mult=WIDTH, input_size=SIZE, in_channels=1, rngs=nnx.Rngs(0))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(steps // 10, 1), steps)
+    trainer = pj.nnx.Trainer(model, xent, optimizer=optax.adamw(schedule, weight_decay=1e-4))
+    trainer.fit(batches(pre_x, pre_y, seed=0), steps, desc="pretrain 0-4")
+    trainer.update(model)
+    return model
+
+
 def methods(model) -> dict:
     """Each method's scheme and peak learning rate (the partial ones take a larger one)."""
     head = [("classifier/**", pj.Full())]
@@ -102,12 +113,7 @@ def main(argv=None):
     print(f"pretraining on digits 0-4: {len(pre_y)} images; fine-tuning on 5-9: "
           f"{len(new_y)} images, {len(test_y)} held out")
 
-    model = MobileNetV2(5, width_mult=WIDTH, input_size=SIZE, in_channels=1, rngs=nnx.Rngs(0))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, args.pretrain_steps // 10,
-                                                  args.pretrain_steps)
-    trainer = pj.nnx.Trainer(model, xent, optimizer=optax.adamw(schedule, weight_decay=1e-4))
-    trainer.fit(batches(pre_x, pre_y, seed=0), args.pretrain_steps, desc="pretrain 0-4")
-    trainer.update(model)
+    model = pretrained(args.pretrain_steps)
     print(f"pretrained: {100 * accuracy(model, pre_tx, pre_ty):.1f}% on held-out digits 0-4")
 
     rows, curves = [], {}

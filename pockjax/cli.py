@@ -1,11 +1,17 @@
-"""`pockjax targets | export | inspect | run`.
+"""`pockjax targets | export | inspect | run | search`.
 
 `pockjax export MODULE:ATTR --target NAME --out DIR` imports MODULE (a dotted module
 name, or a path to a .py file) and reads ATTR from it. ATTR is either a function
 taking no arguments that returns `(trainer, state, batch)`, or such a tuple itself:
 the trainer made with `@pockjax.sparse_train`, its initial `TrainState`, and an
 example batch with the shapes to compile for (see examples/export_mlp.py); or
-`(nnx_trainer, batch)` with a `pockjax.nnx.Trainer`.
+`(nnx_trainer, batch)` with a `pockjax.nnx.Trainer`. `--scheme FILE.json` (from
+`pockjax search`) replaces the trainer's scheme.
+
+`pockjax search MODULE:ATTR --budget 40% --out scheme.json` reads ATTR the same
+way. It must give `(trainer_factory, params, data)`, as `pockjax.search` takes them,
+or a dict with `model` (an `nnx.Module`), `loss_fn`, `optimizer` and `data`, as
+`pockjax.nnx.search` takes them. `data` is `(train_batches, heldout_batches)`.
 """
 from __future__ import annotations
 
@@ -21,15 +27,16 @@ import numpy as np
 from pockjax.export.targets import TARGETS, ExportError
 
 
-def _load_spec(spec: str):
+def _load_attr(spec: str, cmd: str):
+    """The object MODULE:ATTR names, called if it is a function."""
     if ":" not in spec:
-        raise SystemExit(f"pockjax export: expected MODULE:ATTR (e.g. examples/export_mlp.py:make), "
+        raise SystemExit(f"pockjax {cmd}: expected MODULE:ATTR (e.g. examples/export_mlp.py:make), "
                          f"got {spec!r}")
     module_name, attr = spec.rsplit(":", 1)
     if module_name.endswith(".py") or os.sep in module_name:
         if not os.path.isfile(module_name):
-            raise SystemExit(f"pockjax export: file '{module_name}' does not exist")
-        spec_obj = importlib.util.spec_from_file_location("_pockjax_export_target", module_name)
+            raise SystemExit(f"pockjax {cmd}: file '{module_name}' does not exist")
+        spec_obj = importlib.util.spec_from_file_location(f"_pockjax_{cmd}_target", module_name)
         module = importlib.util.module_from_spec(spec_obj)
         sys.path.insert(0, os.path.dirname(os.path.abspath(module_name)))
         spec_obj.loader.exec_module(module)
@@ -37,9 +44,13 @@ def _load_spec(spec: str):
         sys.path.insert(0, os.getcwd())
         module = importlib.import_module(module_name)
     if not hasattr(module, attr):
-        raise SystemExit(f"pockjax export: '{module_name}' has no attribute {attr!r}")
+        raise SystemExit(f"pockjax {cmd}: '{module_name}' has no attribute {attr!r}")
     obj = getattr(module, attr)
-    obj = obj() if callable(obj) else obj
+    return obj() if callable(obj) else obj
+
+
+def _load_spec(spec: str):
+    obj = _load_attr(spec, "export")
     from pockjax.nnx import Trainer
 
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], Trainer):
@@ -49,6 +60,18 @@ def _load_spec(spec: str):
         raise SystemExit(f"pockjax export: {spec} must give (trainer, state, batch) or "
                          f"(pockjax.nnx.Trainer, batch), got {type(obj).__name__}")
     return obj
+
+
+def _read_scheme(path: str):
+    from pockjax.scheme import Scheme, SchemeError
+
+    try:
+        with open(path) as f:
+            return Scheme.from_json(f.read())
+    except OSError as e:
+        raise SystemExit(f"cannot read scheme file '{path}': {e.strerror}") from None
+    except SchemeError as e:
+        raise SystemExit(f"scheme file '{path}': {e}") from None
 
 
 def cmd_targets(args) -> int:
@@ -69,6 +92,14 @@ def cmd_export(args) -> int:
     from pockjax.export import export
 
     trainer, state, batch = _load_spec(args.spec)
+    if args.scheme:
+        from pockjax.train import SparseTrainer
+
+        scheme = _read_scheme(args.scheme)
+        trainer = SparseTrainer(trainer.loss_fn, trainer.optimizer, scheme,
+                                has_aux=trainer.has_aux, donate=trainer.donate)
+        state = trainer.init(state.params)
+        print(f"scheme from {args.scheme}: {scheme!r}")
     t0 = time.perf_counter()
     art = export(trainer, state, batch, target=args.target, out_dir=args.out, gpu=args.gpu,
                  extra_flags=tuple(args.flag or ()))
@@ -169,6 +200,44 @@ def cmd_run(args) -> int:
     return 0
 
 
+def cmd_search(args) -> int:
+    import pockjax as pj
+    from pockjax.scheme_search import _atomic_write
+
+    obj = _load_attr(args.spec, "search")
+    common = dict(budget=args.budget, steps=args.steps, cache=args.cache,
+                  flop_budget=args.flop_budget * 1e9 if args.flop_budget else None)
+    try:
+        if isinstance(obj, dict):
+            missing = {"model", "loss_fn", "optimizer", "data"} - set(obj)
+            if missing:
+                raise SystemExit(f"pockjax search: {args.spec} gave a dict without {sorted(missing)}; "
+                                 "it needs model, loss_fn, optimizer and data")
+            extra = {k: v for k, v in obj.items() if k not in ("model", "loss_fn", "optimizer", "data")}
+            scheme, report = pj.nnx.search(obj["model"], obj["loss_fn"], optimizer=obj["optimizer"],
+                                           data=obj["data"], **extra, **common)
+        elif isinstance(obj, tuple) and len(obj) == 3:
+            factory, params, data = obj
+            scheme, report = pj.search(factory, params, data, **common)
+        else:
+            raise SystemExit(f"pockjax search: {args.spec} must give (trainer_factory, params, data) "
+                             f"or a dict with model, loss_fn, optimizer and data; got "
+                             f"{type(obj).__name__}")
+    except ValueError as err:  # budgets out of range, data too short
+        print(f"pockjax search: {err}", file=sys.stderr)
+        return 2
+    print(report)
+    _atomic_write(args.out, scheme.to_json(indent=1) + "\n")
+    print(f"\nscheme: {args.out}")
+    if args.report:
+        report.save(args.report)
+        print(f"report: {args.report}")
+    if args.plot:
+        report.plot(args.plot)
+        print(f"plot:   {args.plot}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pockjax", description="Sparse on-device training with JAX and IREE")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -180,6 +249,8 @@ def main(argv=None) -> int:
     e.add_argument("--out", required=True, help="artifact directory (replaced atomically)")
     e.add_argument("--gpu", help="GPU family for GPU targets (e.g. valhall, adreno, sm_87)")
     e.add_argument("--flag", action="append", help="extra IREE compiler flag (repeatable)")
+    e.add_argument("--scheme", help="train this scheme (JSON from `pockjax search` or "
+                                    "Scheme.to_json) instead of the trainer's")
     i = sub.add_parser("inspect", help="print an artifact's manifest")
     i.add_argument("dir")
     r = sub.add_parser("run", help="run an artifact's training step and print the loss")
@@ -194,10 +265,24 @@ def main(argv=None) -> int:
     r.add_argument("--qemu-arm64", metavar="RUNTIME_DIR",
                    help="run an android-arm64 artifact under qemu-aarch64 with the aarch64 "
                         "iree-run-module unpacked in RUNTIME_DIR (make arm64-runtime)")
+    s = sub.add_parser("search", help="choose what to train under a memory budget "
+                                      "(contribution analysis + knapsack)",
+                       description=__doc__.split("\n\n")[2])
+    s.add_argument("spec", metavar="MODULE:ATTR")
+    s.add_argument("--budget", default="40%",
+                   help="a percentage of full fine-tuning's step memory ('40%%') or a size "
+                        "('2GiB', '512MiB')")
+    s.add_argument("--out", required=True, help="the chosen scheme, as JSON")
+    s.add_argument("--steps", type=int, default=20, help="training steps per candidate")
+    s.add_argument("--cache", help="directory for per-candidate results (resumes an interrupted "
+                                   "analysis)")
+    s.add_argument("--flop-budget", type=float, help="GFLOP per step")
+    s.add_argument("--report", help="write the full report as JSON")
+    s.add_argument("--plot", help="write contribution vs memory as a PNG")
     args = ap.parse_args(argv)
     try:
         return {"targets": cmd_targets, "export": cmd_export, "inspect": cmd_inspect,
-                "run": cmd_run}[args.cmd](args)
+                "run": cmd_run, "search": cmd_search}[args.cmd](args)
     except ExportError as err:
         print(f"pockjax {args.cmd}: {err}", file=sys.stderr)
         return 2

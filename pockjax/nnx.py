@@ -210,3 +210,21 @@ class Trainer:
         return self.sparse.export(self.state, self._batch(batch), target=target,
                                   out_dir=out_dir, **kwargs)
 
+
+def search(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%",
+           has_aux: bool = False, wrt: Filter = nnx.Param, **kwargs):
+    """`pockjax.search` for an NNX module: which of its parameters to train under a
+    memory budget. `loss_fn(model, batch)` and `data = (train_batches, heldout_batches)`
+    as for `Trainer`; other keyword arguments go to `pockjax.search`. Returns the
+    `Scheme` (exact parameter paths; `Trainer(..., scheme=scheme)` takes it) and the
+    `SearchReport`."""
+    from pockjax.scheme_search import search as _search
+
+    trainer = Trainer(model, loss_fn, optimizer=optimizer, has_aux=has_aux, wrt=wrt)
+    pure, inner_aux = trainer.sparse.loss_fn, trainer.sparse.has_aux
+    train, heldout = data if not isinstance(data, dict) else (data["train"], data["heldout"])
+    steps = kwargs.get("steps", 20)
+    train = [trainer._batch(b) for b, _ in zip(train, range(steps))]
+    heldout = [trainer._batch(b) for b in heldout]
+    return _search(lambda s: SparseTrainer(pure, optimizer, s, has_aux=inner_aux),
+                   trainer.state.params, (train, heldout), budget, **kwargs)

@@ -30,7 +30,8 @@ import optax
 from pockjax import sharding as _sharding
 from pockjax.optim import fused, perleaf
 from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
-from pockjax.transforms.sparse_grad import TransformInfo, _SparseGradFn, _is_dynamic, _resolved, trainable
+from pockjax.transforms.sparse_grad import (TransformInfo, _SparseGradFn, _is_dynamic, _resolved,
+                                            trainable)
 
 __all__ = ["TrainState", "SparseTrainer", "sparse_train", "fit", "History", "TrainReport"]
 
@@ -198,12 +199,13 @@ class SparseTrainer:
         (other axes of a `param_specs` layout stay split) and reduces each gradient
         straight into the weight's own layout."""
         layout = self.layout
-        view_shardings = layout.view_shardings(params, decisions)
-        grad_shardings = [s for s in jax.tree_util.tree_leaves(view_shardings)]
-        gathered = [_sharding.constrain(x, layout.gathered(s.spec)) if s.spec != layout.gathered(s.spec).spec
-                    else x for x, s in zip(param_leaves, jax.tree_util.tree_leaves(
-                        layout.param_shardings(params, decisions)))]
-        return {"reads": gathered, "grad_shardings": grad_shardings}
+        reads = []
+        for x, s in zip(param_leaves, jax.tree_util.tree_leaves(
+                layout.param_shardings(params, decisions))):
+            whole = layout.gathered(s.spec)
+            reads.append(x if whole.spec == s.spec else jax.lax.with_sharding_constraint(x, whole))
+        grad_shardings = jax.tree_util.tree_leaves(layout.view_shardings(params, decisions))
+        return {"reads": reads, "grad_shardings": grad_shardings}
 
     def __call__(self, state: TrainState, batch):
         """One training step: `(state, batch) -> (new state, {"loss": ..., "aux": ...})`."""

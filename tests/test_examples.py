@@ -57,3 +57,14 @@ def test_data_parallel_example():
     for name in ("one device", "data-parallel x4", "FSDP x4"):
         assert f"\n{name.rjust(16)} " in out, out
     assert "peak estimate per device" in out and "all-gather" in out
+
+
+def test_search_schemes_fast(tmp_path):
+    out = run("search_schemes.py", "--task", "instruct", "--fast", "--out", str(tmp_path))
+    assert "contribution analysis:" in out and "chosen (*)" in out
+    for scheme in ("full", "searched", "bias-only"):
+        assert f"\n{scheme.rjust(13)} " in out, out
+    assert "last " in out and "within budget" in out
+    import pockjax as pj
+    scheme = pj.Scheme.from_json((tmp_path / "scheme.json").read_text())
+    assert scheme.rules and (tmp_path / "search.png").exists()

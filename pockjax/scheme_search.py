@@ -1,0 +1,636 @@
+"""Choosing what to train: contribution analysis and a memory-budgeted scheme search.
+
+PockEngine, following tiny-training (NeurIPS 2022), measures what each part of the
+model contributes on the task and picks the best set that fits a memory budget:
+
+1. **Candidates** (`find_candidates`): per weight, Full and Channels at ratios 1/8, 1/4,
+   1/2 (input channels by default: only their slice of the input activation is saved
+   for the weight gradient); the vectors (biases, else norm scales) of the last k
+   blocks; for a stacked weight (a leading layer axis, as under `lax.scan`), its
+   last k layers.
+2. **Contribution analysis.** From the same starting point, each candidate alone
+   trains for `steps` steps on the same batches. Its contribution is the drop in the
+   held-out loss. The step is compiled once per candidate and the compiled executable
+   runs every step. That compilation also gives the candidate's cost: its step's
+   compiled peak memory (arguments + outputs - donated + temporaries) and FLOPs.
+   The compiler's numbers hold for any model, so no per-layer formula is needed.
+   Results are cached on disk, so an interrupted analysis resumes.
+3. **Search.** Maximise the summed contribution with the memory each candidate adds
+   to the forward pass, summed, within the budget (and a FLOP budget if given). This
+   is a multiple-choice knapsack: solved by trying every set when there are at most
+   100,000, else by dynamic programming over the budget in 2,000 steps with each cost
+   rounded up. Then the chosen scheme is compiled
+   and its real memory checked:
+   - over the budget: the member adding least per byte goes, until it fits;
+   - under it, because added memory overlaps (two layers share the backward
+     pass between them): the best remaining candidates are tried, each compiled,
+     while they fit.
+
+    scheme, report = pj.search(lambda s: pj.sparse_train(loss, optimizer=opt, scheme=s),
+                               params, (train_batches, heldout_batches), budget="40%")
+    print(report); report.plot("search.png"); open("scheme.json", "w").write(scheme.to_json())
+
+`budget` is a fraction of full fine-tuning's step memory ("40%") or a size
+("2GiB", "512MiB", or a number of bytes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import json
+import math
+import os
+import re
+import tempfile
+import time
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError, \
+    _decision_from_json, _decision_to_json, _glob_to_regex, leaves_with_paths
+from pockjax.train import SparseTrainer, _avals, _flops, _memory, _nbytes, format_bytes
+
+__all__ = ["Candidate", "CandidateResult", "SearchReport", "find_candidates", "search",
+           "parse_budget"]
+
+RATIOS = (1 / 8, 1 / 4, 1 / 2)
+_GRID = 2000  # knapsack resolution: steps of budget / _GRID
+
+
+def _exact(path: str) -> str:
+    """A glob that matches exactly `path`."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
+
+
+def _ratio_str(r: float) -> str:
+    from fractions import Fraction
+
+    f = Fraction(r).limit_denominator(64)
+    return f"{f.numerator}/{f.denominator}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One thing that could train: `rules` (exact paths -> decisions), in `group`
+    (a search picks at most one candidate per group: one ratio per weight)."""
+
+    name: str
+    group: str
+    rules: tuple[tuple[str, Decision], ...]
+
+    def scheme(self) -> Scheme:
+        return Scheme([(_exact(p), d) for p, d in self.rules], default=Frozen())
+
+    def key(self) -> str:
+        return json.dumps([[p, _decision_to_json(d)] for p, d in self.rules], sort_keys=True)
+
+
+def _block_of(path: str, blocks: list[str]) -> int | None:
+    for i, b in enumerate(blocks):
+        if path.startswith(b + "/"):
+            return i
+    return None
+
+
+def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int = "in",
+               include: Sequence[str] | None = None, exclude: Sequence[str] = (),
+               vectors: Sequence[str] = ("bias",), stacked: Sequence[str] = (),
+               block_name: str | None = None) -> list[Candidate]:
+    """The search's candidates for `params` (a pytree or an `nnx.Module`).
+
+    - every floating weight (2 or more dimensions) matching `include` (globs; all by
+      default) and not `exclude`: Full, and Channels at each of `ratios` along `axis`
+      (ratios that round to the whole axis are dropped as duplicates of Full);
+    - the 1-D parameters named in `vectors` (biases) of the last k blocks, k = 1..K,
+      as one group; a model without biases uses all its 1-D parameters (norm scales).
+      Vectors outside the blocks (a head's bias) are candidates of their own;
+    - each weight matching `stacked` (globs) has a leading layer axis: its last k
+      layers, k = 1..L, train (`Channels(count=k, axis=0, last=True)`).
+    """
+    from pockjax.schemes import _paths, blocks as find_blocks
+
+    from flax import nnx
+
+    if isinstance(params, nnx.Module):
+        from pockjax.nnx import split
+        params = split(params)[1]
+    named = [(p, x) for p, x in leaves_with_paths(params)[0]
+             if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
+    inc = [_glob_to_regex(g) for g in include] if include is not None else None
+    exc = [_glob_to_regex(g) for g in exclude]
+    stk = [_glob_to_regex(g) for g in stacked]
+    for ratio in ratios:
+        if not 0 < ratio < 1:
+            raise SchemeError(f"ratios must be in (0, 1) (Full is always a candidate), got {ratio!r}")
+
+    def wanted(p):
+        return (inc is None or any(r.match(p) for r in inc)) and not any(r.match(p) for r in exc)
+
+    out: list[Candidate] = []
+    for path, x in named:
+        shape = tuple(np.shape(x))
+        if not wanted(path):
+            continue
+        if any(r.match(path) for r in stk):
+            if len(shape) < 2:
+                raise SchemeError(f"stacked parameter '{path}' has shape {shape}; a stacked "
+                                  f"weight has a leading layer axis and at least 2 dimensions")
+            for k in range(1, shape[0] + 1):
+                d = Full() if k == shape[0] else Channels(count=k, axis=0, last=True)
+                out.append(Candidate(f"{path} last {k}/{shape[0]} layers", path, ((path, d),)))
+            continue
+        if len(shape) < 2:
+            continue
+        out.append(Candidate(f"{path} full", path, ((path, Full()),)))
+        seen = set()
+        for ratio in sorted(ratios):
+            d = Channels(ratio=ratio, axis=axis)._resolve(path, shape)
+            if d.count == shape[d.axis] or d.count in seen:
+                continue
+            seen.add(d.count)
+            out.append(Candidate(f"{path} {_ratio_str(ratio)} {axis}", path,
+                                 ((path, Channels(count=d.count, axis=d.axis)),)))
+
+    vec = [(p, x) for p, x in named if np.ndim(x) == 1 and wanted(p)
+           and not any(r.match(p) for r in stk)]
+    named_vec = [(p, x) for p, x in vec if p.rsplit("/", 1)[-1] in tuple(vectors)]
+    vec = named_vec or vec
+    try:
+        block_list = find_blocks(params, block_name)
+    except SchemeError:
+        block_list = []
+    in_blocks: dict[int, list[str]] = {}
+    for p, _ in vec:
+        b = _block_of(p, block_list)
+        if b is None:
+            out.append(Candidate(f"{p} full", p, ((p, Full()),)))
+        else:
+            in_blocks.setdefault(b, []).append(p)
+    if in_blocks:
+        order = sorted(in_blocks)
+        what = "biases" if named_vec else "vectors"
+        for k in range(1, len(order) + 1):
+            paths = [p for b in order[-k:] for p in in_blocks[b]]
+            out.append(Candidate(f"{what} of the last {k} blocks", what,
+                                 tuple((p, Full()) for p in paths)))
+    if not out:
+        raise SchemeError("no candidates: no floating parameter matches "
+                          f"include={list(include) if include is not None else None}, "
+                          f"exclude={list(exclude)}; parameters are e.g. "
+                          + ", ".join(repr(p) for p in _paths(params)[:4]))
+    return out
+
+
+# --------------------------------------------------------------------------- budget
+
+
+_UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_budget(budget, full_bytes: int) -> int:
+    """Bytes for a budget: "40%" of `full_bytes`, "2GiB", "512MB", or an int of bytes."""
+    if isinstance(budget, bool):
+        raise ValueError(f"budget must be a percentage such as '40%' or a size such as '2GiB', "
+                         f"got {budget!r}")
+    if isinstance(budget, (int, np.integer)):
+        return int(budget)
+    if isinstance(budget, float):
+        raise ValueError(f"budget {budget!r} is ambiguous; write '{budget * 100:g}%' for a fraction "
+                         f"of full fine-tuning's step memory or an int of bytes")
+    text = str(budget).strip().lower().replace(" ", "")
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)(%|[kmg]?i?b)?", text)
+    if not m:
+        raise ValueError(f"cannot read budget {budget!r}; use a percentage of full fine-tuning's "
+                         f"step memory ('40%') or a size ('2GiB', '512MiB', '3e8B')")
+    value, unit = float(m.group(1)), m.group(2) or "b"
+    if unit == "%":
+        return int(value / 100 * full_bytes)
+    if unit not in _UNITS:
+        raise ValueError(f"unknown unit in budget {budget!r}; use B, kB, MB, GB, KiB, MiB or GiB")
+    return int(value * _UNITS[unit])
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclasses.dataclass
+class CandidateResult:
+    """What one candidate's run measured."""
+
+    name: str
+    group: str
+    rules: list  # [(path, decision JSON)]
+    loss: float            # held-out loss after the run
+    contribution: float    # baseline held-out loss - loss
+    peak_bytes: int        # compiled peak memory of its step
+    added_bytes: int       # peak_bytes - the forward pass's peak
+    flops: float
+    seconds: float
+    opt_state_bytes: int | None = None  # of that: its trainable view's optimizer state
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.name, self.group,
+                         tuple((p, _decision_from_json(d)) for p, d in self.rules))
+
+
+@dataclasses.dataclass
+class SearchReport:
+    """Contributions and costs of every candidate, and how the search chose."""
+
+    results: list[CandidateResult]
+    baseline_loss: float
+    forward_bytes: int
+    full_bytes: int
+    full_flops: float
+    budget_bytes: int
+    flop_budget: float | None
+    chosen: list[str]
+    predicted_bytes: int
+    measured_bytes: int
+    measured_flops: float
+    log: list[str]
+    scheme: Scheme
+    steps: int
+    min_contribution: float = 0.0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["scheme"] = json.loads(self.scheme.to_json())
+        return d
+
+    def save(self, path: str) -> None:
+        _atomic_write(path, json.dumps(self.as_dict(), indent=1))
+
+    def __str__(self) -> str:
+        chosen = set(self.chosen)
+        rows = sorted(self.results, key=lambda r: -r.contribution)
+        width = max(len(r.name) for r in rows)
+        lines = [f"contribution analysis: {len(rows)} candidates, {self.steps} steps each; "
+                 f"held-out loss before {self.baseline_loss:.4f}",
+                 f"{'':2}{'candidate'.ljust(width)}  {'Δloss':>9}  {'adds':>11}  {'opt state':>11}  "
+                 f"{'step peak':>11}  {'GFLOP':>8}"]
+        for r in rows:
+            mark = "* " if r.name in chosen else "  "
+            lines.append(f"{mark}{r.name.ljust(width)}  {r.contribution:9.4f}  "
+                         f"{format_bytes(r.added_bytes):>11}  {_bytes_or_dash(r.opt_state_bytes):>11}  "
+                         f"{format_bytes(r.peak_bytes):>11}  "
+                         f"{r.flops / 1e9:8.3f}")
+        pct = lambda b: f"{100 * b / self.full_bytes:.1f}% of full"
+        lines += ["",
+                  f"forward pass {format_bytes(self.forward_bytes)}; full fine-tuning step "
+                  f"{format_bytes(self.full_bytes)}, {self.full_flops / 1e9:.3f} GFLOP",
+                  f"budget {format_bytes(self.budget_bytes)} ({pct(self.budget_bytes)})"
+                  + (f", {self.flop_budget / 1e9:.3f} GFLOP" if self.flop_budget else ""),
+                  f"chosen (*): {len(self.chosen)} candidates, predicted "
+                  f"{format_bytes(self.predicted_bytes)}, compiled {format_bytes(self.measured_bytes)} "
+                  f"({pct(self.measured_bytes)}), {self.measured_flops / 1e9:.3f} GFLOP",
+                  f"candidates improving the loss by less than {self.min_contribution:.3g} are "
+                  f"left out as noise",
+                  *[f"  {line}" for line in self.log]]
+        return "\n".join(lines)
+
+    def plot(self, path: str) -> None:
+        """Contribution against added memory, the chosen candidates highlighted."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        chosen = set(self.chosen)
+        fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+        for sel, color, label in ((False, "#9aa5b1", "candidate"), (True, "#d1495b", "chosen")):
+            pts = [(r.added_bytes / 2**20, r.contribution) for r in self.results
+                   if (r.name in chosen) == sel]
+            if pts:
+                ax.scatter(*zip(*pts), s=18, color=color, label=label, zorder=2 + sel)
+        ax.axvline((self.budget_bytes - self.forward_bytes) / 2**20, color="#333", ls="--", lw=1,
+                   label="budget - forward pass")
+        ax.set_xlabel("memory added to the forward pass (MiB, compiled)")
+        ax.set_ylabel("held-out loss improvement")
+        ax.set_title(f"{len(self.results)} candidates, {self.steps} steps each")
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False)
+        fig.tight_layout()
+        tmp = f"{path}.tmp.png"
+        fig.savefig(tmp)
+        plt.close(fig)
+        os.replace(tmp, path)
+
+
+def _bytes_or_dash(n) -> str:
+    return "-" if n is None else format_bytes(n)
+
+
+def _atomic_write(path: str, text: str) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- measuring
+
+
+def _peak(compiled) -> int:
+    return _memory(compiled)["peak"]
+
+
+def _fingerprint(params, train, heldout, steps, key) -> str:
+    h = hashlib.sha256()
+    h.update(repr((steps, key)).encode())
+    for tree in (params, train[:steps], heldout):
+        for x in jax.tree_util.tree_leaves(tree):
+            a = np.asarray(x)
+            h.update(repr((a.shape, str(a.dtype))).encode())
+            h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:16]
+
+
+class _Cache:
+    def __init__(self, directory: str | None, fingerprint: str):
+        self.path = None if directory is None else os.path.join(directory, f"contributions-{fingerprint}.json")
+        self.entries: dict[str, dict] = {}
+        if self.path and os.path.exists(self.path):
+            try:
+                with open(self.path) as f:
+                    self.entries = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ValueError(f"search cache '{self.path}' cannot be read ({e}); delete it to "
+                                 f"start the analysis afresh") from None
+
+    def get(self, key: str):
+        return self.entries.get(key)
+
+    def put(self, key: str, value: dict) -> None:
+        self.entries[key] = value
+        if self.path:
+            _atomic_write(self.path, json.dumps(self.entries))
+
+
+def _loss_value(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, budget="40%", *,
+           steps: int = 20, candidates: Sequence[Candidate] | None = None,
+           flop_budget: float | None = None, cache: str | None = None, cache_key: str = "",
+           progress: bool = True, max_fill: int = 6, min_contribution: float = 0.02,
+           **candidate_options) -> tuple[Scheme, SearchReport]:
+    """Contribution analysis and the budgeted search (see the module docstring).
+
+    `trainer_factory(scheme)` makes the trainer (`pockjax.sparse_train(...)`) for a
+    scheme; `params` is the starting point; `data` is `(train_batches, heldout_batches)`:
+    every candidate trains on `train_batches[:steps]` and is scored by its mean loss
+    on `heldout_batches`. `candidates` overrides the candidate list; other keyword
+    arguments go to `find_candidates()`. With `cache` (a directory) each candidate's
+    result is saved as it finishes and reused by a later call on the same parameters,
+    data, steps and `cache_key` (change it when you change the optimizer).
+    Candidates that improve the held-out loss by less than `min_contribution` times
+    the best candidate's improvement are treated as noise and left out; `max_fill`
+    caps the compilations spent filling leftover budget.
+    Returns the chosen `Scheme` and a `SearchReport`.
+    """
+    from tqdm.auto import tqdm
+
+    train, heldout = _split_data(data, steps)
+    if candidates is not None and candidate_options:
+        raise TypeError(f"give candidates= or options for find_candidates "
+                        f"({sorted(candidate_options)}), not both")
+    cands = list(candidates) if candidates is not None else find_candidates(params, **candidate_options)
+    names = [c.name for c in cands]
+    if len(set(names)) != len(names):
+        raise SchemeError("candidate names must be unique; got duplicates "
+                          f"{sorted({n for n in names if names.count(n) > 1})}")
+    batch0 = train[0]
+
+    # The reference points: the forward pass, and full fine-tuning.
+    probe = trainer_factory(Scheme(default=Full()))
+    if not isinstance(probe, SparseTrainer):
+        raise TypeError(f"trainer_factory must return a pockjax SparseTrainer (from "
+                        f"pockjax.sparse_train), got {type(probe).__name__}")
+    loss_fn = probe.loss_fn
+    evaluate = jax.jit(lambda p, b: _loss_value(loss_fn(p, b)))
+    forward = evaluate.lower(_avals(params), _avals(batch0)).compile()
+    forward_bytes = _peak(forward)
+    full_state = jax.eval_shape(probe.init, params)
+    full = probe.lower(full_state, batch0).compile()
+    full_bytes, full_flops = _peak(full), _flops(full)
+    budget_bytes = parse_budget(budget, full_bytes)
+    if budget_bytes >= full_bytes:
+        raise ValueError(f"budget {format_bytes(budget_bytes)} is at least full fine-tuning's step "
+                         f"memory ({format_bytes(full_bytes)}): train everything "
+                         f"(Scheme(default=Full())) or give a budget between the forward pass's "
+                         f"{format_bytes(forward_bytes)} and {format_bytes(full_bytes)}")
+    if budget_bytes <= forward_bytes:
+        raise ValueError(f"budget {format_bytes(budget_bytes)} does not exceed the forward pass "
+                         f"alone ({format_bytes(forward_bytes)}), so no training step fits; give a "
+                         f"budget between {format_bytes(forward_bytes)} and full fine-tuning's "
+                         f"{format_bytes(full_bytes)} ({budget_range_hint(forward_bytes, full_bytes)})")
+
+    def heldout_loss(p) -> float:
+        return float(np.mean([float(evaluate(p, b)) for b in heldout]))
+
+    baseline = heldout_loss(params)
+    store = _Cache(cache, _fingerprint(params, train, heldout, steps, cache_key))
+
+    results: list[CandidateResult] = []
+    bar = tqdm(cands, disable=not progress, unit="cand", desc="contribution", dynamic_ncols=True)
+    for c in bar:
+        bar.set_postfix_str(c.name[-40:])
+        hit = store.get(c.key())
+        if hit is None:
+            hit = _run_candidate(trainer_factory, c, params, train, heldout_loss, baseline, batch0,
+                                 forward_bytes)
+            store.put(c.key(), hit)
+        results.append(CandidateResult(name=c.name, group=c.group,
+                                       rules=[[p, _decision_to_json(d)] for p, d in c.rules], **hit))
+    bar.close()
+
+    fits = [r for r in results if r.peak_bytes <= budget_bytes]
+    if not fits:
+        smallest = min(results, key=lambda r: r.peak_bytes)
+        raise ValueError(f"budget {format_bytes(budget_bytes)} is below every candidate's step: the "
+                         f"smallest is {format_bytes(smallest.peak_bytes)} ('{smallest.name}'); give "
+                         f"a budget between {format_bytes(smallest.peak_bytes)} and full fine-tuning's "
+                         f"{format_bytes(full_bytes)}")
+
+    if flop_budget is not None and not any(r.flops <= flop_budget for r in fits):
+        least = min(fits, key=lambda r: r.flops)
+        raise ValueError(f"FLOP budget {flop_budget / 1e9:.4g} GFLOP is below every candidate's "
+                         f"step that fits the memory budget: the least is {least.flops / 1e9:.4g} "
+                         f"GFLOP ('{least.name}'); full fine-tuning takes {full_flops / 1e9:.4g}")
+    best = max(r.contribution for r in results)
+    if not best > 0:
+        raise ValueError(f"no candidate improved the held-out loss in {steps} steps (best change "
+                         f"{best:+.3g}); use more steps, a larger learning rate or other candidates")
+    floor = min_contribution * best
+    useful = [r for r in results if r.contribution > floor]
+    chosen = _knapsack(useful, budget_bytes - forward_bytes, flop_budget)
+    log: list[str] = []
+
+    def measure(sel):
+        if not sel:
+            return forward_bytes, 0.0
+        compiled = _compile_scheme(trainer_factory, _scheme_of(sel), params, batch0)
+        return _peak(compiled), _flops(compiled)
+
+    def within(m, f):
+        return m <= budget_bytes and (flop_budget is None or f <= flop_budget)
+
+    predicted = forward_bytes + sum(r.added_bytes for r in chosen)
+    measured, flops = measure(chosen)
+    log.append(f"knapsack: {len(chosen)} candidates, predicted {format_bytes(predicted)}, "
+               f"compiled {format_bytes(measured)}")
+    # Repair: over the budget, drop the member that adds least per byte.
+    while chosen and not within(measured, flops):
+        worst = min(chosen, key=lambda r: r.contribution / max(r.added_bytes, 1))
+        chosen = [r for r in chosen if r is not worst]
+        measured, flops = measure(chosen)
+        log.append(f"over budget: dropped '{worst.name}' -> {format_bytes(measured)}")
+    # Fill: the sum over-counts shared memory, so try the best remaining candidates.
+    tried = 0
+    taken = {r.group for r in chosen}
+    rest = sorted((r for r in useful if r.group not in taken),
+                  key=lambda r: -r.contribution)
+    for r in rest:
+        if tried >= max_fill:
+            break
+        if r.group in {x.group for x in chosen} or r.peak_bytes > budget_bytes:
+            continue
+        tried += 1
+        m, f = measure(chosen + [r])
+        if within(m, f):
+            chosen, measured, flops = chosen + [r], m, f
+            log.append(f"room left: added '{r.name}' -> {format_bytes(m)}")
+    if not chosen:
+        raise ValueError(f"no candidate set fits the budget {format_bytes(budget_bytes)} when "
+                         f"compiled; give a budget between {format_bytes(min(r.peak_bytes for r in results))} "
+                         f"and {format_bytes(full_bytes)}")
+    scheme = _scheme_of(chosen)
+    report = SearchReport(results=results, baseline_loss=baseline, forward_bytes=forward_bytes,
+                          full_bytes=full_bytes, full_flops=full_flops, budget_bytes=budget_bytes,
+                          flop_budget=flop_budget, chosen=[r.name for r in chosen],
+                          predicted_bytes=predicted, measured_bytes=measured, measured_flops=flops,
+                          log=log, scheme=scheme, steps=steps, min_contribution=floor)
+    return scheme, report
+
+
+def budget_range_hint(low: int, high: int) -> str:
+    return f"'{math.ceil(100 * low / high)}%' to '{math.floor(100 * (high - 1) / high)}%'"
+
+
+def _split_data(data, steps: int):
+    if isinstance(data, dict):
+        data = (data.get("train"), data.get("heldout"))
+    if not (isinstance(data, (tuple, list)) and len(data) == 2):
+        raise TypeError("data must be (train_batches, heldout_batches): two sequences of batches")
+    train, heldout = list(data[0]) if not isinstance(data[0], list) else data[0], list(data[1])
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    if len(train) < steps:
+        raise ValueError(f"data has {len(train)} training batches but steps={steps}; give at least "
+                         f"{steps} (every candidate trains on the same first {steps})")
+    if not heldout:
+        raise ValueError("data has no held-out batches; contributions are measured on them")
+    return train, heldout
+
+
+def _scheme_of(results: Iterable[CandidateResult]) -> Scheme:
+    rules = []
+    for r in results:
+        rules += [(p, d) for p, d in r.candidate().rules]
+    return Scheme([(_exact(p), d) for p, d in rules], default=Frozen())
+
+
+def _compile_scheme(trainer_factory, scheme: Scheme, params, batch):
+    trainer = trainer_factory(scheme)
+    state = jax.eval_shape(trainer.init, params)
+    return trainer.lower(state, batch).compile()
+
+
+def _run_candidate(trainer_factory, c: Candidate, params, train, heldout_loss, baseline, batch0,
+                   forward_bytes) -> dict:
+    start = time.perf_counter()
+    trainer = trainer_factory(c.scheme())
+    state = trainer.init(params)
+    compiled = trainer.lower(state, batch0).compile()  # once; every step runs it
+    for batch in train:
+        state, _ = compiled(state, batch)
+    loss = heldout_loss(state.params)
+    peak = _peak(compiled)
+    return {"loss": loss, "contribution": baseline - loss if np.isfinite(loss) else -math.inf,
+            "peak_bytes": peak, "added_bytes": max(peak - forward_bytes, 0),
+            "flops": _flops(compiled), "seconds": time.perf_counter() - start,
+            "opt_state_bytes": _nbytes(state.opt_state)}
+
+
+_EXHAUSTIVE = 100_000  # sets; up to this many, every one is tried
+
+
+def _knapsack(results: list[CandidateResult], capacity: int, flop_budget: float | None):
+    """The best set, at most one per group, with summed added bytes <= capacity (and
+    summed FLOPs <= flop_budget). Exact: every set when there are few, else dynamic
+    programming on a grid of the budget with costs rounded up (never over, but a set
+    within a grid step of the limit can be missed)."""
+    groups: dict[str, list[CandidateResult]] = {}
+    for r in results:
+        if r.contribution > 0 and r.added_bytes <= capacity and (
+                flop_budget is None or r.flops <= flop_budget):
+            groups.setdefault(r.group, []).append(r)
+    if not groups or capacity <= 0:
+        return []
+    if math.prod(len(o) + 1 for o in groups.values()) <= _EXHAUSTIVE:
+        best, best_set = 0.0, []
+        for combo in itertools.product(*[[None, *o] for o in groups.values()]):
+            chosen = [r for r in combo if r is not None]
+            if sum(r.added_bytes for r in chosen) > capacity:
+                continue
+            if flop_budget is not None and sum(r.flops for r in chosen) > flop_budget:
+                continue
+            value = sum(r.contribution for r in chosen)
+            if value > best:
+                best, best_set = value, chosen
+        return best_set
+    unit = capacity / _GRID
+    cost = lambda r: min(_GRID + 1, math.ceil(r.added_bytes / unit - 1e-9))
+    nf = 200 if flop_budget else 0
+    fcost = (lambda r: min(nf + 1, math.ceil(r.flops / (flop_budget / nf) - 1e-9))) if nf else None
+    shape = (_GRID + 1,) if not nf else (_GRID + 1, nf + 1)
+    value = np.zeros(shape)
+    choices = []
+    for g, opts in groups.items():
+        new, pick = value.copy(), np.full(shape, -1, np.int32)
+        for i, r in enumerate(opts):
+            c = cost(r)
+            if c > _GRID:
+                continue
+            if nf:
+                fc = fcost(r)
+                if fc > nf:
+                    continue
+                cand = np.full(shape, -np.inf)
+                cand[c:, fc:] = value[:_GRID + 1 - c, :nf + 1 - fc] + r.contribution
+            else:
+                cand = np.full(shape, -np.inf)
+                cand[c:] = value[:_GRID + 1 - c] + r.contribution
+            better = cand > new
+            new = np.where(better, cand, new)
+            pick = np.where(better, i, pick)
+        choices.append((g, opts, pick))
+        value = new
+    # Walk back from the full capacity.
+    idx = (_GRID,) if not nf else (_GRID, nf)
+    chosen = []
+    for g, opts, pick in reversed(choices):
+        i = int(pick[idx])
+        if i >= 0:
+            r = opts[i]
+            chosen.append(r)
+            idx = (idx[0] - cost(r),) if not nf else (idx[0] - cost(r), idx[1] - fcost(r))
+    return chosen[::-1]
