@@ -1,8 +1,8 @@
-"""`python -m benchmarks [paper|sparse_grad|train_step|export] [args...]`: run one benchmark."""
+"""`python -m benchmarks [paper|profile|sparse_grad|train_step|export] [args...]`: run one benchmark."""
 import runpy
 import sys
 
-SCRIPTS = {"paper": "paper_table", "sparse_grad": "sparse_grad", "train_step": "train_step",
+SCRIPTS = {"paper": "paper_table", "profile": "profile_step", "sparse_grad": "sparse_grad", "train_step": "train_step",
            "export": "export"}
 
 if len(sys.argv) < 2 or sys.argv[1] not in SCRIPTS:

@@ -12,7 +12,10 @@ Workloads (the same weights, data, Adam 1e-4 and steps for every row of a worklo
   Sparse: `schemes.mobilenetv2(norms=True)`.
 
 `--quick`: llama 4 layers, hidden 256, MLP 688, sequence 64, batch 4; mobilenetv2 width
-0.5, 64x64 images, batch 8.
+0.5, 64x64 images, batch 8. `--llama llama2-7b` (or `layers=32,hidden=4096,...`) and
+`--mobilenetv2 width=1.4,size=224` set other sizes, up to LLaMA-2-7B's shape on a
+machine with the memory for it (full fine-tuning in float32 with Adam needs about
+16 bytes per parameter, 108 GB for 6.7B).
 
 Rows: PyTorch eager full, frozen (`requires_grad=False` on what the sparse scheme
 freezes), LoRA r=8 (peft), torch.compile full; JAX + optax full and multi_transform
@@ -54,17 +57,43 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 # --------------------------------------------------------------------------- workloads
 
 
-def sizes(workload: str, quick: bool) -> dict:
+PRESETS = {
+    "llama": {"llama2-7b": dict(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32,
+                                vocab=32000, seq=512, batch=1)},
+    "mobilenetv2": {},
+}
+
+
+def sizes(workload: str, quick: bool, spec: str | None = None) -> dict:
+    """The workload's sizes: the default or `--quick` ones, then `spec` (a preset name
+    such as "llama2-7b", or "key=value,..." overrides)."""
     if workload == "llama":
-        return (dict(layers=4, hidden=256, intermediate=688, seq=64, batch=4) if quick else
-                dict(layers=8, hidden=512, intermediate=1376, seq=128, batch=8))
-    return (dict(width=0.5, size=64, batch=8) if quick else dict(width=1.0, size=128, batch=16))
+        s = (dict(layers=4, hidden=256, intermediate=688, seq=64, batch=4) if quick else
+             dict(layers=8, hidden=512, intermediate=1376, seq=128, batch=8))
+        s.update(heads=8, kv_heads=8, vocab=256)
+    else:
+        s = dict(width=0.5, size=64, batch=8) if quick else dict(width=1.0, size=128, batch=16)
+    for item in (spec or "").split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item in PRESETS[workload]:
+            s.update(PRESETS[workload][item])
+            continue
+        key, eq, value = item.partition("=")
+        if not eq or key not in s:
+            raise SystemExit(f"--{workload} {spec!r}: expected a preset "
+                             f"({', '.join(PRESETS[workload]) or 'none'}) or key=value with keys "
+                             f"{', '.join(s)}")
+        s[key] = type(s[key])(float(value)) if isinstance(s[key], int) else type(s[key])(value)
+    return s
 
 
 def describe(workload: str, s: dict) -> str:
     if workload == "llama":
         return (f"LLaMA {s['layers']} layers, hidden {s['hidden']}, MLP {s['intermediate']}, "
-                f"8 heads, vocabulary 256; sequence {s['seq']}, batch {s['batch']}")
+                f"{s['heads']} heads ({s['kv_heads']} key/value), vocabulary {s['vocab']}; "
+                f"sequence {s['seq']}, batch {s['batch']}")
     return (f"MobileNetV2 width {s['width']}, {s['size']}x{s['size']} images, 10 classes, "
             f"batch {s['batch']}, batch norm in training mode")
 
@@ -80,9 +109,10 @@ def make_model(workload: str, s: dict):
     from pockjax.models.llama import LlamaConfig
 
     if workload == "llama":
-        config = LlamaConfig(vocab_size=256, hidden_size=s["hidden"],
+        config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
                              intermediate_size=s["intermediate"], num_layers=s["layers"],
-                             num_heads=8, num_kv_heads=8, max_position_embeddings=128)
+                             num_heads=s["heads"], num_kv_heads=s["kv_heads"],
+                             max_position_embeddings=max(128, s["seq"]))
         return Llama(config, rngs=nnx.Rngs(0))
     return MobileNetV2(10, width_mult=s["width"], input_size=s["size"], rngs=nnx.Rngs(0))
 
@@ -91,7 +121,7 @@ def make_batch(workload: str, s: dict):
     """numpy data from a fixed seed: tokens [B, T], or (images NHWC, labels)."""
     rng = np.random.default_rng(0)
     if workload == "llama":
-        return rng.integers(0, 256, size=(s["batch"], s["seq"])).astype(np.int32)
+        return rng.integers(0, s["vocab"], size=(s["batch"], s["seq"])).astype(np.int32)
     x = rng.standard_normal((s["batch"], s["size"], s["size"], 3)).astype(np.float32)
     return x, rng.integers(0, 10, size=s["batch"]).astype(np.int32)
 
@@ -117,7 +147,7 @@ def sparse_scheme(workload: str, model):
     import pockjax as pj
 
     if workload == "llama":
-        return pj.schemes.transformer(model, last=model.config.num_layers // 2,
+        return pj.schemes.transformer(model, last=max(1, model.config.num_layers // 2),
                                       extra=["lm_head/**"])
     return pj.schemes.mobilenetv2(model, norms=True)
 
@@ -464,7 +494,7 @@ def run_iree(workload: str, trainer, batch, args) -> dict:
 
 
 def child(args) -> None:
-    s = sizes(args.workload, args.quick)
+    s = sizes(args.workload, args.quick, getattr(args, args.workload))
     run = run_torch if args.row.startswith("torch") else run_jax
     result = run(args.workload, args.row, s, args)
     result["imports_jax"] = "jax" in sys.modules
@@ -474,6 +504,9 @@ def child(args) -> None:
 def run_row(workload: str, row: str, args) -> dict:
     cmd = [os.path.abspath(__file__), "--workload", workload, "--row", row,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--data", args.data]
+    for w in WORKLOADS:
+        if getattr(args, w):
+            cmd += [f"--{w}", getattr(args, w)]
     return run_process(cmd + (["--quick"] if args.quick else []), args.timeout)
 
 
@@ -593,6 +626,12 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (compilation)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per row")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--llama", metavar="SPEC", help="LLaMA sizes: a preset (llama2-7b: 32 layers, "
+                    "hidden 4096, MLP 11008, 32 heads, vocabulary 32000, sequence 512, batch 1) "
+                    "and/or key=value overrides of layers, hidden, intermediate, heads, kv_heads, "
+                    "vocab, seq, batch")
+    ap.add_argument("--mobilenetv2", metavar="SPEC", help="MobileNetV2 sizes: key=value overrides "
+                    "of width, size, batch")
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " +
                     ", ".join(ROWS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "paper_table.md"))
@@ -620,7 +659,7 @@ def main(argv=None):
              f"`jax+optax multi_transform` train the tensors the sparse scheme trains, whole.", ""]
     all_results = {}
     for w in workloads:
-        s = sizes(w, args.quick)
+        s = sizes(w, args.quick, getattr(args, w))
         data = tempfile.mkdtemp(prefix=f"paper-table-{w}-")
         try:
             args.data = data

@@ -1,0 +1,237 @@
+"""Where a training step's time goes: XLA CPU operations, from a JAX profiler trace.
+
+Profiles the compiled steps of `paper_table.py`'s rows that run on XLA (pockjax sparse,
+pockjax full, JAX + optax full) on one of its workloads, in one process: a few
+warm-up steps, then `--steps` steps under `jax.profiler.trace`. Each operation the
+XLA CPU runtime executes is an event named after its HLO instruction. Events are
+summed per instruction and grouped by what the instruction computes, read from the
+compiled HLO:
+
+- "depthwise conv": a convolution with feature groups;
+- "conv": any other convolution;
+- "matmul": a dot;
+- "elementwise/reduce", "copy/transpose", "other".
+
+For each row, the table gives milliseconds per step per group and the share of the
+step's wall time. The rest of the wall time is outside XLA's operations (dispatch,
+synchronisation). It also lists the slowest instructions. The output is written to
+`benchmarks/results/profile_WORKLOAD.md`.
+
+    python -m benchmarks profile [--workload mobilenetv2] [--quick] [--steps 5]
+        [--rows "pockjax sparse,jax+optax full"]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import ROOT, commit, versions  # noqa: E402
+from benchmarks.paper_table import (LR, _path, describe, jax_loss, make_batch,  # noqa: E402
+                                    make_model, sizes, sparse_scheme, trained_paths)
+
+ROWS = ["pockjax sparse", "pockjax full", "jax+optax full"]
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
+_COMP = re.compile(r"^\s*(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+
+
+def hlo_groups(text: str) -> dict[str, str]:
+    """Instruction name -> group, for the instructions of a compiled HLO module."""
+    computations: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = _COMP.match(line)
+        if m and "=" not in line.split("{")[0]:
+            current = m.group(1)
+            computations[current] = []
+        elif current is not None:
+            computations[current].append(line)
+
+    def classify(lines: list[str], depth: int = 0) -> str | None:
+        found = None
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            op = m.group(2)
+            if op == "convolution":
+                groups = re.search(r"feature_group_count=(\d+)", line)
+                return "depthwise conv" if groups and int(groups.group(1)) > 1 else "conv"
+            if op == "dot":
+                found = "matmul"
+            called = re.search(r"calls=%?([\w.\-]+)", line)
+            if called and depth < 3 and called.group(1) in computations:
+                inner = classify(computations[called.group(1)], depth + 1)
+                if inner in ("depthwise conv", "conv"):
+                    return inner
+                found = found or inner
+        return found
+
+    out = {}
+    for lines in computations.values():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, op = m.groups()
+            group = classify([line])
+            if group is None:
+                if op in ("copy", "transpose") or "copy" in name or "transpose" in name:
+                    group = "copy/transpose"
+                elif op in ("fusion", "reduce", "add", "multiply", "select", "broadcast",
+                            "maximum", "exponential", "divide", "subtract"):
+                    group = "elementwise/reduce"
+                else:
+                    group = "other"
+            out[name] = group
+    return out
+
+
+def trace_ops(step, steps: int, directory: str) -> tuple[dict[str, float], float]:
+    """Microseconds per instruction (summed over `steps`) and the median step time (s)."""
+    import jax
+
+    times = []
+    with jax.profiler.trace(directory, create_perfetto_trace=True):
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    path = glob.glob(os.path.join(directory, "**", "*.trace.json.gz"), recursive=True)[0]
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    totals: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X":
+            totals[e["name"]] += float(e.get("dur", 0.0))
+    return totals, statistics.median(times)
+
+
+def build(workload: str, row: str, s: dict):
+    """`(step, compiled)`: a function running one step to completion, and its executable."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import pockjax as pj
+
+    model = make_model(workload, s)
+    loss_fn = jax_loss(workload)
+    batch = jax.tree.map(jnp.asarray, make_batch(workload, s))
+    opt = optax.adam(LR)
+    if row.startswith("pockjax"):
+        scheme = pj.Scheme(default=pj.Full()) if row == "pockjax full" else sparse_scheme(workload, model)
+        trainer = pj.nnx.Trainer(model, loss_fn, optimizer=opt, scheme=scheme)
+        compiled = trainer.lower(batch).compile()
+
+        def step():
+            jax.block_until_ready(trainer(batch)["loss"])
+
+        return step, compiled
+    graphdef, params, rest = pj.nnx.split(model)
+    trained = set(trained_paths(workload, model))
+    tx = opt if row == "jax+optax full" else optax.multi_transform(
+        {"train": opt, "frozen": optax.set_to_zero()},
+        jax.tree_util.tree_map_with_path(
+            lambda keys, _: "train" if _path(keys) in trained else "frozen", params))
+
+    def pure(params, rest, batch):
+        m = pj.nnx.merge(graphdef, params, rest) if rest else nnx.merge(graphdef, params)
+        return loss_fn(m, batch), (pj.nnx.split(m)[2] if rest else rest)
+
+    def train_step(state, batch):
+        params, rest, opt_state = state
+        (loss, rest), grads = jax.value_and_grad(pure, has_aux=True)(params, rest, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), rest, opt_state), loss
+
+    state = [(params, rest, tx.init(params))]
+    compiled = jax.jit(train_step, donate_argnums=0).lower(state[0], batch).compile()
+
+    def step():
+        state[0], loss = compiled(state[0], batch)
+        jax.block_until_ready(loss)
+
+    return step, compiled
+
+
+GROUPS = ["depthwise conv", "conv", "matmul", "elementwise/reduce", "copy/transpose", "other"]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", default="mobilenetv2", choices=["llama", "mobilenetv2"])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--size", help="size overrides, as paper_table's --llama / --mobilenetv2")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--top", type=int, default=8, help="slowest instructions listed per row")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {ROWS}")
+    s = sizes(args.workload, args.quick, args.size)
+    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"profile_{args.workload}.md")
+
+    results = {}
+    for row in rows:
+        print(f"[{row}] compiling and profiling ...", file=sys.stderr, flush=True)
+        step, compiled = build(args.workload, row, s)
+        for _ in range(args.warmup):
+            step()
+        groups = hlo_groups(compiled.as_text())
+        with tempfile.TemporaryDirectory(prefix="pockjax-profile-") as d:
+            totals, wall = trace_ops(step, args.steps, d)
+        ops = {k: v for k, v in totals.items() if k in groups}
+        results[row] = (ops, groups, wall)
+
+    lines = [f"# Where the step's time goes: {describe(args.workload, s)}", "",
+             f"XLA CPU, {os.cpu_count()} cores. {versions(('jax', 'jaxlib', 'flax', 'optax'))}. "
+             f"Commit {commit()}. {args.steps} profiled steps after {args.warmup} warm-up steps; "
+             f"ms per step from `jax.profiler` events, one per executed HLO instruction.", "",
+             "| group | " + " | ".join(rows) + " |", "|---|" + "---|" * len(rows)]
+    for g in GROUPS + ["all XLA operations", "outside XLA operations", "wall time (median)"]:
+        cells = []
+        for row in rows:
+            ops, groups, wall = results[row]
+            per_step = lambda us: us / args.steps / 1e3
+            total = per_step(sum(ops.values()))
+            if g == "wall time (median)":
+                cells.append(f"{wall * 1e3:.1f} ms")
+            elif g == "all XLA operations":
+                cells.append(f"{total:.1f} ms ({100 * total / (wall * 1e3):.0f}%)")
+            elif g == "outside XLA operations":
+                rest = max(wall * 1e3 - total, 0.0)
+                cells.append(f"{rest:.1f} ms ({100 * rest / (wall * 1e3):.0f}%)")
+            else:
+                ms = per_step(sum(v for k, v in ops.items() if groups[k] == g))
+                cells.append(f"{ms:.1f} ms ({100 * ms / (wall * 1e3):.0f}%)")
+        lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    for row in rows:
+        ops, groups, _ = results[row]
+        lines += ["", f"Slowest instructions, {row}:", ""]
+        for name, us in sorted(ops.items(), key=lambda kv: -kv[1])[:args.top]:
+            lines.append(f"- `{name}` ({groups[name]}): {us / args.steps / 1e3:.2f} ms")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    from pockjax.checkpoint import write_atomic
+
+    write_atomic(out, text.encode())
+    print(f"written to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""The benchmark scripts' own logic: size presets and the profile's grouping of HLO."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks.paper_table import sizes
+from benchmarks.profile_step import hlo_groups
+
+
+def test_sizes_presets_and_overrides():
+    big = sizes("llama", True, "llama2-7b")
+    assert (big["layers"], big["hidden"], big["intermediate"], big["heads"], big["vocab"]) == \
+        (32, 4096, 11008, 32, 32000)
+    assert sizes("llama", False, "layers=2,seq=32")["layers"] == 2
+    assert sizes("mobilenetv2", False, "width=0.75")["width"] == 0.75
+    with pytest.raises(SystemExit, match="key=value with keys"):
+        sizes("llama", True, "depth=3")
+
+
+def test_profile_groups_convolutions_by_kind():
+    def loss(w, dw, x):
+        dn = ("NHWC", "HWIO", "NHWC")
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=dn)
+        y = jax.lax.conv_general_dilated(jax.nn.relu(y), dw, (1, 1), "SAME", dimension_numbers=dn,
+                                         feature_group_count=8)
+        return jnp.mean(y @ jnp.ones((8, 4)))
+
+    args = (jnp.ones((1, 1, 4, 8)), jnp.ones((3, 3, 1, 8)), jnp.ones((2, 8, 8, 4)))
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(*args).compile()
+    groups = hlo_groups(compiled.as_text())
+    kinds = set(groups.values())
+    assert {"depthwise conv", "conv", "matmul"} <= kinds, groups
