@@ -22,9 +22,10 @@ model contributes on the task and picks the best set that fits a memory budget:
    rounded up. Then the chosen scheme is compiled
    and its real memory checked:
    - over the budget: the member adding least per byte goes, until it fits;
-   - under it, because added memory overlaps (two layers share the backward
-     pass between them): the best remaining candidates are tried, each compiled,
-     while they fit.
+   - the sum over-counts memory that candidates share (the backward pass between
+     two layers), so the knapsack is solved again with its capacity scaled by the
+     over-count measured (up to `calibrate` rounds), keeping the best set that fits;
+   - then the best remaining candidates are tried, each compiled, while they fit.
 
     scheme, report = pj.search(lambda s: pj.sparse_train(loss, optimizer=opt, scheme=s),
                                params, (train_batches, heldout_batches), budget="40%")
@@ -380,7 +381,8 @@ def _loss_value(out):
 def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, budget="40%", *,
            steps: int = 20, candidates: Sequence[Candidate] | None = None,
            flop_budget: float | None = None, cache: str | None = None, cache_key: str = "",
-           progress: bool = True, max_fill: int = 6, min_contribution: float = 0.02,
+           progress: bool = True, calibrate: int = 4, max_fill: int = 6,
+           min_contribution: float = 0.02,
            **candidate_options) -> tuple[Scheme, SearchReport]:
     """Contribution analysis and the budgeted search (see the module docstring).
 
@@ -392,8 +394,9 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
     result is saved as it finishes and reused by a later call on the same parameters,
     data, steps and `cache_key` (change it when you change the optimizer).
     Candidates that improve the held-out loss by less than `min_contribution` times
-    the best candidate's improvement are treated as noise and left out; `max_fill`
-    caps the compilations spent filling leftover budget.
+    the best candidate's improvement are treated as noise and left out. `calibrate`
+    caps the knapsack rounds (each compiles its set once), and the fill stops after
+    `max_fill` candidates that did not fit.
     Returns the chosen `Scheme` and a `SearchReport`.
     """
     from tqdm.auto import tqdm
@@ -471,43 +474,68 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
                          f"{best:+.3g}); use more steps, a larger learning rate or other candidates")
     floor = min_contribution * best
     useful = [r for r in results if r.contribution > floor]
-    chosen = _knapsack(useful, budget_bytes - forward_bytes, flop_budget)
+    capacity = budget_bytes - forward_bytes
     log: list[str] = []
+    measured_sets: dict = {}
 
     def measure(sel):
-        if not sel:
-            return forward_bytes, 0.0
-        compiled = _compile_scheme(trainer_factory, _scheme_of(sel), params, batch0)
-        return _peak(compiled), _flops(compiled)
+        key = frozenset(r.name for r in sel)
+        if key not in measured_sets:
+            if not sel:
+                measured_sets[key] = (forward_bytes, 0.0)
+            else:
+                compiled = _compile_scheme(trainer_factory, _scheme_of(sel), params, batch0)
+                measured_sets[key] = (_peak(compiled), _flops(compiled))
+        return measured_sets[key]
 
     def within(m, f):
         return m <= budget_bytes and (flop_budget is None or f <= flop_budget)
 
-    predicted = forward_bytes + sum(r.added_bytes for r in chosen)
-    measured, flops = measure(chosen)
-    log.append(f"knapsack: {len(chosen)} candidates, predicted {format_bytes(predicted)}, "
-               f"compiled {format_bytes(measured)}")
-    # Repair: over the budget, drop the member that adds least per byte.
-    while chosen and not within(measured, flops):
-        worst = min(chosen, key=lambda r: r.contribution / max(r.added_bytes, 1))
-        chosen = [r for r in chosen if r is not worst]
+    # Summed costs over-count the backward pass that candidates share, so the knapsack
+    # is solved again with its capacity scaled by the over-count the compiler showed.
+    best = None  # (contribution, chosen, measured, flops, predicted)
+    scale, seen = 1.0, set()
+    for _ in range(max(calibrate, 1)):
+        chosen = _knapsack(useful, int(capacity * scale), flop_budget)
+        key = frozenset(r.name for r in chosen)
+        if not chosen or key in seen:
+            break
+        seen.add(key)
+        summed = sum(r.added_bytes for r in chosen)
         measured, flops = measure(chosen)
-        log.append(f"over budget: dropped '{worst.name}' -> {format_bytes(measured)}")
-    # Fill: the sum over-counts shared memory, so try the best remaining candidates.
-    tried = 0
-    taken = {r.group for r in chosen}
-    rest = sorted((r for r in useful if r.group not in taken),
-                  key=lambda r: -r.contribution)
-    for r in rest:
-        if tried >= max_fill:
+        log.append(f"knapsack (capacity x{scale:.2f}): {len(chosen)} candidates, summed "
+                   f"{format_bytes(forward_bytes + summed)}, compiled {format_bytes(measured)}")
+        real = measured - forward_bytes
+        # Repair: over the budget, drop the member that adds least per byte.
+        while chosen and not within(measured, flops):
+            worst = min(chosen, key=lambda r: r.contribution / max(r.added_bytes, 1))
+            chosen = [r for r in chosen if r is not worst]
+            measured, flops = measure(chosen)
+            log.append(f"  over budget: dropped '{worst.name}' -> {format_bytes(measured)}")
+        value = sum(r.contribution for r in chosen)
+        if chosen and (best is None or value > best[0]):
+            best = (value, chosen, measured, flops, forward_bytes + summed)
+        if real <= 0:
+            break
+        new_scale = summed / real
+        if abs(new_scale - scale) < 0.05 * scale:
+            break
+        scale = new_scale
+    chosen, measured, flops, predicted = (best[1], best[2], best[3], best[4]) if best else \
+        ([], forward_bytes, 0.0, forward_bytes)
+    # Fill: try the best remaining candidates, each compiled, while they fit.
+    rejected = 0
+    for r in sorted(useful, key=lambda r: -r.contribution):
+        if rejected >= max_fill:
             break
         if r.group in {x.group for x in chosen} or r.peak_bytes > budget_bytes:
             continue
-        tried += 1
         m, f = measure(chosen + [r])
         if within(m, f):
             chosen, measured, flops = chosen + [r], m, f
             log.append(f"room left: added '{r.name}' -> {format_bytes(m)}")
+        else:
+            rejected += 1
     if not chosen:
         raise ValueError(f"no candidate set fits the budget {format_bytes(budget_bytes)} when "
                          f"compiled; give a budget between {format_bytes(min(r.peak_bytes for r in results))} "

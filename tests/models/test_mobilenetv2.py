@@ -143,8 +143,33 @@ def test_parameter_and_batch_stat_paths():
     assert all(f"blocks/{i}/expand/conv/kernel" in expected for i in blocks_with_expansion())
     assert "blocks/0/expand/conv/kernel" not in expected
     dw = m.blocks[5].depthwise.conv
-    assert dw.feature_group_count == dw.in_features == dw.kernel.shape[-1]
-    assert dw.kernel.shape[:3] == (3, 3, 1)
+    assert dw.kernel.shape == (3, 3, 1, m.blocks[5].expand.conv.out_features)
+
+
+def test_depthwise_shifts_equal_the_grouped_convolution():
+    """The default shifted-slice depth-wise layers compute what grouped convolutions do,
+    forward and backward, at stride 1 and 2 (same weights from the same seed). In float64:
+    this model's float32 gradients at initialisation are off by up to 1.6% of the largest
+    one whichever way the convolution runs (batch norm makes them ill-conditioned)."""
+    loss = lambda m, x: jnp.mean(m(x) ** 2)
+    out = {}
+    with jax.enable_x64(True):
+        x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3), jnp.float64)
+        for method in ("shifts", "conv"):
+            m = MobileNetV2(CLASSES, width_mult=0.35, input_size=32, depthwise=method,
+                            rngs=nnx.Rngs(0))
+            nnx.update(m, jax.tree_util.tree_map(lambda a: a.astype(jnp.float64),
+                                                 nnx.state(m)))
+            out[method] = (nnx.jit(lambda m, x: m(x))(m, x), nnx.jit(nnx.grad(loss))(m, x))
+        assert out["shifts"][0].dtype == jnp.float64
+    np.testing.assert_allclose(out["shifts"][0], out["conv"][0], rtol=1e-10, atol=1e-12)
+    g_s, g_c = ([np.asarray(g) for g in jax.tree_util.tree_leaves(nnx.to_pure_dict(out[k][1]))]
+                for k in ("shifts", "conv"))
+    scale = max(float(np.max(np.abs(g))) for g in g_c)
+    for a, b in zip(g_s, g_c):
+        np.testing.assert_allclose(a, b, rtol=1e-7, atol=1e-10 * scale)
+    with pytest.raises(ValueError, match="'shifts' or 'conv'"):
+        MobileNetV2(CLASSES, width_mult=0.35, input_size=32, depthwise="fft", rngs=nnx.Rngs(0))
 
 
 def test_channel_rounding_follows_torchvision():
@@ -164,7 +189,7 @@ def test_conv_bn_initialises_as_torchvision():
     assert (layer.bn.momentum, layer.bn.epsilon, layer.bn.use_running_average) == (0.9, 1e-5, False)
     depthwise = ConvBN(96, 96, 3, stride=2, groups=96, rngs=nnx.Rngs(0))
     assert depthwise.conv.kernel.shape == (3, 3, 1, 96)
-    assert depthwise.conv.padding == ((1, 1), (1, 1)) and depthwise.conv.strides == (2, 2)
+    assert depthwise.conv.kernel_size == 3 and depthwise.conv.strides == (2, 2)
 
 
 @pytest.mark.parametrize("shape,hint", [
@@ -387,7 +412,13 @@ def training_loss(model):
 def test_sparse_gradient_matches_sliced_dense(training_loss, batch, name):
     scheme, known_fallbacks = SCHEMES[name]
     loss, params = training_loss
-    info = assert_matches_dense(loss, scheme, params, batch)
+    # In float64: at initialisation this model's float32 gradients are off by up to 1.6%
+    # of the largest one (batch norm makes them ill-conditioned), so two float32 programs
+    # that round differently disagree by more than any transform error would show.
+    with jax.enable_x64(True):
+        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
+        batch = (jnp.asarray(batch[0], jnp.float64), batch[1])
+        info = assert_matches_dense(loss, scheme, params, batch, rtol=1e-9, atol=1e-12)
     # Fallbacks are correct (computed whole, then sliced); the channels-out scheme has one
     # batch-norm multiply that no rule narrows. New ones are regressions.
     assert set(info.fallbacks) <= known_fallbacks, str(info)
