@@ -117,6 +117,10 @@ class DepthwiseConv(nnx.Module):
                                            jnp.float32))
         self.strides = (stride, stride)
         self.kernel_size, self.method = kernel_size, method
+        # nnx.Conv's description of the same layer, for code that reads it.
+        self.in_features = self.out_features = self.feature_group_count = channels
+        pad = (kernel_size - 1) // 2
+        self.padding = ((pad, pad), (pad, pad))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         k, s = self.kernel_size, self.strides[0]

@@ -189,7 +189,8 @@ def test_conv_bn_initialises_as_torchvision():
     assert (layer.bn.momentum, layer.bn.epsilon, layer.bn.use_running_average) == (0.9, 1e-5, False)
     depthwise = ConvBN(96, 96, 3, stride=2, groups=96, rngs=nnx.Rngs(0))
     assert depthwise.conv.kernel.shape == (3, 3, 1, 96)
-    assert depthwise.conv.kernel_size == 3 and depthwise.conv.strides == (2, 2)
+    assert depthwise.conv.padding == ((1, 1), (1, 1)) and depthwise.conv.strides == (2, 2)
+    assert depthwise.conv.feature_group_count == depthwise.conv.in_features == 96
 
 
 @pytest.mark.parametrize("shape,hint", [
