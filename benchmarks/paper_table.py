@@ -390,41 +390,33 @@ def _memory(compiled) -> dict:
     return out
 
 
-def run_jax(workload: str, row: str, s: dict, args) -> dict:
+def jax_step(workload: str, row: str, model, batch):
+    """A JAX row's step on `model` (consumed): `(step, compiled, trainer, trained_params)`.
+
+    `step()` runs one step and returns its loss as a float (synchronised); `compiled()`
+    gives the step's executable (the pockjax rows compile it only when asked);
+    `trainer` is the `pj.nnx.Trainer` of the pockjax rows (None for JAX + optax)."""
     import jax
-    import jax.numpy as jnp
     import optax
     from flax import nnx
 
     import pockjax as pj
 
-    rss_imports = rss_mib()
-    model = make_model(workload, s)
     loss_fn = jax_loss(workload)
-    batch = jax.tree.map(jnp.asarray, make_batch(workload, s))
     opt = optax.adam(LR)
     trained = set(trained_paths(workload, model))
-
     if row.startswith("pockjax"):
         scheme = pj.Scheme(default=pj.Full()) if row == "pockjax full" else \
             sparse_scheme(workload, model)
         trainer = pj.nnx.Trainer(model, loss_fn, optimizer=opt, scheme=scheme)
-        del model
-        extra = {"trained_params": trainer.explain(batch).trainable_params,
-                 "rss_imports_mib": rss_imports}
-        if row.endswith("iree host-cpu"):
-            return {**extra, **run_iree(workload, trainer, batch, args)}
-        extra |= _memory(trainer.lower(batch).compile())
 
         def step():
-            metrics = trainer(batch)
-            return float(jax.block_until_ready(metrics["loss"]))
+            return float(jax.block_until_ready(trainer(batch)["loss"]))
 
-        losses, times = _timed(step, args.steps, args.warmup)
-        return {"losses": losses, "times": times, **extra}
+        return step, lambda: trainer.lower(batch).compile(), trainer, \
+            trainer.explain(batch).trainable_params
 
     graphdef, params, rest = pj.nnx.split(model)
-    del model
     if row == "jax+optax full":
         tx = opt
     else:
@@ -453,9 +445,23 @@ def run_jax(workload: str, row: str, s: dict, args) -> dict:
         state[0], loss = compiled(state[0], batch)
         return float(jax.block_until_ready(loss))
 
+    return step, lambda: compiled, None, trained_params
+
+
+def run_jax(workload: str, row: str, s: dict, args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    rss_imports = rss_mib()
+    batch = jax.tree.map(jnp.asarray, make_batch(workload, s))
+    iree = row.endswith("iree host-cpu")
+    step, compiled, trainer, trained_params = jax_step(
+        workload, row.removesuffix(" iree host-cpu"), make_model(workload, s), batch)
+    extra = {"trained_params": trained_params, "rss_imports_mib": rss_imports}
+    if iree:
+        return {**extra, **run_iree(workload, trainer, batch, args)}
     losses, times = _timed(step, args.steps, args.warmup)
-    return {"losses": losses, "times": times, "trained_params": trained_params,
-            "rss_imports_mib": rss_imports, **_memory(compiled)}
+    return {"losses": losses, "times": times, **extra, **_memory(compiled())}
 
 
 def run_iree(workload: str, trainer, batch, args) -> dict:

@@ -36,8 +36,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import ROOT, commit, versions  # noqa: E402
-from benchmarks.paper_table import (LR, _path, describe, jax_loss, make_batch,  # noqa: E402
-                                    make_model, sizes, sparse_scheme, trained_paths)
+from benchmarks.paper_table import (describe, jax_step, make_batch, make_model,  # noqa: E402
+                                    sizes)
 
 ROWS = ["pockjax sparse", "pockjax full", "jax+optax full"]
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*.*?\s([a-z][a-z0-9\-]*)\(")
@@ -116,55 +116,6 @@ def trace_ops(step, steps: int, directory: str) -> tuple[dict[str, float], float
     return totals, statistics.median(times)
 
 
-def build(workload: str, row: str, s: dict):
-    """`(step, compiled)`: a function running one step to completion, and its executable."""
-    import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
-
-    import pockjax as pj
-
-    model = make_model(workload, s)
-    loss_fn = jax_loss(workload)
-    batch = jax.tree.map(jnp.asarray, make_batch(workload, s))
-    opt = optax.adam(LR)
-    if row.startswith("pockjax"):
-        scheme = pj.Scheme(default=pj.Full()) if row == "pockjax full" else sparse_scheme(workload, model)
-        trainer = pj.nnx.Trainer(model, loss_fn, optimizer=opt, scheme=scheme)
-        compiled = trainer.lower(batch).compile()
-
-        def step():
-            jax.block_until_ready(trainer(batch)["loss"])
-
-        return step, compiled
-    graphdef, params, rest = pj.nnx.split(model)
-    trained = set(trained_paths(workload, model))
-    tx = opt if row == "jax+optax full" else optax.multi_transform(
-        {"train": opt, "frozen": optax.set_to_zero()},
-        jax.tree_util.tree_map_with_path(
-            lambda keys, _: "train" if _path(keys) in trained else "frozen", params))
-
-    def pure(params, rest, batch):
-        m = pj.nnx.merge(graphdef, params, rest) if rest else nnx.merge(graphdef, params)
-        return loss_fn(m, batch), (pj.nnx.split(m)[2] if rest else rest)
-
-    def train_step(state, batch):
-        params, rest, opt_state = state
-        (loss, rest), grads = jax.value_and_grad(pure, has_aux=True)(params, rest, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), rest, opt_state), loss
-
-    state = [(params, rest, tx.init(params))]
-    compiled = jax.jit(train_step, donate_argnums=0).lower(state[0], batch).compile()
-
-    def step():
-        state[0], loss = compiled(state[0], batch)
-        jax.block_until_ready(loss)
-
-    return step, compiled
-
-
 GROUPS = ["depthwise conv", "conv", "matmul", "elementwise/reduce", "copy/transpose", "other"]
 
 
@@ -189,7 +140,12 @@ def main(argv=None):
     results = {}
     for row in rows:
         print(f"[{row}] compiling and profiling ...", file=sys.stderr, flush=True)
-        step, compiled = build(args.workload, row, s)
+        import jax
+        import jax.numpy as jnp
+
+        batch = jax.tree.map(jnp.asarray, make_batch(args.workload, s))
+        step, compiled, _, _ = jax_step(args.workload, row, make_model(args.workload, s), batch)
+        compiled = compiled()
         for _ in range(args.warmup):
             step()
         groups = hlo_groups(compiled.as_text())

@@ -202,7 +202,7 @@ def cmd_run(args) -> int:
 
 def cmd_search(args) -> int:
     import pockjax as pj
-    from pockjax.scheme_search import _atomic_write
+    from pockjax.checkpoint import write_atomic
 
     obj = _load_attr(args.spec, "search")
     common = dict(budget=args.budget, steps=args.steps, cache=args.cache,
@@ -227,7 +227,7 @@ def cmd_search(args) -> int:
         print(f"pockjax search: {err}", file=sys.stderr)
         return 2
     print(report)
-    _atomic_write(args.out, scheme.to_json(indent=1) + "\n")
+    write_atomic(args.out, (scheme.to_json(indent=1) + "\n").encode())
     print(f"\nscheme: {args.out}")
     if args.report:
         report.save(args.report)

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from pockjax.scheme import Decision, Frozen, Full, Scheme, SchemeError, _DECISIONS
+from pockjax.scheme import Decision, Frozen, Full, Scheme, SchemeError, _DECISIONS, exact_pattern
 from pockjax.sharding import Layout
 from pockjax.train import History, SparseTrainer, TrainState, fit
 
@@ -52,11 +52,6 @@ def param_paths(model: nnx.Module, wrt: Filter = nnx.Param) -> list[str]:
     return sorted("/".join(map(str, p)) for p, _ in _variables(model, wrt))
 
 
-def _escape(path: str) -> str:
-    """A glob matching exactly `path`."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
-
-
 def scheme(model: nnx.Module, rules: Filter | Sequence[tuple[Filter, Decision]],
            *, default: Decision = Frozen(), wrt: Filter = nnx.Param) -> Scheme:
     """A `Scheme` from NNX filters over `model`'s `wrt` variables.
@@ -84,7 +79,7 @@ def scheme(model: nnx.Module, rules: Filter | Sequence[tuple[Filter, Decision]],
             if pred(path, var):
                 found[id(f)] = True
                 if decision != default:
-                    out.append((_escape("/".join(map(str, path))), decision))
+                    out.append((exact_pattern("/".join(map(str, path))), decision))
                 break
     missing = [f for _, _, f in predicates if not found[id(f)]]
     if missing:

@@ -194,6 +194,11 @@ def leaves_with_paths(tree) -> tuple[list[tuple[str, Any]], Any]:
 # --------------------------------------------------------------------------- globs
 
 
+def exact_pattern(path: str) -> str:
+    """A glob that matches exactly `path` (its `*`, `?` and `[` escaped)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
+
+
 def _glob_to_regex(pattern: str) -> re.Pattern:
     """Shell-style glob over "/"-joined paths: `*` and `?` stay in one component, `**` spans."""
     out, i, n = [], 0, len(pattern)

@@ -43,16 +43,16 @@ import json
 import math
 import os
 import re
-import tempfile
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pockjax.checkpoint import write_atomic
 from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError, \
-    _decision_from_json, _decision_to_json, _glob_to_regex, leaves_with_paths
+    _decision_from_json, _decision_to_json, _glob_to_regex, exact_pattern, leaves_with_paths
 from pockjax.train import SparseTrainer, _avals, _flops, _memory, _nbytes, format_bytes
 
 __all__ = ["Candidate", "CandidateResult", "SearchReport", "find_candidates", "search",
@@ -60,11 +60,6 @@ __all__ = ["Candidate", "CandidateResult", "SearchReport", "find_candidates", "s
 
 RATIOS = (1 / 8, 1 / 4, 1 / 2)
 _GRID = 2000  # knapsack resolution: steps of budget / _GRID
-
-
-def _exact(path: str) -> str:
-    """A glob that matches exactly `path`."""
-    return "".join(f"[{c}]" if c in "*?[" else c for c in path)
 
 
 def _ratio_str(r: float) -> str:
@@ -84,7 +79,7 @@ class Candidate:
     rules: tuple[tuple[str, Decision], ...]
 
     def scheme(self) -> Scheme:
-        return Scheme([(_exact(p), d) for p, d in self.rules], default=Frozen())
+        return Scheme([(exact_pattern(p), d) for p, d in self.rules], default=Frozen())
 
     def key(self) -> str:
         return json.dumps([[p, _decision_to_json(d)] for p, d in self.rules], sort_keys=True)
@@ -264,7 +259,7 @@ class SearchReport:
         return d
 
     def save(self, path: str) -> None:
-        _atomic_write(path, json.dumps(self.as_dict(), indent=1))
+        write_atomic(path, json.dumps(self.as_dict(), indent=1).encode())
 
     def __str__(self) -> str:
         chosen = set(self.chosen)
@@ -326,15 +321,6 @@ def _bytes_or_dash(n) -> str:
     return "-" if n is None else format_bytes(n)
 
 
-def _atomic_write(path: str, text: str) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 # --------------------------------------------------------------------------- measuring
 
 
@@ -371,7 +357,7 @@ class _Cache:
     def put(self, key: str, value: dict) -> None:
         self.entries[key] = value
         if self.path:
-            _atomic_write(self.path, json.dumps(self.entries))
+            write_atomic(self.path, json.dumps(self.entries).encode())
 
 
 def _loss_value(out):
@@ -434,7 +420,7 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
         raise ValueError(f"budget {format_bytes(budget_bytes)} does not exceed the forward pass "
                          f"alone ({format_bytes(forward_bytes)}), so no training step fits; give a "
                          f"budget between {format_bytes(forward_bytes)} and full fine-tuning's "
-                         f"{format_bytes(full_bytes)} ({budget_range_hint(forward_bytes, full_bytes)})")
+                         f"{format_bytes(full_bytes)} ({_budget_range_hint(forward_bytes, full_bytes)})")
 
     def heldout_loss(p) -> float:
         return float(np.mean([float(evaluate(p, b)) for b in heldout]))
@@ -549,7 +535,7 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
     return scheme, report
 
 
-def budget_range_hint(low: int, high: int) -> str:
+def _budget_range_hint(low: int, high: int) -> str:
     return f"'{math.ceil(100 * low / high)}%' to '{math.floor(100 * (high - 1) / high)}%'"
 
 
@@ -573,7 +559,7 @@ def _scheme_of(results: Iterable[CandidateResult]) -> Scheme:
     rules = []
     for r in results:
         rules += [(p, d) for p, d in r.candidate().rules]
-    return Scheme([(_exact(p), d) for p, d in rules], default=Frozen())
+    return Scheme([(exact_pattern(p), d) for p, d in rules], default=Frozen())
 
 
 def _compile_scheme(trainer_factory, scheme: Scheme, params, batch):

@@ -164,6 +164,18 @@ class Layout:
 
         return NamedSharding(self.mesh, _spec(keep(e) for e in spec))
 
+    def read_gathered(self, params, decisions) -> Any:
+        """`params` as an FSDP step reads them: each constrained to its layout with the
+        parameter axis taken out (gathered); other axes of a `param_specs` layout stay
+        split. Call inside the traced step."""
+        named, treedef = leaves_with_paths(params)
+        out = []
+        for (path, x), d in zip(named, decisions):
+            spec = self.param_spec(path, np.shape(x), d)
+            whole = self.gathered(spec)
+            out.append(x if whole.spec == spec else jax.lax.with_sharding_constraint(x, whole))
+        return jax.tree_util.tree_unflatten(treedef, out)
+
     def view_shardings(self, params, decisions) -> Any:
         """Shardings of the trainable view (`None` for frozen leaves): a kept slice is
         split like its weight, unless the slice is on the split dimension and uneven."""

@@ -171,7 +171,7 @@ class SparseTrainer:
         state_leaves, state_def = jax.tree_util.tree_flatten(state.opt_state)
         mesh = {}
         if self.layout is not None:
-            mesh = self._mesh_reads(state.params, param_leaves, decisions)
+            mesh = self._mesh_reads(state.params, decisions)
         if (placement or plan.mode) == "fused":
             head, new_params, new_state = fused.fused_step(
                 info.jaxpr, param_leaves, other, decisions, plan, state_leaves, n_head,
@@ -194,16 +194,12 @@ class SparseTrainer:
             metrics["loss"] = jax.lax.with_sharding_constraint(metrics["loss"], self.layout.replicated)
         return new, metrics
 
-    def _mesh_reads(self, params, param_leaves, decisions) -> dict:
+    def _mesh_reads(self, params, decisions) -> dict:
         """FSDP-style: the step reads each weight gathered over the parameter axis
         (other axes of a `param_specs` layout stay split) and reduces each gradient
         straight into the weight's own layout."""
         layout = self.layout
-        reads = []
-        for x, s in zip(param_leaves, jax.tree_util.tree_leaves(
-                layout.param_shardings(params, decisions))):
-            whole = layout.gathered(s.spec)
-            reads.append(x if whole.spec == s.spec else jax.lax.with_sharding_constraint(x, whole))
+        reads = jax.tree_util.tree_leaves(layout.read_gathered(params, decisions))
         grad_shardings = jax.tree_util.tree_leaves(layout.view_shardings(params, decisions))
         return {"reads": reads, "grad_shardings": grad_shardings}
 
@@ -264,13 +260,8 @@ class SparseTrainer:
 
         layout = self.layout
         gather = lambda p: p
-        if layout is not None and layout.param_axis is not None:  # read gathered, as the step does
-            def gather(p):
-                named = leaves_with_paths(p)[0]
-                return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(p), [
-                    jax.lax.with_sharding_constraint(
-                        x, layout.gathered(layout.param_spec(path, np.shape(x), Full())))
-                    for path, x in named])
+        if layout is not None:  # read gathered, as the step does
+            gather = lambda p: layout.read_gathered(p, [Full()] * len(jax.tree_util.tree_leaves(p)))
 
         def full_step(params, opt_state, batch):
             out, g = jax.value_and_grad(lambda p, b: loss_fn(gather(p), b), has_aux=has_aux)(
