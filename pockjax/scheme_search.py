@@ -290,8 +290,12 @@ class SearchReport:
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
-        """Contribution against added memory, the chosen candidates highlighted."""
-        import matplotlib
+        """Contribution against added memory, the chosen candidates highlighted (PNG)."""
+        try:
+            import matplotlib
+        except ImportError:
+            raise ImportError("SearchReport.plot needs matplotlib: pip install matplotlib "
+                              "(or pockjax[examples])") from None
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

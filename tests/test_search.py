@@ -126,6 +126,10 @@ def test_the_scheme_round_trips_and_trains(searched, tmp_path):
     assert "* branch1/l1/kernel" in text and "budget" in text and "compiled" in text
     report.plot(str(tmp_path / "search.png"))
     assert (tmp_path / "search.png").stat().st_size > 10_000
+    import unittest.mock
+    with unittest.mock.patch.dict(sys.modules, {"matplotlib": None}):
+        with pytest.raises(ImportError, match="needs matplotlib: pip install matplotlib"):
+            report.plot(str(tmp_path / "other.png"))
     report.save(str(tmp_path / "report.json"))
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["chosen"] == report.chosen and len(saved["results"]) == len(report.results)
