@@ -3,6 +3,7 @@ from pockjax import models, nnx, runtime, schemes
 from pockjax.checkpoint import CheckpointError, load, save
 from pockjax import export
 from pockjax.export import ExportError
+from pockjax.flops import count_flops, flops_of
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError
 from pockjax.scheme_search import SearchReport, search
 from pockjax.train import History, SparseTrainer, TrainReport, TrainState, fit, sparse_train
@@ -16,5 +17,5 @@ __all__ = [
     "sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo",
     "sparse_train", "SparseTrainer", "TrainState", "TrainReport", "fit", "History",
     "save", "load", "CheckpointError", "export", "ExportError", "runtime", "nnx", "models",
-    "search", "SearchReport",
+    "search", "SearchReport", "count_flops", "flops_of",
 ]

@@ -12,8 +12,10 @@ model contributes on the task and picks the best set that fits a memory budget:
    trains for `steps` steps on the same batches. Its contribution is the drop in the
    held-out loss. The step is compiled once per candidate and the compiled executable
    runs every step. That compilation also gives the candidate's cost: its step's
-   compiled peak memory (arguments + outputs - donated + temporaries) and FLOPs.
-   The compiler's numbers hold for any model, so no per-layer formula is needed.
+   compiled peak memory (arguments + outputs - donated + temporaries); its FLOPs are
+   counted on the traced step (`pockjax.flops`: loops times their trip count, which
+   XLA's cost analysis leaves out). Both hold for any model, so no per-layer formula
+   is needed.
    Results are cached on disk, so an interrupted analysis resumes.
 3. **Search.** Maximise the summed contribution with the memory each candidate adds
    to the forward pass, summed, within the budget (and a FLOP budget if given). This
@@ -51,9 +53,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from pockjax.checkpoint import write_atomic
+from pockjax.flops import count_flops
 from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError, \
     _decision_from_json, _decision_to_json, _glob_to_regex, exact_pattern, leaves_with_paths
-from pockjax.train import SparseTrainer, _avals, _flops, _memory, _nbytes, format_bytes
+from pockjax.train import SparseTrainer, _avals, _memory, _nbytes, format_bytes
 
 __all__ = ["Candidate", "CandidateResult", "SearchReport", "find_candidates", "search",
            "parse_budget"]
@@ -332,9 +335,14 @@ def _peak(compiled) -> int:
     return _memory(compiled)["peak"]
 
 
+# Bump when a cached cost changes meaning, so old caches are not reused
+# (2: FLOPs counted on the jaxpr, loops included, instead of XLA's cost analysis).
+_COSTS_VERSION = 2
+
+
 def _fingerprint(params, train, heldout, steps, key) -> str:
     h = hashlib.sha256()
-    h.update(repr((steps, key)).encode())
+    h.update(repr((steps, key, _COSTS_VERSION)).encode())
     for tree in (params, train[:steps], heldout):
         for x in jax.tree_util.tree_leaves(tree):
             a = np.asarray(x)
@@ -412,8 +420,8 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
     forward = evaluate.lower(_avals(params), _avals(batch0)).compile()
     forward_bytes = _peak(forward)
     full_state = jax.eval_shape(probe.init, params)
-    full = probe.lower(full_state, batch0).compile()
-    full_bytes, full_flops = _peak(full), _flops(full)
+    full_traced = probe.trace(full_state, batch0)
+    full_bytes, full_flops = _peak(full_traced.lower().compile()), count_flops(full_traced)
     budget_bytes = parse_budget(budget, full_bytes)
     if budget_bytes >= full_bytes:
         raise ValueError(f"budget {format_bytes(budget_bytes)} is at least full fine-tuning's step "
@@ -474,8 +482,8 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
             if not sel:
                 measured_sets[key] = (forward_bytes, 0.0)
             else:
-                compiled = _compile_scheme(trainer_factory, _scheme_of(sel), params, batch0)
-                measured_sets[key] = (_peak(compiled), _flops(compiled))
+                traced = _trace_scheme(trainer_factory, _scheme_of(sel), params, batch0)
+                measured_sets[key] = (_peak(traced.lower().compile()), count_flops(traced))
         return measured_sets[key]
 
     def within(m, f):
@@ -566,10 +574,10 @@ def _scheme_of(results: Iterable[CandidateResult]) -> Scheme:
     return Scheme([(exact_pattern(p), d) for p, d in rules], default=Frozen())
 
 
-def _compile_scheme(trainer_factory, scheme: Scheme, params, batch):
+def _trace_scheme(trainer_factory, scheme: Scheme, params, batch) -> jax.stages.Traced:
     trainer = trainer_factory(scheme)
     state = jax.eval_shape(trainer.init, params)
-    return trainer.lower(state, batch).compile()
+    return trainer.trace(state, batch)
 
 
 def _run_candidate(trainer_factory, c: Candidate, params, train, heldout_loss, baseline, batch0,
@@ -577,14 +585,15 @@ def _run_candidate(trainer_factory, c: Candidate, params, train, heldout_loss, b
     start = time.perf_counter()
     trainer = trainer_factory(c.scheme())
     state = trainer.init(params)
-    compiled = trainer.lower(state, batch0).compile()  # once; every step runs it
+    traced = trainer.trace(state, batch0)
+    compiled = traced.lower().compile()  # once; every step runs it
     for batch in train:
         state, _ = compiled(state, batch)
     loss = heldout_loss(state.params)
     peak = _peak(compiled)
     return {"loss": loss, "contribution": baseline - loss if np.isfinite(loss) else -math.inf,
             "peak_bytes": peak, "added_bytes": max(peak - forward_bytes, 0),
-            "flops": _flops(compiled), "seconds": time.perf_counter() - start,
+            "flops": count_flops(traced), "seconds": time.perf_counter() - start,
             "opt_state_bytes": _nbytes(state.opt_state)}
 
 

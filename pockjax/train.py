@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from pockjax import sharding as _sharding
+from pockjax.flops import count_flops
 from pockjax.optim import fused, perleaf
 from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.transforms.sparse_grad import (TransformInfo, _SparseGradFn, _is_dynamic, _resolved,
@@ -234,6 +235,11 @@ class SparseTrainer:
             return self._step_jit.lower(*self._step_avals(state, batch))
         return self._step_jit.lower(state, batch)
 
+    def trace(self, state: TrainState, batch) -> jax.stages.Traced:
+        """The traced step, for `.jaxpr`, `.lower()`, `pockjax.count_flops(...)`."""
+        self._check_state(state)
+        return self._step_jit.trace(*self._step_avals(state, batch))
+
     def update_mode(self, state: TrainState, batch) -> tuple[str, str]:
         """("fused" | "global", why) for this state's trainable view."""
         view = trainable(state.params, self.scheme)
@@ -255,6 +261,9 @@ class SparseTrainer:
     # -- reports ---------------------------------------------------------------
 
     def _full_lowered(self, state: TrainState, batch) -> jax.stages.Lowered:
+        return self._full_traced(state, batch).lower()
+
+    def _full_traced(self, state: TrainState, batch) -> jax.stages.Traced:
         """The same model trained in full with plain `jax.value_and_grad` + optax."""
         loss_fn, optimizer, has_aux = self.loss_fn, self.optimizer, self.has_aux
 
@@ -280,21 +289,22 @@ class SparseTrainer:
             params = _with_shardings(params, param_shardings)
             batch_avals = _with_shardings(batch_avals, layout.batch_shardings(batch))
         donate = (0, 1) if self.donate else ()
-        return jax.jit(full_step, donate_argnums=donate).lower(params, opt_state, batch_avals)
+        return jax.jit(full_step, donate_argnums=donate).trace(params, opt_state, batch_avals)
 
     def report(self, state: TrainState, batch) -> "TrainReport":
         """Trainable vs total parameters, FLOPs and compiled memory of this step against
         the same model trained in full, the update mode, and what the transform did."""
         self._check_state(state)
-        sparse = self._step_jit.lower(*self._step_avals(state, batch)).compile()
-        full = self._full_lowered(state, batch).compile()
+        # FLOPs from the traced programs: XLA's cost_analysis() counts a loop body once.
+        sparse_traced, full_traced = self.trace(state, batch), self._full_traced(state, batch)
+        sparse, full = sparse_traced.lower().compile(), full_traced.lower().compile()
         mode, reason = self.update_mode(state, batch)
         info = self.explain(state, batch)
         full_state = jax.eval_shape(self.optimizer.init, _avals(state.params))
         return TrainReport(
             trainable_params=info.trainable_params, total_params=info.total_params,
             mode=mode, mode_reason=reason,
-            flops=_flops(sparse), flops_full=_flops(full),
+            flops=count_flops(sparse_traced), flops_full=count_flops(full_traced),
             memory=_memory(sparse), memory_full=_memory(full),
             opt_state_bytes=_nbytes(state.opt_state), opt_state_bytes_full=_nbytes(full_state),
             transform=info,
@@ -327,12 +337,6 @@ def _distinct_buffers(tree):
 
 def _decisions_tree(params, decisions):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), decisions)
-
-
-def _flops(compiled) -> float:
-    a = compiled.cost_analysis()
-    a = a[0] if isinstance(a, list) else a
-    return float(a.get("flops", float("nan"))) if a else float("nan")
 
 
 def _memory(compiled) -> dict[str, int]:
