@@ -169,12 +169,27 @@ def _write_back(x, d, new_view, tok=None):
     if isinstance(d, Channels):
         axis, start, stop = d.bounds(np.shape(x))
         idx = [0] * np.ndim(x)
-        # Out-of-range starts clamp to the same slice (dynamic_update_slice semantics);
-        # the choice between two such starts orders the write after the reads.
-        idx[axis] = start if tok is None else jnp.where(tok, -1 if start == 0 else np.shape(x)[axis],
-                                                        start)
+        idx[axis] = start if tok is None else _tied_start(tok, start, np.shape(x)[axis] - (stop - start))
         return lax.dynamic_update_slice(x, new_view, idx)
     return new_view
+
+
+def _tied_start(tok, start: int, last: int):
+    """`start` (the kept range's first index, `0 <= start <= last`), computed from `tok`.
+
+    The token picks between `start` and an index just outside `[0, last]` on
+    `start`'s side, and the result is clipped back into `[0, last]`: both choices give
+    `start`, but the write now depends on the reads (see `_token`). The clip is explicit
+    because `lax.dynamic_update_slice` wraps a negative start from the end (like
+    Python indexing) before clamping: a start of `-1` writes the *last* channels.
+    """
+    if start == 0:
+        outside = -1
+    elif start == last:
+        outside = last + 1
+    else:  # a range strictly inside the axis has no outside index that clips to it
+        return start
+    return jnp.clip(jnp.where(tok, outside, start), 0, last)
 
 
 def _value(read, atom):
@@ -217,6 +232,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
 
     new_params = list(param_leaves)
     new_state = list(state_leaves)
+    state_reads: dict[int, list] = {}  # optimizer state index -> values computed from it
     if plan.shared is not None:
         ins = [state_leaves[i - n] for i in plan.shared_inputs]
         for j, v in zip(plan.shared_out, _call(plan.shared, ins)):
@@ -246,6 +262,9 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
                 assert i - n - m == j, "a per-leaf update read another leaf's parameter"
                 ins.append(view)
         u, *s = _call(leaf.jaxpr, ins)
+        for i in leaf.inputs:
+            if n <= i < n + m:
+                state_reads.setdefault(i - n, []).append(u)
         new_params[k] = _write_back(p, d, _plus(view + u, zero), tok)
         for idx, v in zip(leaf.state_out, s):
             new_state[idx] = v
@@ -257,6 +276,11 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
     outs = pushdown.interpret(jaxpr, grad_jaxpr.consts,
                               [*(param_leaves if reads is None else reads), *other_leaves],
                               after=after)
+    if ties == "data":
+        # Shared state (a schedule's step count) is written in place over the old value,
+        # which the per-leaf updates read: order its write after them, as for parameters.
+        for j in plan.shared_out:
+            new_state[j] = _plus(new_state[j], _zero(state_reads.get(j, [])))
     return outs[:n_head], new_params, new_state
 
 
