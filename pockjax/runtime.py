@@ -118,10 +118,17 @@ class _Artifact:
         args = []
         for s in inputs:
             x = np.asarray(got[s["name"]])
-            if tuple(x.shape) != tuple(s["shape"]) or x.dtype != _np_dtype(s["dtype"]):
+            want = _np_dtype(s["dtype"])
+            if tuple(x.shape) != tuple(s["shape"]):
                 raise ExportError(f"batch input '{s['name']}' is {x.dtype}{list(x.shape)}, the "
                                   f"artifact expects {s['dtype']}{list(s['shape'])} (signature: "
                                   f"{expected}); export again for another shape")
+            if x.dtype != want:
+                raise ExportError(f"batch input '{s['name']}' is {x.dtype}{list(x.shape)}, the "
+                                  f"artifact expects {s['dtype']}{list(s['shape'])} (signature: "
+                                  f"{expected}); cast it with "
+                                  f"np.asarray(x).astype(np.{np.dtype(want).name}) (numpy makes "
+                                  f"int64/float64 arrays by default)")
             args.append(np.ascontiguousarray(x))
         return args
 

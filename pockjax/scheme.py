@@ -67,8 +67,11 @@ class Channels:
 
     Give exactly one of `ratio` (fraction in (0, 1], rounded up to whole channels) or
     `count`. `axis` is "in" or "out" (the input/output-feature axis of a dense kernel
-    `[in, out]` or a conv kernel HWIO, i.e. axis -2 / -1) or an int. The kept range is
-    the first channels, or the last ones with `last=True`.
+    `[in, out]` or a 2-D/3-D conv kernel HWIO/DHWIO, i.e. axis -2 / -1; "out" is axis 0
+    of a vector) or an int. A rank-3 weight needs an int axis: its layout cannot be
+    told from its shape (a 1-D conv `[width, in, out]`, a `DenseGeneral` kernel
+    `[in, heads, head_dim]`, a stacked `[layers, in, out]`). The kept range is the
+    first channels, or the last ones with `last=True`.
     """
 
     ratio: float | None = None
@@ -116,6 +119,15 @@ class Channels:
                               f"Use Full() or Frozen() for it")
         if isinstance(self.axis, str):
             axis = _AXIS_NAMES[self.axis]
+            if ndim == 3 or ndim > 5:
+                guess = ndim + axis
+                raise SchemeError(
+                    f"parameter '{path}' has shape {shape} (rank {ndim}); Channels(axis="
+                    f"'{self.axis}') names an axis of a dense [in, out] or conv HWIO kernel, and "
+                    f"this weight's layout cannot be told from its shape (a 1-D conv [width, in, "
+                    f"out], a DenseGeneral [in, heads, head_dim], stacked layers [layers, in, "
+                    f"out]). Give the axis as an int, e.g. Channels(..., axis={guess}) for "
+                    f"axis {axis} of this shape")
             if ndim < -axis:
                 raise SchemeError(
                     f"parameter '{path}' has shape {shape}, which has no '{self.axis}' axis "

@@ -146,7 +146,8 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
             continue
         out.append(Candidate(f"{path} full", path, ((path, Full()),)))
         seen = set()
-        for ratio in sorted(ratios):
+        # A named axis means nothing on a rank-3 weight (see Channels): Full only there.
+        for ratio in sorted(ratios) if isinstance(axis, int) or len(shape) in (2, 4, 5) else ():
             d = Channels(ratio=ratio, axis=axis)._resolve(path, shape)
             if d.count == shape[d.axis] or d.count in seen:
                 continue

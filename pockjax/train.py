@@ -207,6 +207,7 @@ class SparseTrainer:
     def __call__(self, state: TrainState, batch):
         """One training step: `(state, batch) -> (new state, {"loss": ..., "aux": ...})`."""
         self._check_state(state)
+        _check_not_donated(state, self.donate)
         if self.layout is not None:
             batch = self.layout.put_batch(batch)
         return self._step_jit(state, batch)
@@ -312,6 +313,22 @@ class SparseTrainer:
             layout=None if self.layout is None else self.layout.describe(),
             collectives=_sharding.collectives(sparse) if self.layout is not None else [],
             collectives_full=_sharding.collectives(full) if self.layout is not None else [])
+
+
+def _check_not_donated(state: TrainState, donate: bool) -> None:
+    """Refuse a state whose buffers an earlier step (or `init(copy=False)`) gave away,
+    before XLA does with "Buffer has been deleted or donated"."""
+    for path, x in jax.tree_util.tree_flatten_with_path(state)[0]:
+        if isinstance(x, jax.Array) and x.is_deleted():
+            where = f"state{jax.tree_util.keystr(path)}"
+            raise ValueError(
+                f"{where} was deleted: this TrainState was already passed to a step, which "
+                f"donates the state's buffers (updates them in place), so only the state it "
+                f"returned is valid. Continue from `state, metrics = trainer(state, batch)`'s "
+                f"new state" + ("; to keep old states usable, make the trainer with "
+                                "sparse_train(..., donate=False) (one more copy of the parameters "
+                                "and optimizer state per step)" if donate else
+                                "; another trainer with donation consumed it"))
 
 
 def _distinct_buffers(tree):

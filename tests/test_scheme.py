@@ -90,6 +90,20 @@ def test_channels_named_axis_on_vector():
         pj.Scheme({"blocks_0/attn/q/bias": pj.Channels(count=1, axis="in")}).resolve(PARAMS)
 
 
+@pytest.mark.parametrize("axis", ["in", "out"])
+def test_channels_named_axis_on_a_rank_3_kernel_needs_an_int(axis):
+    """A DenseGeneral kernel [emb, heads, head_dim]: 'in' would slice the heads axis."""
+    params = {"attn": {"query": {"kernel": jnp.zeros((16, 4, 8))}}, "conv": {"kernel": jnp.zeros((3, 3, 4, 8))}}
+    with pytest.raises(pj.SchemeError, match=r"'attn/query/kernel' has shape \(16, 4, 8\) \(rank 3\).*"
+                                             r"Give the axis as an int"):
+        pj.Scheme({"attn/**": pj.Channels(count=2, axis=axis)}).resolve(params)
+    # An int axis works there, and named axes keep working on a conv HWIO kernel.
+    got = decisions(pj.Scheme({"attn/**": pj.Channels(count=2, axis=0),
+                               "conv/**": pj.Channels(count=2, axis=axis)}), params)
+    assert got["attn/query/kernel"] == pj.Channels(count=2, axis=0)
+    assert got["conv/kernel"] == pj.Channels(count=2, axis=2 if axis == "in" else 3)
+
+
 def test_channels_axis_out_of_range():
     with pytest.raises(pj.SchemeError, match="axis 2 is out of range"):
         pj.Scheme({"head/0": pj.Channels(count=1, axis=2)}).resolve(PARAMS)

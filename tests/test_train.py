@@ -178,6 +178,21 @@ def test_donation_deletes_old_buffers_and_frozen_leaves_pass_through():
     assert not any(x.is_deleted() for x in jax.tree_util.tree_leaves(params))
 
 
+def test_reusing_a_donated_state_says_what_happened():
+    params, batch = _mlp_params(), _batches(1)[0]
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-3), scheme=MIXED)
+    state = trainer.init(params)
+    trainer(state, batch)
+    with pytest.raises(ValueError, match=r"already passed to a step.*donate=False"):
+        trainer(state, batch)
+    # Without donation an old state stays usable.
+    keep = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-3), scheme=MIXED, donate=False)
+    state = keep.init(params)
+    a, _ = keep(state, batch)
+    b, _ = keep(state, batch)
+    assert_trees_close(a.params, b.params, rtol=0, atol=0)
+
+
 def test_updates_are_interleaved_with_the_backward_pass():
     trainer = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1), scheme=pj.Scheme(
         {"*/w": pj.Full()}, default=pj.Frozen()))

@@ -91,6 +91,9 @@ def test_batches_that_do_not_fit_the_signature_are_refused(mlp_artifact):
         sess.step({"x": batch["x"][:4], "y": batch["y"]})
     with pytest.raises(ExportError, match=r"'y' is int32\[8, 16\]"):
         sess.step({"x": batch["x"], "y": np.zeros((8, 16), np.int32)})
+    # A dtype that differs but not the shape: cast, not export again.
+    with pytest.raises(ExportError, match=r"'y' is float64\[8, 16\].*cast it with .*astype\(np.float32\)"):
+        sess.step({"x": batch["x"], "y": np.zeros((8, 16), np.float64)})
 
 
 def test_device_and_file_checks(mlp_artifact, tmp_path):
