@@ -14,6 +14,7 @@ benchmarks/results/export.md.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import platform
 import statistics
@@ -125,7 +126,7 @@ def main(argv=None):
     lines = [f"# Export: {args.layers} x dense {args.width}x{args.width} + gelu, batch {args.batch}, "
              "Adam, last 2 kernels Channels(1/4, in)", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores; jax {jax.__version__}, "
-             f"iree-base-compiler {pj.export.artifact._version('iree-base-compiler')}; "
+             f"iree-base-compiler {importlib.metadata.version('iree-base-compiler')}; "
              "median step time after 2 warm-up steps.", "",
              "| target | gpu | export s (lower + compile + write) | vmfb KiB | params.irpa MiB "
              "| step allocates MiB |",

@@ -41,7 +41,7 @@ def main():
 
     import pockjax as pj
     from pockjax.models import Llama
-    from pockjax.train import format_bytes
+    from pockjax import format_bytes
 
     devices = jax.devices()[:args.devices]
     if len(devices) < args.devices:

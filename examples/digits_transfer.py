@@ -133,7 +133,7 @@ def main(argv=None):
                      "accuracy": f"{100 * accuracy(tuned, test_x, test_y):.1f}%",
                      "final loss": f"{history.loss[-20:].mean():.3f}",
                      "step ms": f"{1e3 * history.seconds / max(history.steps, 1):.1f}",
-                     "step memory": pj.train.format_bytes(report.memory["peak"]),
+                     "step memory": pj.format_bytes(report.memory["peak"]),
                      "FLOPs": f"{report.flops / 1e9:.2f} G"})
 
     print()

@@ -94,8 +94,8 @@ def main(argv=None):
                      "held-out loss": f"{heldout_loss(model, held_tokens, held_mask):.3f}",
                      "exact match": f"{100 * accuracy:.1f}%",
                      "step ms": f"{1e3 * history.seconds / max(history.steps, 1):.1f}",
-                     "step memory": pj.train.format_bytes(report.memory["peak"]),
-                     "optimizer state": pj.train.format_bytes(report.opt_state_bytes)})
+                     "step memory": pj.format_bytes(report.memory["peak"]),
+                     "optimizer state": pj.format_bytes(report.opt_state_bytes)})
 
     print()
     print_table(rows)

@@ -108,7 +108,7 @@ def trainer_for(task, scheme, lr, steps):
     model = task["fresh"]()
     schedule = optax.warmup_cosine_decay_schedule(0.0, lr, max(steps // 10, 1), steps, lr / 10)
     trainer = pj.nnx.Trainer(model, task["loss_fn"], optimizer=optax.adam(schedule), scheme=scheme)
-    memory = pj.train._memory(trainer.lower(task["train"][0]).compile())["peak"]
+    memory = pj.compiled_memory(trainer.lower(task["train"][0]).compile())["peak"]
     return model, trainer, memory
 
 
@@ -182,7 +182,7 @@ def main(argv=None):
         loss = evaluate(model, task["loss_fn"], task["test"])
         row = {"scheme": name,
                "trained": f"{trained_count(trainer):,}",
-               "step memory": pj.train.format_bytes(memory),
+               "step memory": pj.format_bytes(memory),
                "of full": f"{100 * memory / full_memory:.1f}%",
                "within budget": "yes" if memory <= report.budget_bytes else "no",
                "train loss": f"{history.loss[-10:].mean():.4f}",
@@ -193,7 +193,7 @@ def main(argv=None):
             row[label] = f"{100 * fn(model):.1f}%"
         rows.append(row)
     print(f"\n== {task['name']}: {args.steps} steps per scheme, budget {args.budget} of full "
-          f"fine-tuning's step memory ({pj.train.format_bytes(report.budget_bytes)})")
+          f"fine-tuning's step memory ({pj.format_bytes(report.budget_bytes)})")
     print_table(rows)
     print(f"\n(step memory: the compiled step's peak from XLA; held-out loss on data no scheme "
           f"or search saw)\nscheme: {os.path.join(args.out, 'scheme.json')}; plot: "

@@ -3,6 +3,7 @@ from pockjax import models, nnx, runtime, schemes
 from pockjax.checkpoint import CheckpointError, load, save
 from pockjax import export
 from pockjax.export import ExportError
+from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes
 from pockjax.flops import count_flops, flops_of
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError
 from pockjax.scheme_search import SearchReport, search
@@ -18,4 +19,5 @@ __all__ = [
     "sparse_train", "SparseTrainer", "TrainState", "TrainReport", "fit", "History",
     "save", "load", "CheckpointError", "export", "ExportError", "runtime", "nnx", "models",
     "search", "SearchReport", "count_flops", "flops_of",
+    "compiled_memory", "tree_bytes", "format_bytes", "format_flops",
 ]

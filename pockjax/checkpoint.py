@@ -17,7 +17,7 @@ import numpy as np
 
 from pockjax.scheme import Scheme, leaves_with_paths
 
-__all__ = ["save", "load", "read_metadata", "CheckpointError"]
+__all__ = ["save", "load", "read_metadata", "write_atomic", "CheckpointError"]
 
 FORMAT = "pockjax.checkpoint"
 VERSION = "1"

@@ -111,7 +111,7 @@ def cmd_export(args) -> int:
 
 def cmd_inspect(args) -> int:
     from pockjax.export.artifact import read_manifest
-    from pockjax.train import format_bytes
+    from pockjax._report import format_bytes
 
     m = read_manifest(args.dir)
     t = m["target"]

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Sequence
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from pockjax.scheme import Decision, Frozen, Full, Scheme, SchemeError, _DECISIONS, exact_pattern
+from pockjax.scheme import Decision, Frozen, Full, Scheme, SchemeError, DECISION_TYPES, exact_pattern
 from pockjax.sharding import Layout
 from pockjax.train import History, SparseTrainer, TrainState, fit
 
@@ -67,7 +67,7 @@ def scheme(model: nnx.Module, rules: Filter | Sequence[tuple[Filter, Decision]],
     Scheme({'bias': Full()}, default=Frozen())
     """
     if isinstance(rules, (list, tuple)) and rules and all(
-            isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], _DECISIONS) for r in rules):
+            isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], DECISION_TYPES) for r in rules):
         pairs = list(rules)
     else:
         pairs = [(rules, Full())]

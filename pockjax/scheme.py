@@ -32,6 +32,8 @@ __all__ = [
     "Decision",
     "path_str",
     "leaves_with_paths",
+    "register_layouts",
+    "layouts_of",
 ]
 
 
@@ -112,12 +114,19 @@ class Channels:
         n = shape[self.axis]
         return (self.axis, n - self.count, n) if self.last else (self.axis, 0, self.count)
 
-    def _resolve(self, path: str, shape: tuple[int, ...]) -> "Channels":
+    def _resolve(self, path: str, shape: tuple[int, ...], layout=None) -> "Channels":
         ndim = len(shape)
         if ndim == 0:
             raise SchemeError(f"parameter '{path}' is a scalar; Channels needs an axis to slice. "
                               f"Use Full() or Frozen() for it")
-        if isinstance(self.axis, str):
+        if isinstance(self.axis, str) and layout is not None:
+            # The leaf's own layout (see register_layouts), e.g. torch's [out, in] Linear.
+            if isinstance(layout, str):
+                raise SchemeError(
+                    f"parameter '{path}' has shape {shape} and {layout}, so Channels(axis="
+                    f"'{self.axis}') has no known meaning for it; give the axis as an int")
+            axis = layout[self.axis]
+        elif isinstance(self.axis, str):
             axis = _AXIS_NAMES[self.axis]
             if ndim == 3 or ndim > 5:
                 guess = ndim + axis
@@ -150,10 +159,10 @@ class Channels:
 
 
 Decision = Union[Full, Frozen, Channels]
-_DECISIONS = (Full, Frozen, Channels)
+DECISION_TYPES = (Full, Frozen, Channels)
 
 
-def _decision_to_json(d: Decision) -> dict:
+def decision_to_json(d: Decision) -> dict:
     if isinstance(d, Full):
         return {"kind": "full"}
     if isinstance(d, Frozen):
@@ -163,7 +172,7 @@ def _decision_to_json(d: Decision) -> dict:
     return out
 
 
-def _decision_from_json(obj: Any) -> Decision:
+def decision_from_json(obj: Any) -> Decision:
     if not isinstance(obj, dict) or "kind" not in obj:
         raise SchemeError(f"expected a decision object like {{'kind': 'full'}}, got {obj!r}")
     kind = obj["kind"]
@@ -203,6 +212,41 @@ def leaves_with_paths(tree) -> tuple[list[tuple[str, Any]], Any]:
     return [(path_str(p), leaf) for p, leaf in flat], treedef
 
 
+# --------------------------------------------------------------------------- layouts
+
+# Per-leaf layouts of parameter trees whose named axes differ from JAX's (a dense kernel
+# [in, out], a conv HWIO): keyed by the tree's structure, so every tree of that
+# structure (the trainer's updated params, a traced copy, a checkpoint loaded back)
+# finds them. A layout is {"in": axis, "out": axis}, or a string saying why the leaf's
+# axes are unknown (a named axis on it is then an error).
+_LAYOUTS: dict = {}
+
+
+def register_layouts(params, layouts: Mapping[str, Any], note: str = "") -> None:
+    """Declare the named axes of `params`' leaves by path (`{"in": 1, "out": 0}` for a
+    torch Linear weight). Trees without an entry keep JAX's layout ("in"/"out" = axes
+    -2/-1). `note` is added to errors about patterns that match nothing (e.g. how this
+    framework names its weights)."""
+    _LAYOUTS[jax.tree_util.tree_structure(params)] = (dict(layouts), note)
+
+
+def layouts_of(params) -> tuple[dict, str]:
+    """`(layouts by path, note)` registered for `params`' structure, or for a dict's
+    top-level entries (a torch model's parameters as `{"model": params, ...}`)."""
+    found = _LAYOUTS.get(jax.tree_util.tree_structure(params))
+    if found is not None:
+        return found
+    if not isinstance(params, Mapping) or not _LAYOUTS:
+        return {}, ""
+    layouts, notes = {}, []
+    for key, sub in params.items():
+        inner = _LAYOUTS.get(jax.tree_util.tree_structure(sub))
+        if inner is not None:
+            layouts.update({f"{key}/{p}": v for p, v in inner[0].items()})
+            notes.append(inner[1])
+    return layouts, notes[0] if notes else ""
+
+
 # --------------------------------------------------------------------------- globs
 
 
@@ -211,7 +255,7 @@ def exact_pattern(path: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in path)
 
 
-def _glob_to_regex(pattern: str) -> re.Pattern:
+def glob_to_regex(pattern: str) -> re.Pattern:
     """Shell-style glob over "/"-joined paths: `*` and `?` stay in one component, `**` spans."""
     out, i, n = [], 0, len(pattern)
     while i < n:
@@ -268,14 +312,14 @@ class Scheme:
             pattern, decision = item
             if not isinstance(pattern, str) or not pattern:
                 raise SchemeError(f"a scheme pattern must be a non-empty string, got {pattern!r}")
-            if not isinstance(decision, _DECISIONS):
+            if not isinstance(decision, DECISION_TYPES):
                 raise SchemeError(f"pattern {pattern!r} maps to {decision!r}; expected "
                                   f"pockjax.Full(), pockjax.Frozen() or pockjax.Channels(...)")
-        if not isinstance(default, _DECISIONS):
+        if not isinstance(default, DECISION_TYPES):
             raise SchemeError(f"default must be Full(), Frozen() or Channels(...), got {default!r}")
         self.rules: tuple[tuple[str, Decision], ...] = tuple(items)
         self.default = default
-        self._regex = tuple(_glob_to_regex(p) for p, _ in self.rules)
+        self._regex = tuple(glob_to_regex(p) for p, _ in self.rules)
 
     def __repr__(self) -> str:
         body = ", ".join(f"{p!r}: {d!r}" for p, d in self.rules)
@@ -305,13 +349,15 @@ class Scheme:
         if not named:
             raise SchemeError("the parameters have no array leaves; nothing to train")
         paths = [p for p, _ in named]
+        layouts, note = layouts_of(params)
         for (pattern, _), rx in zip(self.rules, self._regex):
             if not any(rx.match(p) for p in paths):
                 near = difflib.get_close_matches(pattern, paths, n=3, cutoff=0.0)
                 raise SchemeError(
                     f"pattern {pattern!r} matched no parameter; nearest: "
                     + ", ".join(repr(p) for p in near)
-                    + ". Paths are '/'-joined keys; '*' stays within one component, '**' spans several")
+                    + ". Paths are '/'-joined keys; '*' stays within one component, '**' spans several"
+                    + (f". {note}" if note else ""))
         decisions = []
         for path, leaf in named:
             d = self.match(path)
@@ -323,7 +369,7 @@ class Scheme:
                     raise SchemeError(f"parameter '{path}' has dtype {dtype} and cannot train ({d!r}); "
                                       f"only floating-point parameters train. Mark it Frozen()")
             if isinstance(d, Channels):
-                d = d._resolve(path, shape)
+                d = d._resolve(path, shape, layouts.get(path))
                 if d.count == shape[d.axis]:
                     d = Full()
             decisions.append(d)
@@ -336,8 +382,8 @@ class Scheme:
 
     def to_json(self, **dumps_kwargs) -> str:
         obj = {"version": 1,
-               "rules": [{"pattern": p, "decision": _decision_to_json(d)} for p, d in self.rules],
-               "default": _decision_to_json(self.default)}
+               "rules": [{"pattern": p, "decision": decision_to_json(d)} for p, d in self.rules],
+               "default": decision_to_json(self.default)}
         return json.dumps(obj, **dumps_kwargs)
 
     @classmethod
@@ -353,5 +399,5 @@ class Scheme:
         for r in obj["rules"]:
             if not isinstance(r, dict) or "pattern" not in r or "decision" not in r:
                 raise SchemeError(f"scheme JSON rule must have 'pattern' and 'decision', got {r!r}")
-            rules.append((r["pattern"], _decision_from_json(r["decision"])))
-        return cls(rules, default=_decision_from_json(obj.get("default", {"kind": "frozen"})))
+            rules.append((r["pattern"], decision_from_json(r["decision"])))
+        return cls(rules, default=decision_from_json(obj.get("default", {"kind": "frozen"})))

@@ -55,8 +55,9 @@ import numpy as np
 from pockjax.checkpoint import write_atomic
 from pockjax.flops import count_flops
 from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError, \
-    _decision_from_json, _decision_to_json, _glob_to_regex, exact_pattern, leaves_with_paths
-from pockjax.train import SparseTrainer, _avals, _memory, _nbytes, format_bytes
+    decision_from_json, decision_to_json, glob_to_regex, exact_pattern, layouts_of, leaves_with_paths
+from pockjax._report import compiled_memory, format_bytes, tree_bytes
+from pockjax.train import SparseTrainer, abstract_arrays
 
 __all__ = ["Candidate", "CandidateResult", "SearchReport", "find_candidates", "search",
            "parse_budget"]
@@ -85,7 +86,7 @@ class Candidate:
         return Scheme([(exact_pattern(p), d) for p, d in self.rules], default=Frozen())
 
     def key(self) -> str:
-        return json.dumps([[p, _decision_to_json(d)] for p, d in self.rules], sort_keys=True)
+        return json.dumps([[p, decision_to_json(d)] for p, d in self.rules], sort_keys=True)
 
 
 def _block_of(path: str, blocks: list[str]) -> int | None:
@@ -110,7 +111,7 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
     - each weight matching `stacked` (globs) has a leading layer axis: its last k
       layers, k = 1..L, train (`Channels(count=k, axis=0, last=True)`).
     """
-    from pockjax.schemes import _paths, blocks as find_blocks
+    from pockjax.schemes import blocks as find_blocks
 
     from flax import nnx
 
@@ -119,9 +120,9 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
         params = split(params)[1]
     named = [(p, x) for p, x in leaves_with_paths(params)[0]
              if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
-    inc = [_glob_to_regex(g) for g in include] if include is not None else None
-    exc = [_glob_to_regex(g) for g in exclude]
-    stk = [_glob_to_regex(g) for g in stacked]
+    inc = [glob_to_regex(g) for g in include] if include is not None else None
+    exc = [glob_to_regex(g) for g in exclude]
+    stk = [glob_to_regex(g) for g in stacked]
     for ratio in ratios:
         if not 0 < ratio < 1:
             raise SchemeError(f"ratios must be in (0, 1) (Full is always a candidate), got {ratio!r}")
@@ -129,6 +130,7 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
     def wanted(p):
         return (inc is None or any(r.match(p) for r in inc)) and not any(r.match(p) for r in exc)
 
+    layouts = layouts_of(params)[0]
     out: list[Candidate] = []
     for path, x in named:
         shape = tuple(np.shape(x))
@@ -147,8 +149,11 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
         out.append(Candidate(f"{path} full", path, ((path, Full()),)))
         seen = set()
         # A named axis means nothing on a rank-3 weight (see Channels): Full only there.
-        for ratio in sorted(ratios) if isinstance(axis, int) or len(shape) in (2, 4, 5) else ():
-            d = Channels(ratio=ratio, axis=axis)._resolve(path, shape)
+        # A leaf with a registered layout (torch's [out, in]) names its axes itself.
+        layout = layouts.get(path)
+        named_ok = len(shape) in (2, 4, 5) if layout is None else not isinstance(layout, str)
+        for ratio in sorted(ratios) if isinstance(axis, int) or named_ok else ():
+            d = Channels(ratio=ratio, axis=axis)._resolve(path, shape, layout)
             if d.count == shape[d.axis] or d.count in seen:
                 continue
             seen.add(d.count)
@@ -234,7 +239,7 @@ class CandidateResult:
 
     def candidate(self) -> Candidate:
         return Candidate(self.name, self.group,
-                         tuple((p, _decision_from_json(d)) for p, d in self.rules))
+                         tuple((p, decision_from_json(d)) for p, d in self.rules))
 
 
 @dataclasses.dataclass
@@ -333,7 +338,7 @@ def _bytes_or_dash(n) -> str:
 
 
 def _peak(compiled) -> int:
-    return _memory(compiled)["peak"]
+    return compiled_memory(compiled)["peak"]
 
 
 # Bump when a cached cost changes meaning, so old caches are not reused
@@ -418,7 +423,7 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
                         f"pockjax.sparse_train), got {type(probe).__name__}")
     loss_fn = probe.loss_fn
     evaluate = jax.jit(lambda p, b: _loss_value(loss_fn(p, b)))
-    forward = evaluate.lower(_avals(params), _avals(batch0)).compile()
+    forward = evaluate.lower(abstract_arrays(params), abstract_arrays(batch0)).compile()
     forward_bytes = _peak(forward)
     full_state = jax.eval_shape(probe.init, params)
     full_traced = probe.trace(full_state, batch0)
@@ -451,7 +456,7 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
                                  forward_bytes)
             store.put(c.key(), hit)
         results.append(CandidateResult(name=c.name, group=c.group,
-                                       rules=[[p, _decision_to_json(d)] for p, d in c.rules], **hit))
+                                       rules=[[p, decision_to_json(d)] for p, d in c.rules], **hit))
     bar.close()
 
     fits = [r for r in results if r.peak_bytes <= budget_bytes]
@@ -595,7 +600,7 @@ def _run_candidate(trainer_factory, c: Candidate, params, train, heldout_loss, b
     return {"loss": loss, "contribution": baseline - loss if np.isfinite(loss) else -math.inf,
             "peak_bytes": peak, "added_bytes": max(peak - forward_bytes, 0),
             "flops": count_flops(traced), "seconds": time.perf_counter() - start,
-            "opt_state_bytes": _nbytes(state.opt_state)}
+            "opt_state_bytes": tree_bytes(state.opt_state)}
 
 
 _EXHAUSTIVE = 100_000  # sets; up to this many, every one is tried

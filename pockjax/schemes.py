@@ -16,7 +16,7 @@ import re
 from typing import Sequence
 
 from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError, \
-    _glob_to_regex, leaves_with_paths
+    glob_to_regex, leaves_with_paths
 
 __all__ = ["bias_only", "blocks", "last_blocks", "transformer", "mobilenetv2", "lora"]
 
@@ -24,17 +24,17 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_IN = ("gate_proj", "up_proj")
 
 
-def _paths(params) -> list[str]:
+def param_paths(params) -> list[str]:
     from flax import nnx  # only for modules
 
     if isinstance(params, nnx.Module):
-        from pockjax.nnx import param_paths
-        return param_paths(params)
+        from pockjax.nnx import param_paths as module_paths
+        return module_paths(params)
     return [p for p, _ in leaves_with_paths(params)[0]]
 
 
 def _keep_matching(rules, paths, what: str):
-    kept = [(p, d) for p, d in rules if any(_glob_to_regex(p).match(x) for x in paths)]
+    kept = [(p, d) for p, d in rules if any(glob_to_regex(p).match(x) for x in paths)]
     if not kept:
         raise SchemeError(f"no parameter matches {what}; parameters are e.g. "
                           + ", ".join(repr(p) for p in paths[:4]))
@@ -55,7 +55,7 @@ def blocks(params, name: str | None = None) -> list[str]:
     ['h/0', 'h/1']
     """
     found: dict[str, set[int]] = {}
-    for path in _paths(params):
+    for path in param_paths(params):
         m = _BLOCK.match(path)
         if m:
             base, idx = (m["a"], m["i"]) if m["a"] is not None else (m["b"], m["j"])
@@ -69,7 +69,7 @@ def blocks(params, name: str | None = None) -> list[str]:
         raise SchemeError("the parameters have no repeated blocks (paths like 'layers/0/...' or "
                           "'Block_0/...'); name the parameters in a Scheme instead")
     base = max(found, key=lambda b: len(found[b]))
-    linen = not any(p.startswith(base + "/") for p in _paths(params))
+    linen = not any(p.startswith(base + "/") for p in param_paths(params))
     return [f"{base}_{i}" if linen else f"{base}/{i}" for i in sorted(found[base])]
 
 
@@ -93,7 +93,7 @@ def bias_only(params=None, names: Sequence[str] = ("bias",)) -> Scheme:
     """
     rules = [(f"**/{n}", Full()) for n in names]
     if params is not None:
-        rules = _keep_matching(rules, _paths(params), f"bias names {list(names)}")
+        rules = _keep_matching(rules, param_paths(params), f"bias names {list(names)}")
     return Scheme(rules, default=Frozen())
 
 
@@ -102,7 +102,7 @@ def last_blocks(params, k: int, *, decision: Decision = Full(), extra: Sequence[
     """The last `k` blocks train (with `decision`), plus the `extra` glob patterns in full
     (e.g. `"norm/**"`, `"lm_head/**"`, `"classifier/**"`)."""
     rules = [(f"{b}/**", decision) for b in _chosen(params, k, block_name)]
-    rules += _keep_matching([(p, Full()) for p in extra], _paths(params),
+    rules += _keep_matching([(p, Full()) for p in extra], param_paths(params),
                             f"extra patterns {list(extra)}") if extra else []
     return Scheme(rules, default=Frozen())
 
@@ -123,7 +123,7 @@ def transformer(params, *, last: int | None = None, attention: Sequence[str] = A
     normalisation scales; `extra` adds glob patterns trained in full (`"lm_head/**"`).
     Projection names are the last-but-one path component (`.../q_proj/kernel`).
     """
-    paths = _paths(params)
+    paths = param_paths(params)
     decision = _decision(ratio, axis)
     rules = []
     for b in _chosen(params, last, block_name):
@@ -150,7 +150,7 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
     norm scales and biases; `classifier` trains the classifier (a new task's head).
     Paths follow `pockjax.models.MobileNetV2` (`blocks/{i}/expand/conv/kernel`).
     """
-    paths = _paths(params)
+    paths = param_paths(params)
     found = (re.fullmatch(r"blocks/(\d+)/expand/conv/kernel", p) for p in paths)
     expanding = [f"blocks/{i}" for i in sorted(int(m[1]) for m in found if m)]
     if not expanding:

@@ -28,6 +28,7 @@ import numpy as np
 import optax
 
 from pockjax import sharding as _sharding
+from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes
 from pockjax.flops import count_flops
 from pockjax.optim import fused, perleaf
 from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
@@ -57,7 +58,7 @@ jax.tree_util.register_dataclass(TrainState, data_fields=["step", "params", "opt
                                  meta_fields=["scheme"])
 
 
-def _avals(tree):
+def abstract_arrays(tree):
     """Shapes and dtypes of a tree's leaves, with the sharding of those that have one."""
     def one(x):
         sharding = getattr(x, "sharding", None) if isinstance(x, jax.Array) else None
@@ -71,11 +72,6 @@ def _avals(tree):
 def _with_shardings(avals, shardings):
     return jax.tree_util.tree_map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), avals, shardings)
-
-
-def _nbytes(tree) -> int:
-    return sum(int(np.prod(np.shape(x))) * jnp.dtype(jnp.result_type(x)).itemsize
-               for x in jax.tree_util.tree_leaves(tree))
 
 
 class SparseTrainer:
@@ -130,17 +126,17 @@ class SparseTrainer:
         """Where each array of the state lives on the mesh (a TrainState of shardings)."""
         layout = self.layout
         decisions = _resolved(params, self.scheme) if decisions is None else decisions
-        view = jax.eval_shape(lambda p: trainable(p, _decisions_tree(p, decisions)), _avals(params))
+        view = jax.eval_shape(lambda p: trainable(p, _decisions_tree(p, decisions)), abstract_arrays(params))
         view_shardings = layout.view_shardings(params, decisions)
         return TrainState(
             layout.replicated, layout.param_shardings(params, decisions),
-            layout.opt_state_shardings(self.optimizer, view, view_shardings, _avals(opt_state)),
+            layout.opt_state_shardings(self.optimizer, view, view_shardings, abstract_arrays(opt_state)),
             self.scheme)
 
     # -- the step --------------------------------------------------------------
 
     def _plan(self, view, opt_state) -> perleaf.UpdatePlan:
-        view_avals, state_avals = _avals(view), _avals(opt_state)
+        view_avals, state_avals = abstract_arrays(view), abstract_arrays(opt_state)
         key = (jax.tree_util.tree_structure(view, is_leaf=lambda x: x is None),
                tuple((x.shape, x.dtype) for x in jax.tree_util.tree_leaves(view_avals)),
                jax.tree_util.tree_structure(opt_state),
@@ -222,9 +218,9 @@ class SparseTrainer:
     def _step_avals(self, state: TrainState, batch):
         """Abstract arguments of the step, with the mesh layout where there is one."""
         if self.layout is None:
-            return _avals(state), _avals(batch)
-        state_avals = _with_shardings(_avals(state), self._shardings(state.params, state.opt_state))
-        batch_avals = _avals(batch)
+            return abstract_arrays(state), abstract_arrays(batch)
+        state_avals = _with_shardings(abstract_arrays(state), self._shardings(state.params, state.opt_state))
+        batch_avals = abstract_arrays(batch)
         if not all(getattr(a, "sharding", None) for a in jax.tree_util.tree_leaves(batch_avals)):
             batch_avals = _with_shardings(batch_avals, self.layout.batch_shardings(batch))
         return state_avals, batch_avals
@@ -279,9 +275,9 @@ class SparseTrainer:
             updates, opt_state = optimizer.update(g, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, out
 
-        params = _avals(state.params)
+        params = abstract_arrays(state.params)
         opt_state = jax.eval_shape(optimizer.init, params)
-        batch_avals = _avals(batch)
+        batch_avals = abstract_arrays(batch)
         if layout is not None:  # the same layout, every parameter trained
             full = [Full()] * len(jax.tree_util.tree_leaves(params))
             param_shardings = layout.param_shardings(params, full)
@@ -301,13 +297,13 @@ class SparseTrainer:
         sparse, full = sparse_traced.lower().compile(), full_traced.lower().compile()
         mode, reason = self.update_mode(state, batch)
         info = self.explain(state, batch)
-        full_state = jax.eval_shape(self.optimizer.init, _avals(state.params))
+        full_state = jax.eval_shape(self.optimizer.init, abstract_arrays(state.params))
         return TrainReport(
             trainable_params=info.trainable_params, total_params=info.total_params,
             mode=mode, mode_reason=reason,
             flops=count_flops(sparse_traced), flops_full=count_flops(full_traced),
-            memory=_memory(sparse), memory_full=_memory(full),
-            opt_state_bytes=_nbytes(state.opt_state), opt_state_bytes_full=_nbytes(full_state),
+            memory=compiled_memory(sparse), memory_full=compiled_memory(full),
+            opt_state_bytes=tree_bytes(state.opt_state), opt_state_bytes_full=tree_bytes(full_state),
             transform=info,
             devices=1 if self.layout is None else self.layout.mesh.devices.size,
             layout=None if self.layout is None else self.layout.describe(),
@@ -356,27 +352,6 @@ def _decisions_tree(params, decisions):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), decisions)
 
 
-def _memory(compiled) -> dict[str, int]:
-    m = compiled.memory_analysis()
-    out = {k: int(getattr(m, f"{k}_size_in_bytes")) for k in ("temp", "argument", "output", "alias")}
-    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
-    return out
-
-
-def format_bytes(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:,.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def _flop_str(n: float) -> str:
-    for unit, scale in (("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
-        if n >= scale:
-            return f"{n / scale:,.3f} {unit}"
-    return f"{n:.0f} FLOP"
-
-
 @dataclasses.dataclass
 class TrainReport:
     """What `trainer.report()` measured; `str()` renders it as a table."""
@@ -418,7 +393,7 @@ class TrainReport:
         rows = [("", "this step", "full training", "ratio"),
                 ("parameters trained", f"{self.trainable_params:,}", f"{self.total_params:,}",
                  f"{100 * self.trainable_params / max(self.total_params, 1):.2f}%"),
-                ("FLOPs", _flop_str(self.flops), _flop_str(self.flops_full),
+                ("FLOPs", format_flops(self.flops), format_flops(self.flops_full),
                  ratio(self.flops, self.flops_full)),
                 ("optimizer state", format_bytes(self.opt_state_bytes), format_bytes(self.opt_state_bytes_full),
                  ratio(self.opt_state_bytes, self.opt_state_bytes_full))]

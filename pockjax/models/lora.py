@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pockjax.scheme import _glob_to_regex
+from pockjax.scheme import glob_to_regex
 
 __all__ = ["LoRALinear", "apply_lora", "merge_lora"]
 
@@ -47,7 +47,7 @@ class LoRALinear(nnx.Module):
 
 def _linear_layers(model: nnx.Module, targets: Sequence[str], kind):
     """`(parent, key, layer, path)` for every `kind` layer whose path or last name matches."""
-    regexes = [_glob_to_regex(t) for t in targets]
+    regexes = [glob_to_regex(t) for t in targets]
     found = []
     for path, node in nnx.graph.iter_graph(model):
         if not isinstance(node, kind) or not path:
