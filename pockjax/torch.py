@@ -1,0 +1,387 @@
+"""PyTorch models in: a `torch.nn.Module` as a pure JAX function of a parameter pytree.
+
+`functional(module)` goes through `torchax` (PyTorch on JAX): it returns the module's
+parameters as a nested dict keyed by the module's own dotted names split on "."
+(`model/layers/0/mlp/up_proj/weight`) and `apply(params, *args, **kwargs)`, a JAX
+function returning arrays. Everything else in pockjax (`sparse_grad`, `sparse_train`,
+schemes, `search`, `export`) takes them unchanged. Each weight carries its layout, so
+`Channels(axis="in"/"out")` means input/output features for torch's `[out, in]`
+`Linear`, `OIHW` convolutions and GPT-2's `[in, out]` `Conv1D`.
+`load_state(module, params)` writes trained values back into the module.
+
+>>> import torch, optax, pockjax as pj                                # doctest: +SKIP
+>>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+>>> params, apply = pj.torch.functional(net)
+>>> scheme = pj.Scheme({"2/**": pj.Full(), "0/weight": pj.Channels(ratio=0.5, axis="out")})
+>>> trainer = pj.sparse_train(lambda p, b: ((apply(p, b["x"]) - b["y"]) ** 2).mean(),
+...                           optimizer=optax.adamw(1e-3), scheme=scheme)
+>>> pj.torch.load_state(net, trainer.init(params).params)
+
+Buffers (BatchNorm running statistics, rotary tables) are kept apart from the
+parameters, in `apply.buffers`; `apply` reads them as constants.
+`apply.stateful(params, buffers, *args)` returns `(outputs, new_buffers)` for a module
+whose forward updates them (BatchNorm in train mode): carry them through the batch and
+the loss's aux, as `pockjax.nnx.Trainer` does.
+
+Importing torchax 0.0.13 with torch >= 2.10 fails on named-dimension (`Dimname`)
+overloads torch dropped; `import_torchax()` lets those names resolve to placeholders
+while torchax's tables load (no-op where torchax no longer asks for them) and undoes
+torchax's import-time environment variable.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+
+__all__ = ["functional", "load_state", "import_torchax", "layouts", "TorchFunction"]
+
+TORCH_NOTE = ("These parameters come from a PyTorch module (pockjax.torch): weights are named "
+              "'weight' (not 'kernel'), norm scales 'weight' (not 'scale'), embeddings 'weight' "
+              "(not 'embedding'), with the module's own dotted names split on '.'")
+
+
+# --------------------------------------------------------------------------- torchax import
+
+
+class _MissingOverload:
+    """Stands for a named-dimension overload this torch no longer has (never matches an op)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<overload {self.name} missing in this torch>"
+
+
+def _is_named_dim_overload(name: str) -> bool:
+    low = name.lower()
+    return "dimname" in low or "names" in low
+
+
+@contextlib.contextmanager
+def _named_overloads_tolerated():
+    """While torchax's op tables load, `torch.ops.aten.X.<Dimname overload>` that torch
+    dropped give a placeholder instead of raising. Any other missing overload still raises."""
+    import torch._ops
+
+    packet = torch._ops.OpOverloadPacket
+    original = packet.__getattr__
+
+    def getattr_(self, key):
+        try:
+            return original(self, key)
+        except AttributeError:
+            if _is_named_dim_overload(key):
+                return _MissingOverload(f"{self._qualified_op_name}.{key}")
+            raise
+
+    packet.__getattr__ = getattr_
+    try:
+        yield
+    finally:
+        packet.__getattr__ = original
+
+
+_TELEMETRY_VAR = "ENABLE_RUNTIME_UPTIME_TELEMETRY"
+
+
+def import_torchax():
+    """`torchax`, imported so that it works with this torch and leaves no trace in the
+    environment variables. Raises ImportError naming the versions when it cannot."""
+    import sys
+
+    if "torchax" in sys.modules and "torchax.decompositions" in sys.modules:
+        return sys.modules["torchax"]
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("pockjax.torch needs PyTorch and torchax: pip install 'pockjax[torch]' "
+                          "(then torchax with --no-deps, see the README)") from e
+    had = _TELEMETRY_VAR in os.environ
+    try:
+        with _named_overloads_tolerated():
+            import torchax
+            import torchax.amp  # noqa: F401  (op tables that name Dimname overloads)
+            import torchax.decompositions  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"pockjax.torch needs torchax (>=0.0.13): pip install --no-deps torchax "
+                          f"(torch {torch.__version__} is installed)") from e
+    except Exception as e:  # an incompatibility the placeholder step does not cover
+        raise ImportError(
+            f"torchax {_version('torchax')} does not import with torch {torch.__version__}: "
+            f"{type(e).__name__}: {e}. pockjax.torch is tested with torchax 0.0.13 and torch "
+            f"2.13.0; install a torchax release that supports this torch") from e
+    finally:
+        if not had:
+            os.environ.pop(_TELEMETRY_VAR, None)
+    return torchax
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+# --------------------------------------------------------------------------- layouts
+
+# Named axes of each weight, by module type: {"in": axis, "out": axis}.
+_OUT_IN = {"out": 0, "in": 1}    # Linear [out, in]; ConvNd [out, in/groups, *k]
+_IN_OUT = {"in": 0, "out": 1}    # Conv1D [in, out]; ConvTransposeNd [in, out/groups, *k]; Embedding
+
+
+def _weight_layout(module, name: str, ndim: int):
+    """The layout of `module`'s own parameter `name`, or a string saying it is unknown."""
+    import torch
+
+    if ndim < 2:
+        return None  # vectors: "out" is axis 0 as for JAX
+    kind = type(module).__name__
+    if name == "weight":
+        if isinstance(module, torch.nn.modules.conv._ConvTransposeNd):
+            return _IN_OUT
+        if isinstance(module, (torch.nn.Linear, torch.nn.modules.conv._ConvNd)):
+            return _OUT_IN
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)):
+            return _IN_OUT
+        if kind == "Conv1D" and hasattr(module, "nf"):  # transformers' GPT-2 Conv1D
+            return _IN_OUT
+    if isinstance(module, torch.nn.MultiheadAttention) and name == "in_proj_weight":
+        return _OUT_IN
+    return f"is a parameter of a {kind} (layout unknown to pockjax.torch)"
+
+
+def layouts(module) -> dict[str, Any]:
+    """`{path: layout}` of the module's parameters ("/"-joined, deduplicated as
+    `named_parameters()` does); `{"in": 1, "out": 0}` for a Linear weight."""
+    out = {}
+    seen = set()
+    for mname, m in module.named_modules():
+        for pname, p in m.named_parameters(recurse=False):
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            path = "/".join(filter(None, [*mname.split("."), pname]))
+            layout = _weight_layout(m, pname, p.ndim)
+            if layout is not None:
+                out[path] = layout
+    return out
+
+
+# --------------------------------------------------------------------------- trees
+
+
+def _nest(flat: Mapping[str, Any]) -> dict:
+    out: dict = {}
+    for name, value in flat.items():
+        *parents, leaf = name.split(".")
+        node = out
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = value
+    return out
+
+
+def _flatten(tree, sep: str = ".") -> dict:
+    named, _ = jax.tree_util.tree_flatten_with_path(tree)
+    from pockjax.scheme import path_str
+
+    return {path_str(p).replace("/", sep): x for p, x in named}
+
+
+# --------------------------------------------------------------------------- the function
+
+
+class TorchFunction:
+    """`apply(params, *args, **kwargs)`: the module's forward as a JAX function returning
+    arrays. `buffers` are the module's buffers (constants to `apply`);
+    `stateful(params, buffers, *args, **kwargs)` returns `(outputs, new_buffers)`."""
+
+    def __init__(self, module, buffers: dict, output: Callable | None, env):
+        self.module, self.buffers, self.output, self._env = module, buffers, output, env
+        self.__name__ = type(module).__name__
+
+    def __repr__(self) -> str:
+        return f"pockjax.torch.functional({type(self.module).__name__})"
+
+    def __call__(self, params, *args, **kwargs):
+        return self._run(params, self.buffers, args, kwargs)[0]
+
+    def stateful(self, params, buffers, *args, **kwargs):
+        return self._run(params, buffers, args, kwargs)
+
+    def _run(self, params, buffers, args, kwargs):
+        import torch
+
+        env = self._env
+        flat_p, flat_b = _flatten(params), _flatten(buffers)
+        p_t, b_t, args_t, kwargs_t = env.j2t_iso((flat_p, flat_b, args, kwargs))
+        stack: list[str] = []
+        with _module_stack(self.module, stack), _no_mha_fastpath(), env:
+            try:
+                res = torch.func.functional_call(self.module, {**p_t, **b_t}, tuple(args_t),
+                                                 kwargs_t, tie_weights=True, strict=False)
+                if self.output is not None:
+                    res = self.output(res)
+            except Exception as e:
+                raise _op_error(e, self.module, stack) from e
+        out, new_b = env.t2j_iso((res, b_t))
+        _check_arrays(out, self.module, self.output)
+        return out, _nest(new_b) if flat_b else buffers
+
+
+def _op_error(e: Exception, module, stack: list[str]) -> Exception:
+    where = stack[-1] if stack else ""
+    sub = module.get_submodule(where) if where else module
+    name = f"'{where}' ({type(sub).__name__})" if where else f"the top module ({type(module).__name__})"
+    kind = type(e).__name__
+    if kind == "OperatorNotFound" or isinstance(e, NotImplementedError):
+        return NotImplementedError(
+            f"torchax cannot run an op of {name}: {kind}: {e}. Replace that module with one "
+            f"torchax supports, or register a JAX lowering with torchax's "
+            f"`torchax.ops.jaten`/`env.override_op_definition`")
+    return type(e)(f"{e} (while running {name} under torchax)") if _reraisable(e) else e
+
+
+def _reraisable(e: Exception) -> bool:
+    try:
+        type(e)("x")
+        return True
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def _module_stack(module, stack: list[str]):
+    """Which submodule is running (for errors): hooks present only during the call."""
+    handles = []
+    for name, m in module.named_modules():
+        def pre(_m, _args, name=name):
+            stack.append(name)
+
+        def post(_m, _args, _out, name=name):
+            if stack and stack[-1] == name:
+                stack.pop()
+
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _no_mha_fastpath():
+    # torchax cannot run MultiheadAttention's sparse fast path; torchax turns it off at
+    # import for the whole process, pockjax only while its own calls run.
+    import torch
+
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+def _check_arrays(out, module, output) -> None:
+    leaves = jax.tree_util.tree_leaves(out)
+    bad = [x for x in leaves if not isinstance(x, (jax.Array, np.ndarray, np.generic))]
+    if bad or not leaves:
+        what = type(bad[0]).__name__ if bad else type(out).__name__
+        raise TypeError(
+            f"{type(module).__name__}.forward returned {type(out).__name__} holding a "
+            f"{what}; pockjax needs arrays (or tuples/dicts of arrays). Pick them with "
+            f"pockjax.torch.functional(model, output=lambda out: out.logits) (and use_cache=False "
+            f"for a Hugging Face model)")
+
+
+def functional(module, *, output: Callable | None = None) -> tuple[dict, TorchFunction]:
+    """`(params, apply)` for a `torch.nn.Module`.
+
+    `params` is a nested dict of the module's parameters (tied weights once, under
+    their first name) as JAX arrays, keyed by the dotted names split on "."; the
+    layout of each weight is registered so named Channels axes mean features.
+    `apply(params, *args, **kwargs)` runs the module's forward (in its current
+    train/eval mode) and returns arrays; `output` picks arrays from what the forward
+    returns (`lambda out: out.logits` for a Hugging Face model). Buffers are in
+    `apply.buffers`. Dropout under torchax draws from torchax's generator, not
+    torch's: use `module.eval()` or dropout 0 to compare with torch.
+    """
+    import torch
+
+    from pockjax.scheme import register_layouts
+
+    torchax = import_torchax()
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"pockjax.torch.functional needs a torch.nn.Module, got "
+                        f"{type(module).__name__}")
+    env = torchax.default_env()
+    named_p = dict(module.named_parameters())
+    named_b = dict(module.named_buffers())
+    if not named_p:
+        raise ValueError(f"{type(module).__name__} has no parameters to train")
+    with torch.no_grad():
+        params = _nest(env.t2j_copy({k: v.detach() for k, v in named_p.items()}))
+        buffers = _nest(env.t2j_copy({k: v.detach() for k, v in named_b.items()}))
+    register_layouts(params, layouts(module), TORCH_NOTE)
+    return params, TorchFunction(module, buffers, output, env)
+
+
+# --------------------------------------------------------------------------- back into torch
+
+
+def load_state(module, params, *, strict: bool = True) -> list[str]:
+    """Write `params` (and/or buffers) into `module`'s tensors in place, keeping each
+    tensor's dtype and device; returns the names written.
+
+    `params` is a nested dict as `functional` gives (a trainer's `state.params`, an
+    exported artifact's `session.params()`, `apply.buffers`) or a flat dict with "/"-
+    or "."-joined names. With `strict`, a name the module does not have or a shape
+    that differs raises `KeyError`/`ValueError`. Tied weights are written once and
+    stay tied.
+    """
+    import torch
+
+    flat = {k.replace("/", "."): v for k, v in (_flatten(params) if not _is_flat(params)
+                                               else dict(params)).items()}
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(dict(module.named_buffers(remove_duplicate=False)))
+    written = []
+    for name, value in flat.items():
+        if name not in tensors:
+            if strict:
+                near = __import__("difflib").get_close_matches(name, list(tensors), n=3)
+                raise KeyError(f"{type(module).__name__} has no parameter or buffer {name!r}; "
+                               f"nearest: {near}")
+            continue
+        t = tensors[name]
+        arr = np.asarray(jax.device_get(value)) if not isinstance(value, torch.Tensor) else value
+        if tuple(arr.shape) != tuple(t.shape):
+            raise ValueError(f"{name}: shape {tuple(arr.shape)} does not fit the module's "
+                             f"{tuple(t.shape)}")
+        src = arr if isinstance(arr, torch.Tensor) else _to_torch(arr)
+        with torch.no_grad():
+            t.copy_(src.to(dtype=t.dtype, device=t.device))
+        written.append(name)
+    return written
+
+
+def _is_flat(tree) -> bool:
+    return isinstance(tree, Mapping) and all(not isinstance(v, Mapping) for v in tree.values())
+
+
+def _to_torch(arr: np.ndarray):
+    import torch
+
+    if arr.dtype.name == "bfloat16":
+        return torch.from_numpy(arr.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(arr))
