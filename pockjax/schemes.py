@@ -128,11 +128,13 @@ def transformer(params, *, last: int | None = None, attention: Sequence[str] = A
     rules = []
     for b in _chosen(params, last, block_name):
         for name in (*attention, *mlp):
-            rules.append((f"{b}/**/{name}/kernel", decision))
+            # "weight": a PyTorch model's (pockjax.torch); rules that match nothing are dropped.
+            for kernel in ("kernel", "weight"):
+                rules.append((f"{b}/**/{name}/{kernel}", decision))
             rules.append((f"{b}/**/{name}/bias", Full()))
         if norms:
-            rules.append((f"{b}/**/*norm*/scale", Full()))
-            rules.append((f"{b}/**/*norm*/bias", Full()))
+            for n in ("scale", "weight", "bias"):
+                rules.append((f"{b}/**/*norm*/{n}", Full()))
     rules = _keep_matching(rules, paths, f"projections {[*attention, *mlp]}")
     if extra:
         rules += _keep_matching([(p, Full()) for p in extra], paths, f"extra patterns {list(extra)}")
@@ -148,9 +150,13 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
     `last` keeps the last k blocks that have an expansion; `ratio` trains that fraction
     of each kernel's channels along `axis`; `norms` also trains the chosen blocks' batch
     norm scales and biases; `classifier` trains the classifier (a new task's head).
-    Paths follow `pockjax.models.MobileNetV2` (`blocks/{i}/expand/conv/kernel`).
+    Paths follow `pockjax.models.MobileNetV2` (`blocks/{i}/expand/conv/kernel`) or
+    torchvision's `mobilenet_v2` through `pockjax.torch` (`features/{i}/conv/0/0/weight`).
     """
     paths = param_paths(params)
+    if not any(p.startswith("blocks/") for p in paths) and any(
+            re.fullmatch(r"features/\d+/conv/3/weight", p) for p in paths):
+        return _torchvision_mobilenetv2(paths, last, ratio, axis, norms, classifier)
     found = (re.fullmatch(r"blocks/(\d+)/expand/conv/kernel", p) for p in paths)
     expanding = [f"blocks/{i}" for i in sorted(int(m[1]) for m in found if m)]
     if not expanding:
@@ -164,6 +170,25 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
     rules: list = [(f"{b}/expand/conv/kernel", _decision(ratio, axis)) for b in expanding]
     if norms:
         rules += [(f"{b}/*/bn/{n}", Full()) for b in expanding for n in ("scale", "bias")]
+    if classifier:
+        rules += _keep_matching([("classifier/**", Full())], paths, "'classifier/**'")
+    return Scheme(rules, default=Frozen())
+
+
+def _torchvision_mobilenetv2(paths, last, ratio, axis, norms, classifier) -> Scheme:
+    # torchvision's InvertedResidual with an expansion: conv = [ConvBNReLU (expand),
+    # ConvBNReLU (depth-wise), Conv2d (project), BatchNorm2d]; without one it has 3 entries.
+    found = (re.fullmatch(r"features/(\d+)/conv/3/weight", p) for p in paths)
+    expanding = [f"features/{i}" for i in sorted(int(m[1]) for m in found if m)]
+    if last is not None:
+        if not 1 <= last <= len(expanding):
+            raise SchemeError(f"last={last} but the model has {len(expanding)} blocks with an "
+                              f"expansion convolution; use 1..{len(expanding)}")
+        expanding = expanding[-last:]
+    rules: list = [(f"{b}/conv/0/0/weight", _decision(ratio, axis)) for b in expanding]
+    if norms:
+        rules += [(f"{b}/conv/{bn}/{n}", Full()) for b in expanding
+                  for bn in ("0/1", "1/1", "3") for n in ("weight", "bias")]
     if classifier:
         rules += _keep_matching([("classifier/**", Full())], paths, "'classifier/**'")
     return Scheme(rules, default=Frozen())
