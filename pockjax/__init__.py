@@ -1,23 +1,57 @@
-"""pockjax: sparse, efficient fine-tuning for JAX, after PockEngine (MICRO 2023)."""
-from pockjax import models, nnx, runtime, schemes
-from pockjax.checkpoint import CheckpointError, load, save
-from pockjax import export
-from pockjax.export import ExportError
-from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes
-from pockjax.flops import count_flops, flops_of
-from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError
-from pockjax.scheme_search import SearchReport, search
-from pockjax.train import History, SparseTrainer, TrainReport, TrainState, fit, sparse_train
-from pockjax.transforms import (TransformInfo, apply_updates, sparse_grad, sparse_value_and_grad,
-                                trainable)
+"""pockjax: sparse, efficient fine-tuning for JAX, after PockEngine (MICRO 2023).
+
+The public names below are imported when first used, so `import pockjax` is cheap and
+`pockjax.runtime` (running an exported artifact) needs only numpy, safetensors and
+IREE's runtime: no JAX, Flax or optax.
+"""
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Scheme", "SchemeError", "Full", "Frozen", "Channels", "schemes",
-    "sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo",
-    "sparse_train", "SparseTrainer", "TrainState", "TrainReport", "fit", "History",
-    "save", "load", "CheckpointError", "export", "ExportError", "runtime", "nnx", "models",
-    "search", "SearchReport", "count_flops", "flops_of",
-    "compiled_memory", "tree_bytes", "format_bytes", "format_flops",
-]
+# name -> the module that defines it (a submodule's own name maps to None).
+_WHERE = {
+    "Scheme": "scheme", "SchemeError": "scheme", "Full": "scheme", "Frozen": "scheme",
+    "Channels": "scheme",
+    "sparse_grad": "transforms", "sparse_value_and_grad": "transforms", "trainable": "transforms",
+    "apply_updates": "transforms", "TransformInfo": "transforms",
+    "sparse_train": "train", "SparseTrainer": "train", "TrainState": "train",
+    "TrainReport": "train", "fit": "train", "History": "train",
+    "save": "checkpoint", "load": "checkpoint", "CheckpointError": "checkpoint",
+    "ExportError": "export.targets",
+    "search": "scheme_search", "SearchReport": "scheme_search",
+    "count_flops": "flops", "flops_of": "flops",
+    "compiled_memory": "_report", "tree_bytes": "_report", "format_bytes": "_report",
+    "format_flops": "_report",
+    "schemes": None, "export": None, "runtime": None, "nnx": None, "models": None,
+}
+
+__all__ = [n for n in _WHERE if not n.startswith("_")]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'pockjax' has no attribute {name!r}")
+    module = _WHERE[name]
+    value = (importlib.import_module(f"pockjax.{name}") if module is None else
+             getattr(importlib.import_module(f"pockjax.{module}"), name))
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
+    from pockjax import export, models, nnx, runtime, schemes  # noqa: F401
+    from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes  # noqa: F401
+    from pockjax.checkpoint import CheckpointError, load, save  # noqa: F401
+    from pockjax.export.targets import ExportError  # noqa: F401
+    from pockjax.flops import count_flops, flops_of  # noqa: F401
+    from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError  # noqa: F401
+    from pockjax.scheme_search import SearchReport, search  # noqa: F401
+    from pockjax.train import (History, SparseTrainer, TrainReport, TrainState, fit,  # noqa: F401
+                               sparse_train)
+    from pockjax.transforms import (TransformInfo, apply_updates, sparse_grad,  # noqa: F401
+                                    sparse_value_and_grad, trainable)

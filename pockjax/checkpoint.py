@@ -11,11 +11,10 @@ import os
 import tempfile
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from pockjax.scheme import Scheme, leaves_with_paths
+# JAX is imported where a JAX state is saved or loaded: the runtime writes checkpoints
+# with this module's format on devices that have no JAX.
 
 __all__ = ["save", "load", "read_metadata", "write_atomic", "CheckpointError"]
 
@@ -28,6 +27,8 @@ class CheckpointError(ValueError):
 
 
 def _named(tree) -> tuple[dict[str, Any], Any]:
+    from pockjax.scheme import leaves_with_paths
+
     named, treedef = leaves_with_paths(tree)
     out: dict[str, Any] = {}
     for path, leaf in named:
@@ -56,13 +57,14 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
-def save(path: str | os.PathLike, state, *, scheme: Scheme | None = None,
+def save(path: str | os.PathLike, state, *, scheme: "Scheme | None" = None,
          metadata: dict[str, str] | None = None) -> None:
     """Save `state` (a `TrainState` or any pytree of arrays) to a safetensors file.
 
     The scheme is taken from `state.scheme` unless given. Extra `metadata` strings
     are stored beside the format's own keys.
     """
+    import jax
     from safetensors.numpy import save as st_save
 
     scheme = scheme if scheme is not None else getattr(state, "scheme", None)
@@ -102,7 +104,11 @@ def load(path: str | os.PathLike, like):
     names, shapes or dtypes differ from `like` fails with the full list of
     differences, and a truncated or corrupt file fails with `CheckpointError`.
     """
+    import jax
+    import jax.numpy as jnp
     from safetensors import safe_open
+
+    from pockjax.scheme import Scheme
 
     path = os.fspath(path)
     meta = read_metadata(path)

@@ -18,7 +18,7 @@ import platform
 
 import numpy as np
 
-from pockjax.export.artifact import PARAMS, VMFB, read_manifest
+from pockjax.export.manifest import PARAMS, VMFB, read_manifest
 from pockjax.export.targets import ExportError
 
 __all__ = ["load", "Session", "ToolSession", "qemu_arm64", "DEVICES", "IncompatibleDevice"]
@@ -53,6 +53,22 @@ def _np_dtype(name: str):
         import ml_dtypes
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def named_leaves(tree, prefix: str = "") -> list[tuple[str, object]]:
+    """`[(path, leaf)]` of a batch in JAX's flattening order and with its path names
+    (dicts by sorted key, lists and tuples by index, named tuples by field; None is
+    empty), without JAX: the runtime runs where JAX is not installed."""
+    join = (lambda k: f"{prefix}/{k}") if prefix else str
+    if tree is None:
+        return []
+    if isinstance(tree, dict):
+        return [x for k in sorted(tree) for x in named_leaves(tree[k], join(k))]
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return [x for k in tree._fields for x in named_leaves(getattr(tree, k), join(k))]
+    if isinstance(tree, (list, tuple)):
+        return [x for i, v in enumerate(tree) for x in named_leaves(v, join(i))]
+    return [(prefix, tree)]
 
 
 def _unflatten(paths: list[str], values: dict[str, np.ndarray]):
@@ -105,9 +121,7 @@ class _Artifact:
     # -- batches -----------------------------------------------------------------
 
     def _batch_args(self, batch) -> list[np.ndarray]:
-        from pockjax.scheme import leaves_with_paths
-
-        named = leaves_with_paths(batch)[0]
+        named = named_leaves(batch)
         got = {(p or "batch"): x for p, x in named}
         inputs = self.manifest["functions"]["train_step"]["inputs"]
         expected = ", ".join(f"{s['name']}: {s['dtype']}{list(s['shape'])}" for s in inputs)

@@ -1,0 +1,47 @@
+"""The artifact format's names and its manifest reader, without JAX or the compiler:
+the runtime reads artifacts on devices that have neither."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from pockjax.export.targets import ExportError
+
+__all__ = ["MANIFEST", "VMFB", "PARAMS", "SCHEMA_VERSION", "SCOPE", "read_manifest", "sha256"]
+
+MANIFEST, VMFB, PARAMS = "manifest.json", "train_step.vmfb", "params.irpa"
+SCHEMA_VERSION = 2
+SCOPE = "model"
+
+
+def sha256(path: str) -> str:
+    """The hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of an artifact directory, checked for the schema version and files."""
+    mpath = os.path.join(os.fspath(path), MANIFEST)
+    if not os.path.isfile(mpath):
+        raise ExportError(f"'{path}' is not a pockjax artifact: {MANIFEST} is missing")
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ExportError(f"'{mpath}' is not valid JSON: {e}") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise ExportError(f"'{mpath}' has schema version {manifest.get('schema_version')!r}; this "
+                          f"pockjax reads version {SCHEMA_VERSION}")
+    for name, info in manifest.get("files", {}).items():
+        fpath = os.path.join(os.fspath(path), name)
+        if not os.path.isfile(fpath):
+            raise ExportError(f"artifact file '{fpath}' is missing")
+        if os.path.getsize(fpath) != info["bytes"] or sha256(fpath) != info["sha256"]:
+            raise ExportError(f"artifact file '{fpath}' does not match the manifest's hash "
+                              "(modified or truncated); export again")
+    return manifest

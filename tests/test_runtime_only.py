@@ -1,0 +1,88 @@
+"""`pockjax.runtime` on a device that has no JAX: a fresh virtual environment with
+pockjax installed without its dependencies plus the `runtime` extra's packages (and
+nothing of JAX, Flax or optax) runs an artifact exported here and continues the JAX
+trainer."""
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pockjax as pj
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+# Run inside the runtime-only environment: three steps, then the losses and parameters.
+SCRIPT = r"""
+import importlib.util, json, sys
+import numpy as np
+for name in ("jax", "jaxlib", "flax", "optax"):
+    assert importlib.util.find_spec(name) is None, f"{name} is installed"
+import pockjax
+from pockjax import runtime
+assert "jax" not in sys.modules
+art, batch_file, out = sys.argv[1:]
+batch = dict(np.load(batch_file))
+sess = runtime.load(art, device="local-task")
+losses = [float(sess.step(batch)["loss"]) for _ in range(%d)]
+params = sess.params()
+np.savez(out, losses=np.array(losses), **{f"params/{k}/{n}": v for k, d in params.items() for n, v in d.items()})
+assert "jax" not in sys.modules and "flax" not in sys.modules and "optax" not in sys.modules
+""" % STEPS
+
+
+def _runtime_requirements() -> list[str]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]["optional-dependencies"]["runtime"]
+
+
+@pytest.fixture(scope="module")
+def runtime_env(tmp_path_factory):
+    """A virtual environment with pockjax (no dependencies) and the runtime extra."""
+    env = tmp_path_factory.mktemp("runtime-env") / "venv"
+    base = getattr(sys, "_base_executable", sys.executable)
+    subprocess.run([base, "-m", "venv", str(env)], check=True)
+    py = str(env / "bin" / "python")
+    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, "--no-deps", str(ROOT)], check=True)
+    subprocess.run([*pip, *_runtime_requirements()], check=True)
+    return py
+
+
+def test_runtime_without_jax_continues_the_jax_trainer(runtime_env, tmp_path):
+    k = jax.random.PRNGKey(0)
+    params = {"l0": {"w": jax.random.normal(k, (6, 8)) * 0.5, "b": jnp.zeros(8)},
+              "l1": {"w": jax.random.normal(jax.random.fold_in(k, 1), (8, 3)) * 0.5, "b": jnp.zeros(3)}}
+    x = np.array(jax.random.normal(jax.random.fold_in(k, 2), (8, 6)))
+    x[0] = 0  # a zero row: the first element of the first layer's reader is 0
+    batch = {"x": x, "y": np.array(jax.random.normal(jax.random.fold_in(k, 3), (8, 3)))}
+
+    def loss(p, batch):
+        h = jax.nn.relu(batch["x"] @ p["l0"]["w"] + p["l0"]["b"])
+        return jnp.mean((h @ p["l1"]["w"] + p["l1"]["b"] - batch["y"]) ** 2)
+
+    scheme = pj.Scheme({"l0/w": pj.Channels(count=3, axis="out"), "l1/**": pj.Full()})
+    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme)
+    art = trainer.export(trainer.init(params), batch, target="host-cpu", out_dir=tmp_path / "artifact")
+    np.savez(tmp_path / "batch.npz", **batch)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    subprocess.run([runtime_env, "-c", SCRIPT, str(art.path), str(tmp_path / "batch.npz"),
+                    str(tmp_path / "out.npz")], check=True, cwd=tmp_path, env=env)
+    got = np.load(tmp_path / "out.npz")
+
+    state, losses = trainer.init(params), []
+    for _ in range(STEPS):
+        state, m = trainer(state, batch)
+        losses.append(float(m["loss"]))
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5)
+    for layer in ("l0", "l1"):
+        for name in ("w", "b"):
+            np.testing.assert_allclose(got[f"params/{layer}/{name}"], state.params[layer][name],
+                                       rtol=1e-5, atol=1e-6)
