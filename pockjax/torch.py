@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-__all__ = ["functional", "load_state", "import_torchax", "layouts", "TorchFunction"]
+__all__ = ["functional", "load_state", "import_torchax", "layouts", "environment", "TorchFunction"]
 
 TORCH_NOTE = ("These parameters come from a PyTorch module (pockjax.torch): weights are named "
               "'weight' (not 'kernel'), norm scales 'weight' (not 'scale'), embeddings 'weight' "
@@ -127,6 +127,54 @@ def _version(dist: str) -> str:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         return "(not installed)"
+
+
+# --------------------------------------------------------------------------- environment
+
+_ENV = None
+
+
+def environment():
+    """pockjax's own torchax environment (the user's `torchax.default_env()` is left
+    as it is), with the op definitions pockjax corrects."""
+    global _ENV
+    if _ENV is None:
+        import torch
+        import torchax.tensor
+
+        env = torchax.tensor.Environment()
+        # torchax 0.0.13's batch norm neither writes the running statistics back nor
+        # uses the unbiased variance for them, as torch does in train mode.
+        for name in ("native_batch_norm", "_native_batch_norm_legit"):
+            packet = getattr(torch.ops.aten, name, None)
+            if packet is not None:
+                env.override_op_definition(packet.default, _batch_norm)
+        _ENV = env
+    return _ENV
+
+
+def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    import torch
+
+    dims = [0] + list(range(2, input.ndim))
+    shape = [1, -1] + [1] * (input.ndim - 2)
+    if training:
+        mean = input.mean(dims)
+        var = ((input - mean.reshape(shape)) ** 2).mean(dims)
+        n = input.numel() // input.shape[1]
+        if running_mean is not None:
+            running_mean.copy_((1 - momentum) * running_mean + momentum * mean)
+        if running_var is not None:
+            running_var.copy_((1 - momentum) * running_var + momentum * var * (n / max(n - 1, 1)))
+    else:
+        mean, var = running_mean, running_var
+    rstd = torch.rsqrt(var + eps)
+    out = (input - mean.reshape(shape)) * rstd.reshape(shape)
+    if weight is not None:
+        out = out * weight.reshape(shape)
+    if bias is not None:
+        out = out + bias.reshape(shape)
+    return out, mean, rstd
 
 
 # --------------------------------------------------------------------------- layouts
@@ -244,8 +292,8 @@ def _op_error(e: Exception, module, stack: list[str]) -> Exception:
     if kind == "OperatorNotFound" or isinstance(e, NotImplementedError):
         return NotImplementedError(
             f"torchax cannot run an op of {name}: {kind}: {e}. Replace that module with one "
-            f"torchax supports, or register a JAX lowering with torchax's "
-            f"`torchax.ops.jaten`/`env.override_op_definition`")
+            f"torchax supports, or give the op a definition in pockjax's torchax environment: "
+            f"pockjax.torch.environment().override_op_definition(torch.ops.aten.<op>.default, fn)")
     return type(e)(f"{e} (while running {name} under torchax)") if _reraisable(e) else e
 
 
@@ -320,11 +368,11 @@ def functional(module, *, output: Callable | None = None) -> tuple[dict, TorchFu
 
     from pockjax.scheme import register_layouts
 
-    torchax = import_torchax()
+    import_torchax()
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"pockjax.torch.functional needs a torch.nn.Module, got "
                         f"{type(module).__name__}")
-    env = torchax.default_env()
+    env = environment()
     named_p = dict(module.named_parameters())
     named_b = dict(module.named_buffers())
     if not named_p:
@@ -384,4 +432,4 @@ def _to_torch(arr: np.ndarray):
 
     if arr.dtype.name == "bfloat16":
         return torch.from_numpy(arr.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(arr))
+    return torch.from_numpy(np.array(arr, copy=True))
