@@ -143,7 +143,7 @@ class _Artifact:
                                   f"{expected}); cast it with "
                                   f"np.asarray(x).astype(np.{np.dtype(want).name}) (numpy makes "
                                   f"int64/float64 arrays by default)")
-            args.append(np.ascontiguousarray(x))
+            args.append(np.ascontiguousarray(x).reshape(x.shape))  # 0-d stays 0-d
         return args
 
     def params(self):
