@@ -138,7 +138,7 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     """
     tgt, flags = resolve_target(target, gpu, tuple(extra_flags))
     started = time.perf_counter()
-    lowered = lower_step(trainer, state, batch)
+    lowered = lower_step(trainer, state, batch, backend=tgt.backend)
     mlir, device = lowered.mlir, None
     if tgt.local_device:
         caps = vulkan.device_caps()

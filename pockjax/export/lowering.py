@@ -100,10 +100,11 @@ def _module_body(text: str, prefix: str) -> tuple[str, str]:
     return body, prefix + "main"
 
 
-def _legalized(fn, *avals):
-    """`fn` traced once at `avals` and rewritten by `legalize_for_iree`, as a function."""
+def _legalized(fn, *avals, backend=None):
+    """`fn` traced once at `avals` and rewritten by `legalize_for_iree` for `backend`, as a
+    function."""
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*avals)
-    fixed, _ = legalize_for_iree(closed)
+    fixed, _ = legalize_for_iree(closed, backend)
     out_def = jax.tree_util.tree_structure(out_shape)
 
     def run(*args):
@@ -114,9 +115,11 @@ def _legalized(fn, *avals):
 
 
 def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool = True,
-               placement: str | None = None, ties: str = "data") -> Lowered:
+               placement: str | None = None, ties: str = "data",
+               backend: str | None = None) -> Lowered:
     """Lower `trainer`'s step and eval for `state` and `batch` into one module, legalised
-    for IREE (`pockjax.transforms.legalize`).
+    for IREE (`pockjax.transforms.legalize`) and its HAL device `backend` (a `Target`'s
+    `backend`: "local", "vulkan", "cuda"; None: the rewrites every backend gets).
 
     `donate=False` and `placement="global", ties="barrier"` build the alternatives the
     in-place step is measured against: new buffers for the new state, and one barrier
@@ -175,8 +178,9 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
     mut_avals = [aval(x) for _, x in mutable]
     frz_avals = [aval(x) for _, x in frozen]
     batch_avals = [aval(x) for _, x in named_batch]
-    step_fn = _legalized(flat_step, mut_avals, frz_avals, batch_avals)
-    eval_fn = _legalized(flat_eval, mut_avals[1:1 + n_train], frz_avals, batch_avals)
+    step_fn = _legalized(flat_step, mut_avals, frz_avals, batch_avals, backend=backend)
+    eval_fn = _legalized(flat_eval, mut_avals[1:1 + n_train], frz_avals, batch_avals,
+                         backend=backend)
     # keep_unused: the module's signatures list every input, used or not (batch-norm
     # running statistics, for one, do not enter a training-mode loss).
     step_text = jax.jit(step_fn, donate_argnums=0 if donate else (), keep_unused=True).lower(

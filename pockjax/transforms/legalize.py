@@ -12,6 +12,32 @@
   removes the dependence (and the warning). It routes each gradient to the first
   extreme element of its window, as XLA does, so the values are the same (up to the
   order in which overlapping windows' contributions are added).
+- A `gather` with batching dimensions (`operand_batching_dims`, which `jnp.take_along_axis`
+  emits, so optax's `softmax_cross_entropy_with_integer_labels` has one) takes the
+  batch positions as explicit index columns instead: an iota per batching dimension,
+  appended to the indices, with those operand dimensions collapsed (XLA's
+  `BatchedGatherScatterNormalizer` does the same). IREE 3.13's CUDA code generation fails
+  on the batched form fused with another operand into a reduction over an odd multiple
+  of 32 elements, e.g. the batch mean of `logsumexp(logits) - logits[i, label[i]]` over 32
+  examples ("'func.func' op failed to distribute": an `iree_vector_ext.to_simd` of the
+  batch index that reads the label is left undistributed). The two gathers read the same
+  elements, and the iota columns are always in bounds, so values, out-of-bounds fills and
+  clamping are the same.
+- `slice(broadcast_in_dim(x))` of booleans becomes `broadcast_in_dim(slice(x))`. Slice
+  push-down slices masks in the sparse backward (e.g. a causal mask broadcast over the
+  heads, when attention projections train some channels); IREE then kept the whole
+  broadcast mask in memory as bytes, which GPU targets without 8-bit storage
+  (`vp_android_baseline_2022`) refuse (see `pockjax.export`). The two forms are equal.
+
+These rewrites apply to every backend. One applies to `backend="vulkan"` only:
+
+- A reduction (`reduce_sum`, `reduce_max`, `reduce_min`) over leading axes that keeps the
+  last one, e.g. batch norm's statistics over N, H and W of an NHWC tensor, is followed
+  by an optimization barrier, so IREE compiles it as a kernel of its own. Fused with an
+  elementwise consumer of its broadcast result (`x - sum(x, 0) / n`), IREE 3.13's SPIR-V
+  reduction code generation with subgroup operations fails for some shapes ("failed to
+  legalize operation 'arith.constant'" on a `vector<32xf32>`; 256 x 56 with subgroups of
+  8, as on lavapipe, and 256 x 16 for `valhall`). The barrier is the identity.
 
 Nested `jit` calls are inlined on the way; the bodies of scan, cond, while and remat
 are left as they are (the pattern there is not rewritten).
@@ -23,11 +49,12 @@ import itertools
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pockjax.transforms import pushdown
 
-__all__ = ["legalize_for_iree", "select_and_scatter_add"]
+__all__ = ["legalize_for_iree", "select_and_scatter_add", "unbatched_gather"]
 
 
 def select_and_scatter_add(source, operand, select_prim, window_dimensions, window_strides,
@@ -67,33 +94,179 @@ def select_and_scatter_add(source, operand, select_prim, window_dimensions, wind
     return lax.slice(result, lo, [l + n for l, n in zip(lo, operand.shape)])
 
 
-def _rewrite(jaxpr: jex.Jaxpr, consts, args, stats):
+_MODES = lax.GatherScatterMode
+
+
+def _default_fill(dtype):
+    """`lax.gather`'s fill value for `mode="fill"` when none is given."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.nan
+    if jnp.issubdtype(dtype, jnp.signedinteger):
+        return jnp.iinfo(dtype).min
+    if jnp.issubdtype(dtype, jnp.unsignedinteger):
+        return jnp.iinfo(dtype).max
+    return True
+
+
+def unbatched_gather(operand, indices, dimension_numbers: lax.GatherDimensionNumbers,
+                     slice_sizes, *, mode=_MODES.FILL_OR_DROP, fill_value=None,
+                     unique_indices: bool = False):
+    """`lax.gather` with batching dimensions, computed by a gather without them: for each
+    pair of batching dimensions, the position along the indices' dimension becomes one
+    more index column (an iota) into the operand's dimension, which is collapsed.
+
+    `mode="fill"` is done here as `lax` lowers it (a bounds mask of the given index
+    columns, a gather, a select), but with the mask as elementwise comparisons joined by
+    `&`: the iota columns need no check, and a reduction over the index vector would be a
+    kernel of its own that leaves a boolean array in memory, which GPU targets without
+    8-bit storage refuse (see `pockjax.export`).
+    """
+    dn, mode = dimension_numbers, _MODES.from_any(mode)
+    batch_shape = indices.shape[:-1]  # JAX keeps the index vector in the last dimension
+    largest = max(operand.shape[d] for d in dn.operand_batching_dims) - 1
+    if jnp.iinfo(indices.dtype).max < largest:
+        indices = indices.astype(jnp.int32)
+    columns = [lax.broadcasted_iota(indices.dtype, (*batch_shape, 1), d)
+               for d in dn.start_indices_batching_dims]
+    flat = lax.GatherDimensionNumbers(
+        offset_dims=dn.offset_dims,
+        collapsed_slice_dims=tuple(sorted(dn.collapsed_slice_dims + dn.operand_batching_dims)),
+        start_index_map=dn.start_index_map + dn.operand_batching_dims,
+        operand_batching_dims=(), start_indices_batching_dims=())
+    out = lax.gather(operand, lax.concatenate([indices, *columns], len(batch_shape)), flat,
+                     slice_sizes, unique_indices=unique_indices,
+                     mode=_MODES.PROMISE_IN_BOUNDS if mode == _MODES.FILL_OR_DROP else mode)
+    if mode != _MODES.FILL_OR_DROP:
+        return out
+    ok = None
+    for k, d in enumerate(dn.start_index_map):
+        # Compared as lax does it, in the widest enabled integer type.
+        i = lax.convert_element_type(lax.index_in_dim(indices, k, -1, keepdims=False),
+                                     jax.dtypes.canonicalize_dtype(np.int64))
+        inside = (i >= 0) & (i <= operand.shape[d] - slice_sizes[d])
+        ok = inside if ok is None else ok & inside
+    if ok is None:  # no index columns of its own: every slice is in bounds
+        return out
+    batch_dims = [d for d in range(out.ndim) if d not in dn.offset_dims]
+    fill = _default_fill(out.dtype) if fill_value is None else fill_value
+    return lax.select(lax.broadcast_in_dim(ok, out.shape, batch_dims), out,
+                      lax.full_like(out, fill))
+
+
+# --------------------------------------------------------------------------- the pass
+#
+# One rule per primitive: `rule(ctx, eqn, ins)` returns the equation's outputs, or None
+# to keep the equation as it is.
+
+
+class _Context:
+    def __init__(self, backend, stats, producer, read):
+        self.backend, self.stats, self.producer, self.read = backend, stats, producer, read
+
+    def made(self, kind: str) -> None:
+        self.stats[kind] = self.stats.get(kind, 0) + 1
+
+    def produced_by(self, var, name: str):
+        """The equation that produced `var` if it is a `name` equation, else None."""
+        e = self.producer.get(var) if isinstance(var, jex.Var) else None
+        return e if e is not None and e.primitive.name == name else None
+
+
+_RULES = {}
+
+
+def _select_and_scatter_add(ctx, e, ins):
+    p = e.params
+    if p["select_prim"].name not in ("ge", "le"):
+        return None
+    ctx.made("select_and_scatter")
+    return [select_and_scatter_add(ins[0], ins[1], p["select_prim"], p["window_dimensions"],
+                                   p["window_strides"], p["padding"])]
+
+
+_RULES[lax.select_and_scatter_add_p] = _select_and_scatter_add
+
+
+def _gather(ctx, e, ins):
+    p = e.params
+    if not p["dimension_numbers"].operand_batching_dims or p["mode"] not in (
+            _MODES.CLIP, _MODES.FILL_OR_DROP, _MODES.PROMISE_IN_BOUNDS):
+        return None
+    ctx.made("batched_gather")
+    return [unbatched_gather(ins[0], ins[1], p["dimension_numbers"], p["slice_sizes"],
+                             mode=p["mode"], fill_value=p["fill_value"],
+                             unique_indices=p["unique_indices"])]
+
+
+_RULES[lax.gather_p] = _gather
+
+
+def _slice(ctx, e, ins):
+    """`slice(broadcast_in_dim(x))` of booleans as `broadcast_in_dim(slice(x))`."""
+    src = ctx.produced_by(e.invars[0], "broadcast_in_dim")
+    if src is None or e.outvars[0].aval.dtype != jnp.bool_ or src.params.get("sharding"):
+        return None
+    x, dims, p = ctx.read(src.invars[0]), src.params["broadcast_dimensions"], e.params
+    strides = p["strides"] or (1,) * len(p["start_indices"])
+    # A dimension of size 1 is stretched by the broadcast: keep it whole.
+    keep = lambda j, d, v, one: one if x.shape[j] == 1 else v[d]
+    ctx.made("slice_of_broadcast")
+    return [lax.broadcast_in_dim(
+        lax.slice(x, [keep(j, d, p["start_indices"], 0) for j, d in enumerate(dims)],
+                  [keep(j, d, p["limit_indices"], 1) for j, d in enumerate(dims)],
+                  [keep(j, d, strides, 1) for j, d in enumerate(dims)]),
+        e.outvars[0].aval.shape, dims)]
+
+
+_RULES[lax.slice_p] = _slice
+
+
+def _reduction(ctx, e, ins):
+    out = None
+    if e.primitive is lax.reduce_sum_p:
+        src = ctx.produced_by(e.invars[0], "neg")
+        if src is not None:
+            ctx.made("neg_sum")
+            out = lax.neg(pushdown._bind(e, [ctx.read(src.invars[0])]))
+    axes, ndim = e.params["axes"], len(e.invars[0].aval.shape)
+    if ctx.backend == "vulkan" and ndim >= 2 and axes and ndim - 1 not in axes \
+            and e.outvars[0].aval.shape:
+        # Kept out of its consumers' kernel (see the module docstring).
+        ctx.made("leading_axes_reduction")
+        out = pushdown._bind(e, ins) if out is None else out
+        return [lax.optimization_barrier(out)]
+    return None if out is None else [out]
+
+
+for _p in (lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p):
+    _RULES[_p] = _reduction
+
+_CALLS = ("jit", "pjit", "closed_call")
+
+
+def _rewrite(jaxpr: jex.Jaxpr, consts, args, stats, backend):
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
 
     def override(e, ins, read):
-        if e.primitive.name in ("jit", "pjit", "closed_call"):
+        if e.primitive.name in _CALLS:
             sub = e.params["jaxpr"]
-            return _rewrite(sub.jaxpr, sub.consts, ins, stats)
-        if e.primitive.name == "select_and_scatter_add" and \
-                e.params["select_prim"].name in ("ge", "le"):
-            stats["select_and_scatter"] = stats.get("select_and_scatter", 0) + 1
-            p = e.params
-            return [select_and_scatter_add(ins[0], ins[1], p["select_prim"],
-                                           p["window_dimensions"], p["window_strides"],
-                                           p["padding"])]
-        if e.primitive.name == "reduce_sum" and isinstance(e.invars[0], jex.Var):
-            src = producer.get(e.invars[0])
-            if src is not None and src.primitive.name == "neg":
-                stats["neg_sum"] = stats.get("neg_sum", 0) + 1
-                return [lax.neg(pushdown._bind(e, [read(src.invars[0])]))]
-        return None
+            return _rewrite(sub.jaxpr, sub.consts, ins, stats, backend)
+        rule = _RULES.get(e.primitive)
+        return None if rule is None else rule(_Context(backend, stats, producer, read), e, ins)
 
     return pushdown.interpret(jaxpr, consts, args, override)
 
 
-def legalize_for_iree(closed: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, dict[str, int]]:
-    """`closed` rewritten for IREE, and how many rewrites of each kind were made."""
+def legalize_for_iree(closed: jex.ClosedJaxpr, backend: str | None = None
+                      ) -> tuple[jex.ClosedJaxpr, dict[str, int]]:
+    """`closed` rewritten for IREE, and how many rewrites of each kind were made.
+
+    `backend` is the IREE HAL device the module is compiled for (`"local"`, `"vulkan"`,
+    `"cuda"`; see `pockjax.export.TARGETS`): the rewrites for one backend only apply to
+    it; None makes the rewrites every backend gets.
+    """
     stats: dict[str, int] = {}
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    out = jax.make_jaxpr(lambda *a: _rewrite(closed.jaxpr, closed.consts, a, stats))(*avals)
+    out = jax.make_jaxpr(
+        lambda *a: _rewrite(closed.jaxpr, closed.consts, a, stats, backend))(*avals)
     return out, stats

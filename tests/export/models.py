@@ -105,14 +105,92 @@ def scanned():
     return loss, params, scheme, batch
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "scanned": scanned, "clipped": mlp}
+def classifier():
+    """An MLP classifier trained with optax's integer-label cross entropy (its
+    `take_along_axis` is a gather with batching dimensions) over 32 examples: IREE's CUDA
+    code generation failed on that gather fused into the batch mean (see
+    `pockjax.transforms.legalize`). The labels include the first and the last class."""
+    k = jax.random.PRNGKey(4)
+    sizes = [(16, 32), (32, 32), (32, 10)]
+    params = {f"l{i}": {"w": _normal(k, i, shape, 0.3), "b": jnp.zeros(shape[1])}
+              for i, shape in enumerate(sizes)}
+
+    def loss(p, batch):
+        h = batch["x"]
+        for i in range(2):
+            h = jax.nn.relu(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+        logits = h @ p["l2"]["w"] + p["l2"]["b"]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+
+    scheme = pj.Scheme({"l0/**": pj.Frozen(), "l1/w": pj.Channels(ratio=0.25, axis="in")},
+                       default=pj.Full())
+    batch = {"x": _normal(k, 10, (32, 16), 1.0), "label": jnp.arange(32, dtype=jnp.int32) % 10}
+    return loss, params, scheme, batch
+
+
+def mobilenetv2():
+    """`pockjax.models.MobileNetV2` through `pj.nnx.Trainer`: batch norm's running
+    statistics are batch inputs (`model_state/...`) and aux outputs; integer-label cross
+    entropy; the classifier and the last expansion conv's input channels train."""
+    from flax import nnx
+
+    from pockjax.models.mobilenetv2 import MobileNetV2
+
+    model = MobileNetV2(4, width_mult=0.35, input_size=16, in_channels=1, rngs=nnx.Rngs(0))
+
+    def loss(model, batch):
+        x, y = batch
+        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    scheme = pj.schemes.mobilenetv2(model, last=1, ratio=0.5, axis="in")
+    trainer = pj.nnx.Trainer(model, loss, optimizer=optax.sgd(0.1, momentum=0.9), scheme=scheme)
+    batch = (jax.random.normal(jax.random.key(0), (16, 16, 16, 1)),
+             jnp.arange(16, dtype=jnp.int32) % 4)
+    return trainer, batch
+
+
+def llama():
+    """A tiny `pockjax.models.Llama` (2 blocks, grouped-query attention) through
+    `pj.nnx.Trainer`, next-token integer-label cross entropy over 2 x 16 positions, with
+    PockEngine's transformer scheme on the last block (a quarter of the channels) and the
+    output head."""
+    from flax import nnx
+
+    from pockjax.models.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+
+    def loss(model, tokens):
+        logits = model(tokens)[:, :-1]
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    scheme = pj.schemes.transformer(model, last=1, ratio=0.25, extra=["lm_head/**"])
+    trainer = pj.nnx.Trainer(model, loss, optimizer=optax.adam(1e-3), scheme=scheme)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, model.config.vocab_size)
+    return trainer, tokens
+
+
+# Run against the JAX trainer on every target that runs here.
+MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "scanned": scanned, "clipped": mlp,
+          "classifier": classifier}
+# Larger models, compiled (not run) for every target (tests/export/test_targets.py).
+COMPILE_ONLY = {"mobilenetv2": mobilenetv2, "llama": llama}
 
 # The optimizer per model: adam, except a chain that needs every gradient before any
-# update (global mode) for "clipped".
-OPTIMIZERS = {"clipped": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2))}
+# update (global mode) for "clipped", and plain SGD for "classifier".
+OPTIMIZERS = {"clipped": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)),
+              "classifier": lambda: optax.sgd(0.1)}
 
 
 def make(name):
+    """(trainer, params, batch) of a model in MODELS or COMPILE_ONLY. An NNX model's
+    trainer is its `pj.nnx.Trainer`'s `SparseTrainer`, whose batch carries the module's
+    other state (`{"batch": ..., "model_state": ...}`) where it has some."""
+    if name in COMPILE_ONLY:
+        nnx_trainer, batch = COMPILE_ONLY[name]()
+        if nnx_trainer.rest:
+            batch = {"batch": batch, "model_state": nnx_trainer.rest}
+        return nnx_trainer.sparse, nnx_trainer.params(), batch
     loss, params, scheme, batch = MODELS[name]()
     optimizer = OPTIMIZERS.get(name, lambda: optax.adam(1e-2))()
     trainer = pj.sparse_train(loss, optimizer=optimizer, scheme=scheme, has_aux=name == "scanned")

@@ -1,4 +1,5 @@
-"""Legalisation for IREE keeps every value: neg-sum and select-and-scatter rewrites."""
+"""Legalisation for IREE keeps every value: neg-sum, select-and-scatter and batched-gather
+rewrites."""
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
@@ -52,3 +53,148 @@ def test_pooling_gradients_are_unchanged(window, strides, padding, reducer, init
     # Overlapping windows add their contributions in another order (rounding only); a
     # wrongly chosen element would be off by a whole gradient value.
     np.testing.assert_allclose(out[0], grad(x, w), rtol=1e-6, atol=1e-6)
+
+
+def _batched_gathers(closed):
+    """The gathers with batching dimensions in `closed`, nested jit calls included."""
+    found = []
+    for e in closed.jaxpr.eqns:
+        if e.primitive.name == "jit":
+            found += _batched_gathers(e.params["jaxpr"])
+        elif e.primitive.name == "gather" and e.params["dimension_numbers"].operand_batching_dims:
+            found.append(e)
+    return found
+
+
+def _assert_same(got, want):
+    """Equal values, NaN where NaN, and the same sign on zeros."""
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.signbit(got), np.signbit(want))
+
+
+# Labels at the first and the last class, one that jnp wraps (-1), and for the fill and
+# clip modes two out of range (10 and -11). Logits with exact zeros of both signs, an
+# all-zero row and an infinity, chosen at and beside the label.
+LABELS = np.array([0, 9, 0, 9, 3, -1, 10, -11], np.int32)
+
+
+def _logits():
+    x = np.random.default_rng(1).standard_normal((8, 10)).astype(np.float32)
+    x[0, 0] = 0.0
+    x[1, 9] = -0.0
+    x[2] = 0.0
+    x[3, 8] = -np.inf
+    x[4, 3] = np.inf
+    return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("mode", ["fill", "clip", "promise_in_bounds"])
+def test_a_batched_gather_reads_the_same_elements_without_batching_dims(mode):
+    x, labels = _logits(), jnp.asarray(LABELS if mode != "promise_in_bounds" else LABELS % 10)
+
+    def f(x, labels):
+        return jnp.take_along_axis(x, labels[:, None], axis=1, mode=mode)[:, 0]
+
+    closed = jax.make_jaxpr(f)(x, labels)
+    assert len(_batched_gathers(closed)) == 1
+    fixed, stats, out = _legalized(f, x, labels)
+    assert stats == {"batched_gather": 1} and not _batched_gathers(fixed)
+    _assert_same(out[0], f(x, labels))
+
+
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_several_batching_dims_and_narrow_indices(axis):
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 4, 5)).astype(np.float32))
+    shape = list(x.shape)
+    shape[axis] = 2
+    idx = jnp.asarray(np.random.default_rng(3).integers(0, x.shape[axis], shape), jnp.int8)
+    f = lambda x, idx: jnp.take_along_axis(x, idx, axis=axis)
+    fixed, stats, out = _legalized(f, x, idx)
+    assert stats == {"batched_gather": 1} and not _batched_gathers(fixed)
+    _assert_same(out[0], f(x, idx))
+
+
+def test_a_batch_longer_than_the_index_dtype_reaches():
+    """int8 indices over 300 rows: the iota columns need int32, so the indices widen."""
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((300, 3)).astype(np.float32))
+    idx = jnp.asarray(np.arange(300) % 3, jnp.int8)[:, None]
+    dn = lax.GatherDimensionNumbers(offset_dims=(), collapsed_slice_dims=(1,),
+                                    start_index_map=(1,), operand_batching_dims=(0,),
+                                    start_indices_batching_dims=(0,))
+    f = lambda x, idx: lax.gather(x, idx, dn, (1, 1), mode="fill")
+    fixed, stats, out = _legalized(f, x, idx)
+    assert stats == {"batched_gather": 1}
+    _assert_same(out[0], f(x, idx))
+    _assert_same(out[0], x[np.arange(300), np.arange(300) % 3])
+
+
+def test_integer_label_cross_entropy_keeps_its_value_and_gradients():
+    """optax's integer-label cross entropy, the step IREE's CUDA backend could not compile
+    (a batch of 32): the loss and its gradient, legalised, are those of the original, and
+    so is the gradient taken through the legalised loss."""
+    import optax
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((32, 10)).astype(np.float32)
+    x[:4] = 0.0                                   # exact-zero logits
+    labels = np.arange(32, dtype=np.int32) % 10   # the first and the last class
+    labels[:2] = (0, 9)
+    x, labels = jnp.asarray(x), jnp.asarray(labels)
+
+    def loss(x, labels):
+        return optax.softmax_cross_entropy_with_integer_labels(x, labels).mean()
+
+    step = jax.value_and_grad(loss)
+    fixed, stats, out = _legalized(step, x, labels)
+    assert stats == {"batched_gather": 1} and not _batched_gathers(fixed)
+    value, grad = step(x, labels)
+    _assert_same(out[0], value)
+    _assert_same(out[1], grad)
+
+    legal_loss, _, _ = _legalized(loss, x, labels)
+    through = jax.value_and_grad(lambda x: jex.jaxpr_as_fun(legal_loss)(x, labels)[0])(x)
+    _assert_same(through[0], value)
+    _assert_same(through[1], grad)
+
+
+def test_a_sliced_boolean_broadcast_becomes_a_broadcast_of_the_slice():
+    """A causal mask broadcast over batch and heads, sliced as push-down slices it (some
+    heads, a strided window): the mask itself is sliced, the values are the same."""
+    pos = jnp.arange(6)
+
+    def f(scores):
+        mask = pos[:, None] >= pos[None, :]                     # [6, 6]
+        full = lax.broadcast_in_dim(mask, (2, 3, 6, 6), (2, 3))
+        keep = lax.slice(full, (0, 1, 1, 0), (2, 3, 6, 6), (1, 1, 2, 1))
+        return jnp.where(keep, scores, -jnp.inf)
+
+    scores = jnp.asarray(np.random.default_rng(6).standard_normal((2, 2, 3, 6)), jnp.float32)
+    fixed, stats, out = _legalized(f, scores)
+    assert stats == {"slice_of_broadcast": 1}
+    _assert_same(out[0], f(scores))
+    # Size-1 dimensions the broadcast stretches stay whole.
+    g = lambda m: lax.slice(lax.broadcast_in_dim(m, (4, 5), (0, 1)), (1, 2), (3, 5))
+    m = jnp.asarray([[True], [False], [True], [False]])
+    fixed, stats, out = _legalized(g, m)
+    assert stats == {"slice_of_broadcast": 1}
+    np.testing.assert_array_equal(out[0], g(m))
+    # Other dtypes are left alone.
+    _, stats, _ = _legalized(lambda x: lax.slice(jnp.broadcast_to(x, (4, 5)), (1, 0), (3, 5)),
+                             jnp.ones(5))
+    assert stats == {}
+
+
+def test_reductions_over_leading_axes_get_a_barrier_for_vulkan_only():
+    def f(x):
+        mean = jnp.sum(x, (0, 1)) / 64        # batch norm's statistics over N, H (NHWC)
+        return (x - mean) * jnp.max(x, 0) + jnp.sum(-x, 0) - jnp.sum(x, -1, keepdims=True)
+
+    x = jnp.asarray(np.random.default_rng(7).standard_normal((4, 16, 8)), jnp.float32)
+    closed = jax.make_jaxpr(f)(x)
+    fixed, stats = legalize_for_iree(closed, "vulkan")
+    assert stats == {"leading_axes_reduction": 3, "neg_sum": 1}
+    assert sum(e.primitive.name == "optimization_barrier" for e in fixed.jaxpr.eqns) == 3
+    _assert_same(jex.jaxpr_as_fun(fixed)(x)[0], f(x))
+    for backend in (None, "cuda", "local"):
+        assert legalize_for_iree(closed, backend)[1] == {"neg_sum": 1}
