@@ -24,6 +24,7 @@ _WHERE = {
     "compiled_memory": "_report", "tree_bytes": "_report", "format_bytes": "_report",
     "format_flops": "_report",
     "schemes": None, "export": None, "runtime": None, "nnx": None, "models": None,
+    "torch": None,  # PyTorch modules in through torchax (torch imported on first use)
 }
 
 __all__ = [n for n in _WHERE if not n.startswith("_")]
