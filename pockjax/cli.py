@@ -5,7 +5,9 @@ name, or a path to a .py file) and reads ATTR from it. ATTR is either a function
 taking no arguments that returns `(trainer, state, batch)`, or such a tuple itself:
 the trainer made with `@pockjax.sparse_train`, its initial `TrainState`, and an
 example batch with the shapes to compile for (see examples/export_mlp.py); or
-`(nnx_trainer, batch)` with a `pockjax.nnx.Trainer`. `--scheme FILE.json` (from
+`(nnx_trainer, batch)` with a `pockjax.nnx.Trainer`; or a dict with a PyTorch `model`
+(a `torch.nn.Module`), `loss_fn(apply, params, batch)`, `optimizer`, `scheme`, `batch`
+and optionally `output` (see `pockjax.torch.trainer`). `--scheme FILE.json` (from
 `pockjax search`) replaces the trainer's scheme.
 
 `pockjax search MODULE:ATTR --budget 40% --out scheme.json` reads ATTR the same
@@ -56,10 +58,26 @@ def _load_spec(spec: str):
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], Trainer):
         nnx_trainer, batch = obj
         return nnx_trainer.sparse, nnx_trainer.state, nnx_trainer._batch(batch)
+    if isinstance(obj, dict) and _is_torch_module(obj.get("model")):
+        missing = sorted({"loss_fn", "optimizer", "batch"} - set(obj))
+        if missing:
+            raise SystemExit(f"pockjax export: {spec} gives a torch model; the dict also needs "
+                             f"{missing} (loss_fn(apply, params, batch), see pockjax.torch.trainer)")
+        from pockjax.torch import trainer
+
+        t, state = trainer(obj["model"], obj["loss_fn"], optimizer=obj["optimizer"],
+                           scheme=obj.get("scheme"), output=obj.get("output"))
+        return t, state, obj["batch"]
     if not (isinstance(obj, tuple) and len(obj) == 3):
-        raise SystemExit(f"pockjax export: {spec} must give (trainer, state, batch) or "
-                         f"(pockjax.nnx.Trainer, batch), got {type(obj).__name__}")
+        raise SystemExit(f"pockjax export: {spec} must give (trainer, state, batch), "
+                         f"(pockjax.nnx.Trainer, batch) or a dict with a torch 'model', "
+                         f"'loss_fn', 'optimizer', 'scheme' and 'batch'; got {type(obj).__name__}")
     return obj
+
+
+def _is_torch_module(obj) -> bool:
+    torch = sys.modules.get("torch")  # a torch model means torch is imported already
+    return torch is not None and isinstance(obj, torch.nn.Module)
 
 
 def _read_scheme(path: str):

@@ -38,7 +38,8 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
-__all__ = ["functional", "load_state", "import_torchax", "layouts", "environment", "TorchFunction"]
+__all__ = ["functional", "trainer", "load_state", "import_torchax", "layouts", "environment",
+           "TorchFunction"]
 
 TORCH_NOTE = ("These parameters come from a PyTorch module (pockjax.torch): weights are named "
               "'weight' (not 'kernel'), norm scales 'weight' (not 'scale'), embeddings 'weight' "
@@ -382,6 +383,31 @@ def functional(module, *, output: Callable | None = None) -> tuple[dict, TorchFu
         buffers = _nest(env.t2j_copy({k: v.detach() for k, v in named_b.items()}))
     register_layouts(params, layouts(module), TORCH_NOTE)
     return params, TorchFunction(module, buffers, output, env)
+
+
+def trainer(module, loss_fn: Callable, *, optimizer, scheme=None, output: Callable | None = None,
+            has_aux: bool = False, donate: bool = True):
+    """`(trainer, state)`: `pockjax.sparse_train` over `module`'s parameters, with
+    `loss_fn(apply, params, batch)` (`apply` from `functional(module, output=output)`).
+    `scheme=None` trains every parameter. This is what `pockjax export` builds from a
+    `{"model", "loss_fn", "optimizer", "scheme", "batch"}` dict.
+
+    >>> trainer, state = pj.torch.trainer(                             # doctest: +SKIP
+    ...     model, lambda apply, p, b: lm_loss(apply(p, b["ids"]), b["ids"]),
+    ...     optimizer=optax.adamw(1e-3), scheme=scheme, output=lambda out: out.logits)
+    """
+    from pockjax.scheme import Full, Scheme
+    from pockjax.train import sparse_train
+
+    params, apply = functional(module, output=output)
+
+    def loss(p, batch):
+        return loss_fn(apply, p, batch)
+
+    loss.__name__ = getattr(loss_fn, "__name__", "loss")
+    scheme = Scheme(default=Full()) if scheme is None else scheme
+    t = sparse_train(loss, optimizer=optimizer, scheme=scheme, has_aux=has_aux, donate=donate)
+    return t, t.init(params, copy=False)
 
 
 # --------------------------------------------------------------------------- back into torch
