@@ -442,3 +442,88 @@ def test_import_error_names_versions(monkeypatch):
     monkeypatch.setattr(sys, "meta_path", [Boom(), *sys.meta_path])
     with pytest.raises(ImportError, match=r"torchax .* does not import with torch 2\.\d+"):
         pt.import_torchax()
+
+
+# --------------------------------------------------------------------------- export, CLI, example
+
+TARGETS = ["host-cpu", "host-vulkan", "android-vulkan", "android-arm64", "jetson-cuda"]
+
+
+@pytest.fixture(scope="module")
+def small_torch_trainer():
+    """A torch CNN + MLP head (conv OIHW, Linear [out, in]) with Channels on both axes."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+                              torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                              torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    scheme = pj.Scheme({"0/weight": pj.Channels(count=2, axis="in"),
+                        "4/weight": pj.Channels(count=8, axis="out"), "6/**": pj.Full()})
+    rs = np.random.RandomState(0)
+    batch = {"x": rs.randn(4, 3, 6, 6).astype(np.float32),
+             "y": rs.randint(0, 4, (4,)).astype(np.int32)}
+    trainer, state = pt.trainer(net, lambda apply, p, b: _xent(apply(p, b["x"]), b["y"]),
+                                optimizer=optax.adamw(1e-2), scheme=scheme)
+    return trainer, state, batch
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_target_compiles_a_torch_model(small_torch_trainer, target, tmp_path):
+    pytest.importorskip("iree.compiler")
+    trainer, state, batch = small_torch_trainer
+    art = trainer.export(state, batch, target=target, out_dir=tmp_path / "art")
+    assert art.manifest["target"]["name"] == target
+    names = [p["name"] for p in art.manifest["params"]] if isinstance(
+        art.manifest.get("params"), list) else str(art.manifest)
+    assert "4/weight" in str(names)
+
+
+def test_cli_exports_a_torch_model_with_its_loss(tmp_path):
+    pytest.importorskip("iree.compiler")
+    from pockjax.cli import main as cli
+
+    spec = tmp_path / "torch_model.py"
+    spec.write_text(
+        "import numpy as np, optax, torch, jax.numpy as jnp, pockjax as pj\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))\n"
+        "    loss = lambda apply, p, b: jnp.mean((apply(p, b) - 1.0) ** 2)\n"
+        "    return {'model': net, 'loss_fn': loss, 'optimizer': optax.sgd(0.1),\n"
+        "            'scheme': pj.Scheme({'0/weight': pj.Channels(count=2, axis='in'),\n"
+        "                                 '2/**': pj.Full()}),\n"
+        "            'batch': np.ones((3, 4), np.float32)}\n")
+    out = tmp_path / "art"
+    assert cli(["export", f"{spec}:make", "--target", "host-cpu", "--out", str(out)]) == 0
+    import json
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    state = manifest["functions"]["train_step"]["state"]
+    assert "params/0/weight" in state and "params/2/bias" in state, state
+    sess = pj.runtime.load(str(out))
+    sess.step(np.ones((3, 4), np.float32))
+    shapes = {k: v.shape for k, v in pt._flatten(sess.params(), "/").items()}
+    assert shapes["0/weight"] == (8, 4)
+
+
+def test_search_on_torch_params(small_torch_trainer):
+    trainer, state, batch = small_torch_trainer
+    data = ([batch] * 3, [batch])
+    scheme, report = pj.search(
+        lambda s: pj.sparse_train(trainer.loss_fn, optimizer=optax.adamw(1e-2), scheme=s),
+        state.params, data, "60%", steps=3, ratios=(0.5,), axis="out")
+    decisions = dict(leaves_with_paths(scheme.resolve(state.params))[0])
+    for path, d in decisions.items():
+        if isinstance(d, pj.Channels) and path.endswith("weight"):
+            assert d.axis == 0, (path, d)   # "out" of torch's [out, in] / OIHW
+
+
+def test_example_torch_hf_finetune_fast(tmp_path):
+    import subprocess
+    import sys
+
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+    proc = subprocess.run([sys.executable, "torch_hf_finetune.py", "--fast", "--out", str(tmp_path)],
+                          cwd=examples, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "exported android-vulkan" in proc.stdout
+    assert (tmp_path / "tuned" / "config.json").exists()
