@@ -10,8 +10,14 @@ value. Equations nobody needs are dropped on the way (dead-code elimination).
 Rules live in one table keyed by primitive name: `pull(eqn, i, box)` says which
 (variable, box) pairs computing box `box` of output `i` needs, or returns `None`
 when it cannot do better than computing the whole output; `apply(ctx, eqn, i, box)`
-emits that computation. A primitive without a rule takes the always-correct path
-(compute all of it, then slice) and is counted in `Stats.fallbacks`.
+emits that computation. A rule may also `widen` a box it cannot compute into one it
+can (a conv computes all rows of its kept channels); the needed box is sliced from it.
+A primitive without a rule takes the always-correct path (compute all of it, then
+slice) and is counted in `Stats.fallbacks`.
+
+Every equation the pass emits (re-bound, narrowed, or a slice of it) carries the source
+info of the equation it comes from, so messages of this and later passes name the
+user's line (`_as_source`).
 
 Higher-order primitives recurse: a box of a `scan`, `remat` or `cond` output becomes
 an extra output of the rewritten body; `jit` is inlined; `while` bodies are rewritten
@@ -21,6 +27,8 @@ a gradient jaxpr) are kept as they are.
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Callable, NamedTuple, Sequence
@@ -30,6 +38,11 @@ import jax.extend.core as jex
 import numpy as np
 from jax import lax
 from jax.extend.core import primitives as P
+
+try:  # JAX 0.10 has no public API to read or set an equation's source info
+    from jax._src import source_info_util as _source_info
+except ImportError:  # pragma: no cover - a later JAX moved it: messages lose the user's line
+    _source_info = None
 
 Box = tuple  # tuple[tuple[int, int], ...]
 
@@ -66,10 +79,40 @@ def _is_var(v) -> bool:
 def _describe_source(eqn) -> str:
     """The user's source line of an equation, for messages."""
     try:
-        from jax._src import source_info_util  # no public equivalent in 0.10
-        return source_info_util.summarize(eqn.source_info)
+        return _source_info.summarize(eqn.source_info) or "<unknown source>"
     except Exception:  # pragma: no cover - best effort only
         return "<unknown source>"
+
+
+_enclosing_traceback = contextvars.ContextVar("pockjax_enclosing_traceback", default=None)
+
+
+@contextlib.contextmanager
+def _as_source(eqn):
+    """A context in which the equations bound for `eqn` carry `eqn`'s source info.
+
+    Without it every re-bound equation would name the pass's own frame as its source
+    (a later pass's messages would point at this file, not the user's line). Like
+    `jax.core.eval_jaxpr`: the traceback is the equation's own and its name stack is
+    appended to the current one (that of the enclosing call when a `jit` is inlined).
+    An equation traced inside a library's jit (`jnp.cumsum`, `jnp.var`) may have no
+    user frame at all; it takes the enclosing equation's traceback, the user's call.
+    Enter it once per equation: nested for the same equation it repeats the name stack.
+    """
+    info = getattr(eqn, "source_info", None)
+    if _source_info is None or info is None:
+        yield
+        return
+    traceback = info.traceback
+    if traceback is None or _source_info.user_frame(traceback) is None:
+        traceback = _enclosing_traceback.get() or traceback
+    token = _enclosing_traceback.set(traceback)
+    try:
+        with _source_info.user_context(
+                traceback, name_stack=_source_info.current_name_stack() + info.name_stack):
+            yield
+    finally:
+        _enclosing_traceback.reset(token)
 
 
 # --------------------------------------------------------------------------- stats
@@ -101,19 +144,27 @@ class Rule(NamedTuple):
     pull: Callable  # (eqn, i, box) -> list[(var, box)] | None
     apply: Callable  # (ctx, eqn, i, box) -> value
     slicing: bool = False  # also used for the full box (slice-like primitives)
+    # (eqn, i, box) -> a larger box `pull` takes, for a box it declines; the larger box
+    # is computed and `box` sliced from it (a conv narrows channels, not spatial dims).
+    widen: Callable | None = None
 
 
 RULES: dict[str, Rule] = {}
 
 
-def register(names: str | Sequence[str], pull: Callable, apply: Callable, slicing: bool = False):
+def register(names: str | Sequence[str], pull: Callable, apply: Callable, slicing: bool = False,
+             widen: Callable | None = None):
     """Register a push-down rule for primitives by name (also usable by other modules)."""
     for name in [names] if isinstance(names, str) else names:
-        RULES[name] = Rule(pull, apply, slicing)
+        RULES[name] = Rule(pull, apply, slicing, widen)
 
 
 def _bind(eqn, invals, **overrides):
-    """Re-emit `eqn` on new inputs, with some params changed."""
+    """Re-emit `eqn` on new inputs, with some params changed.
+
+    Callers bind inside `_as_source(eqn)` (`interpret` and the pass do) so the new
+    equation keeps the user's source line.
+    """
     params = eqn.primitive.get_bind_params({**eqn.params, **overrides})
     if isinstance(params, tuple):  # (subfuns, params) for some call primitives
         subfuns, params = params
@@ -148,26 +199,38 @@ ELEMENTWISE = (
 ).split()
 
 
+def _elementwise_operand_box(v, out_shape, box):
+    """The box of operand `v` that box `box` of an elementwise output needs, or None.
+
+    An operand is a scalar, has the output's shape, or has size 1 where it broadcasts
+    (lax binary ops take rank-preserving size-1 operands, e.g. `w / w.std(0, keepdims=True)`):
+    such a dim keeps its whole (0, 1) box, the others take the output's.
+    """
+    shape = _shape(v)
+    if shape == ():
+        return ()
+    if len(shape) != len(out_shape) or any(n not in (1, m) for n, m in zip(shape, out_shape)):
+        return None
+    return tuple(b if n == m else (0, 1) for b, n, m in zip(box, shape, out_shape))
+
+
 def _elementwise_pull(eqn, i, box):
     out_shape = _shape(eqn.outvars[0])
     needs = []
     for v in eqn.invars:
         if not _is_var(v):
             continue
-        s = _shape(v)
-        if s == out_shape:
-            needs.append((v, box))
-        elif s == ():
-            needs.append((v, ()))
-        else:
+        b = _elementwise_operand_box(v, out_shape, box)
+        if b is None:
             return None
+        needs.append((v, b))
     return needs
 
 
 def _elementwise_apply(ctx, eqn, i, box):
     out_shape = _shape(eqn.outvars[0])
-    return _bind(eqn, [ctx.get(v, box if _is_var(v) and _shape(v) == out_shape else None)
-                       for v in eqn.invars])
+    return _bind(eqn, [ctx.get(v, _elementwise_operand_box(v, out_shape, box)) if _is_var(v)
+                       else ctx.get(v) for v in eqn.invars])
 
 
 register(ELEMENTWISE, _elementwise_pull, _elementwise_apply)
@@ -195,6 +258,15 @@ def _squeeze_pull(eqn, i, box):
 
 
 register("squeeze", _squeeze_pull, _rebind_on_pulled(_squeeze_pull))
+
+
+def _rev_pull(eqn, i, box):
+    dims = set(eqn.params["dimensions"])
+    return [(eqn.invars[0], tuple((n - e, n - s) if d in dims else (s, e)
+                                  for d, ((s, e), n) in enumerate(zip(box, _shape(eqn.invars[0])))))]
+
+
+register("rev", _rev_pull, _rebind_on_pulled(_rev_pull))
 
 
 def _reshape_groups(in_shape, out_shape):
@@ -312,18 +384,64 @@ register(["reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "ar
          _reduce_pull, _rebind_on_pulled(_reduce_pull))
 
 
+def _reduce_window_pull(eqn, i, box):
+    """Dims whose window is the identity (size 1, stride 1, no padding or dilation) pass
+    their box straight through (e.g. channels under an average pool); others stay whole."""
+    p, x = eqn.params, eqn.invars[0]
+    out_shape = _shape(eqn.outvars[0])
+    opbox = []
+    for d, (b, n) in enumerate(zip(box, _shape(x))):
+        identity = (p["window_dimensions"][d], p["window_strides"][d], tuple(p["padding"][d]),
+                    p["base_dilation"][d], p["window_dilation"][d]) == (1, 1, (0, 0), 1, 1)
+        if identity:
+            opbox.append(b)
+        elif b == (0, out_shape[d]):
+            opbox.append((0, n))
+        else:
+            return None
+    return [(x, tuple(opbox))]
+
+
+register("reduce_window_sum", _reduce_window_pull, _rebind_on_pulled(_reduce_window_pull))
+
+
 # -- slicing (these also run for the whole output: they need only part of their input)
 
 
 def _slice_pull(eqn, i, box):
-    strides = eqn.params["strides"]
-    if strides is not None and any(s != 1 for s in strides):
-        return None
+    """Output element j of a dim is operand element start + j * stride: a box (s, e)
+    needs operand elements start + s * stride ... start + (e - 1) * stride.
+
+    A strided dim the box spans whole takes all of the operand's dim instead: that saves
+    at most stride - 1 elements, while a partial box there would stop rules above that
+    need the dim whole (a conv's spatial dims) and would split one producer into
+    overlapping boxes (`x[0::2]` and `x[1::2]` of the same `x`).
+    """
+    starts, out_shape, in_shape = eqn.params["start_indices"], _shape(eqn.outvars[0]), _shape(eqn.invars[0])
+    strides = eqn.params["strides"] or (1,) * len(box)
+    opbox = []
+    for a, k, (s, e), m, n in zip(starts, strides, box, out_shape, in_shape):
+        lo = a + s * k
+        if k != 1 and (s, e) == (0, m):
+            opbox.append((0, n))
+        else:
+            opbox.append((lo, lo + (e - s - 1) * k + 1 if e > s else lo))
+    return [(eqn.invars[0], tuple(opbox))]
+
+
+def _slice_apply(ctx, eqn, i, box):
+    (v, b), = _slice_pull(eqn, i, box)
+    x = ctx.get(v, b)
     starts = eqn.params["start_indices"]
-    return [(eqn.invars[0], tuple((a + s, a + e) for a, (s, e) in zip(starts, box)))]
+    strides = eqn.params["strides"]
+    if strides is None or all(k == 1 for k in strides):
+        return x
+    rel = [a + s * k - lo for a, k, (s, _), (lo, _) in zip(starts, strides, box, b)]
+    return lax.slice(x, rel, [r + (e - s - 1) * k + 1 if e > s else r
+                              for r, k, (s, e) in zip(rel, strides, box)], strides)
 
 
-register("slice", _slice_pull, _pulled_itself(_slice_pull), slicing=True)
+register("slice", _slice_pull, _slice_apply, slicing=True)
 
 
 def _split_pull(eqn, i, box):
@@ -398,33 +516,40 @@ def _concat_apply(ctx, eqn, i, box):
 register("concatenate", _concat_pull, _concat_apply)
 
 
+def _pad_ranges(eqn, box):
+    """Per dim, the operand range [j0, j1) a box of the pad's output reads and that box's
+    (low, high, interior) padding around it; None when the box holds padding only.
+
+    Operand element j sits at output lo + j * (interior + 1) (lo may be negative: a crop).
+    """
+    ranges = []
+    for (s, e), (lo, _, interior), n in zip(box, eqn.params["padding_config"], _shape(eqn.invars[0])):
+        r = interior + 1
+        j0 = max(-((lo - s) // r), 0)  # the first j with lo + j * r >= s
+        j1 = min((e - 1 - lo) // r + 1, n)  # one past the last j with lo + j * r < e
+        if j0 >= j1:
+            return None
+        new_lo = lo + j0 * r - s
+        ranges.append(((j0, j1), (new_lo, (e - 1) - (lo + (j1 - 1) * r), interior)))
+    return ranges
+
+
 def _pad_pull(eqn, i, box):
     x, pv = eqn.invars
-    cfg = eqn.params["padding_config"]
-    if any(interior != 0 for _, _, interior in cfg):
-        return None
-    opbox = []
-    for (s, e), (lo, _, _), n in zip(box, cfg, _shape(x)):
-        a, b = max(s, lo), min(e, lo + n)
-        if a >= b:
-            return [(pv, ())] if _is_var(pv) else []
-        opbox.append((a - lo, b - lo))
-    return ([(x, tuple(opbox))] if _is_var(x) else []) + ([(pv, ())] if _is_var(pv) else [])
+    needs = [(pv, ())] if _is_var(pv) else []
+    ranges = _pad_ranges(eqn, box)
+    if ranges is not None and _is_var(x):
+        needs.insert(0, (x, tuple(r for r, _ in ranges)))
+    return needs
 
 
 def _pad_apply(ctx, eqn, i, box):
     x, pv = eqn.invars
-    cfg = eqn.params["padding_config"]
     pad_value = ctx.get(pv, ())
-    opbox, new_cfg = [], []
-    for (s, e), (lo, _, _), n in zip(box, cfg, _shape(x)):
-        a, b = max(s, lo), min(e, lo + n)
-        if a >= b:
-            return lax.broadcast_in_dim(pad_value, box_shape(box), ())
-        opbox.append((a - lo, b - lo))
-        new_lo = a - s
-        new_cfg.append((new_lo, (e - s) - new_lo - (b - a), 0))
-    return lax.pad(ctx.get(x, tuple(opbox)), pad_value, new_cfg)
+    ranges = _pad_ranges(eqn, box)
+    if ranges is None:
+        return lax.broadcast_in_dim(pad_value, box_shape(box), ())
+    return lax.pad(ctx.get(x, tuple(r for r, _ in ranges)), pad_value, [c for _, c in ranges])
 
 
 register("pad", _pad_pull, _pad_apply)
@@ -477,6 +602,50 @@ def _dus_apply(ctx, eqn, i, box):
 
 
 register("dynamic_update_slice", _dus_pull, _dus_apply)
+
+
+def _scatter_boxes(eqn, box):
+    """(operand box, updates box) for a box of a scatter's output, or None.
+
+    A dim of the operand that no index addresses and whose update window spans it whole
+    (the columns of an embedding table under the gradient of a lookup) is elementwise
+    between operand, updates and output: its box passes to both. Others stay whole.
+    """
+    operand, _, updates = eqn.invars
+    dn = eqn.params["dimension_numbers"]
+    oshape, ushape = _shape(operand), _shape(updates)
+    window = [d for d in range(len(oshape))
+              if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
+    ubox = list(full_box(ushape))
+    for d, (b, n) in enumerate(zip(box, oshape)):
+        if b == (0, n):
+            continue
+        if d not in window or d in dn.scatter_dims_to_operand_dims:
+            return None
+        ud = dn.update_window_dims[window.index(d)]
+        if ushape[ud] != n:
+            return None
+        ubox[ud] = b
+    return tuple(box), tuple(ubox)
+
+
+def _scatter_pull(eqn, i, box):
+    boxes = _scatter_boxes(eqn, box)
+    if boxes is None or not _is_var(eqn.invars[0]):
+        return None
+    operand, indices, updates = eqn.invars
+    needs = [(operand, boxes[0])] + ([(indices, full_box(_shape(indices)))] if _is_var(indices) else [])
+    return needs + ([(updates, boxes[1])] if _is_var(updates) else [])
+
+
+def _scatter_apply(ctx, eqn, i, box):
+    obox, ubox = _scatter_boxes(eqn, box)
+    operand, indices, updates = eqn.invars
+    return _bind(eqn, [ctx.get(operand, obox), ctx.get(indices),
+                       ctx.get(updates, ubox) if _is_var(updates) else ctx.get(updates)])
+
+
+register("scatter-add", _scatter_pull, _scatter_apply)
 
 
 # -- contractions ----------------------------------------------------------------
@@ -567,7 +736,25 @@ def _conv_apply(ctx, eqn, i, box):
                  feature_group_count=G, batch_group_count=B)
 
 
-register("conv_general_dilated", _conv_pull, _conv_apply)
+def _conv_widen(eqn, i, box):
+    """The box grown to what `_conv_plan` takes: spatial dims whole, the batch whole under
+    batch groups, the features out to whole groups."""
+    out_shape = _shape(eqn.outvars[0])
+    ospec = eqn.params["dimension_numbers"].out_spec
+    G, B = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
+    wide = list(box)
+    for d in ospec[2:]:
+        wide[d] = (0, out_shape[d])
+    if B != 1:
+        wide[ospec[0]] = (0, out_shape[ospec[0]])
+    if max(G, B) > 1:
+        gsize = out_shape[ospec[1]] // max(G, B)
+        fs, fe = box[ospec[1]]
+        wide[ospec[1]] = (fs // gsize * gsize, -(-fe // gsize) * gsize)
+    return tuple(wide)
+
+
+register("conv_general_dilated", _conv_pull, _conv_apply, widen=_conv_widen)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -659,6 +846,10 @@ def _analyse(jaxpr, out_needs, stats):
             for i, box in wanted:
                 try:
                     pulled = rule.pull(eqn, i, box)
+                    if pulled is None and rule.widen is not None:
+                        box = rule.widen(eqn, i, box)
+                        if box is not None and box != full_box(_shape(eqn.outvars[i])):
+                            pulled = rule.pull(eqn, i, box)  # `box` is then sliced from it
                 except Exception:  # a rule declines cases it does not cover
                     pulled = None
                 if pulled is None:
@@ -690,30 +881,34 @@ def _eval(jaxpr, consts, args, out_needs, stats):
         if _is_var(v):
             ctx.put(v, full_box(_shape(v)), x)
     for eqn in jaxpr.eqns:
-        if id(eqn) not in plans:
-            continue
-        whole, plan, wanted = plans[id(eqn)]
-        name = eqn.primitive.name
-        if whole == "alias":
-            ctx.put(eqn.outvars[0], full_box(_shape(eqn.outvars[0])), ctx.get(plan))
-            continue
-        if name in _CALLS:
-            _CALL_RULES[name](ctx, eqn, needs, stats)
-            continue
-        if whole:
-            outs = _HIGHER_ORDER.get(name, _bind_generic)(ctx, eqn, stats)
-            outs = outs if eqn.primitive.multiple_results else [outs]
-            for v, o in zip(eqn.outvars, outs):
-                if _is_var(v):
-                    ctx.put(v, full_box(_shape(v)), o)
-            for i, box in wanted:  # slice right away, so the whole value can die early
-                ctx.get(eqn.outvars[i], box)
-            continue
-        rule = RULES[name]
-        for (i, box) in plan:
-            ctx.put(eqn.outvars[i], box, rule.apply(ctx, eqn, i, box))
+        if id(eqn) in plans:
+            with _as_source(eqn):  # what is emitted for `eqn` keeps the user's line
+                _eval_eqn(ctx, eqn, plans[id(eqn)], needs, stats)
     return [[ctx.get(v, b) if _is_var(v) else v.val for b in boxes]
             for v, boxes in zip(jaxpr.outvars, out_needs)]
+
+
+def _eval_eqn(ctx, eqn, plan_entry, needs, stats):
+    whole, plan, wanted = plan_entry
+    name = eqn.primitive.name
+    if whole == "alias":
+        ctx.put(eqn.outvars[0], full_box(_shape(eqn.outvars[0])), ctx.get(plan))
+        return
+    if name in _CALLS:
+        _CALL_RULES[name](ctx, eqn, needs, stats)
+        return
+    if whole:
+        outs = _HIGHER_ORDER.get(name, _bind_generic)(ctx, eqn, stats)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, o in zip(eqn.outvars, outs):
+            if _is_var(v):
+                ctx.put(v, full_box(_shape(v)), o)
+        for i, box in wanted:  # slice right away, so the whole value can die early
+            ctx.get(eqn.outvars[i], box)
+        return
+    rule = RULES[name]
+    for (i, box) in plan:
+        ctx.put(eqn.outvars[i], box, rule.apply(ctx, eqn, i, box))
 
 
 def _bind_generic(ctx, eqn, stats):
@@ -773,10 +968,11 @@ def interpret(jaxpr, consts, args, override=None, after=None):
         after(-1, read)
     for i, e in enumerate(jaxpr.eqns):
         ins = [read(v) for v in e.invars]
-        outs = override(e, ins, read) if override else None
-        if outs is None:
-            outs = _bind(e, ins)
-            outs = outs if e.primitive.multiple_results else [outs]
+        with _as_source(e):  # also for what `override` emits, e.g. an inlined jit's body
+            outs = override(e, ins, read) if override else None
+            if outs is None:
+                outs = _bind(e, ins)
+                outs = outs if e.primitive.multiple_results else [outs]
         for v, o in zip(e.outvars, outs):
             if _is_var(v):
                 env[v] = o

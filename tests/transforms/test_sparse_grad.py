@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import pockjax as pj
+from pockjax.transforms import pushdown
 from tests.helpers import assert_matches_dense, assert_trees_close, dense_view
 
 
@@ -204,3 +205,38 @@ def test_property_random_attention_blocks(heads, data):
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, d))
     loss = lambda p, x: jnp.mean(attention_block(p, attention_block(p, x, heads), heads) ** 2)
     assert_matches_dense(loss, scheme, params, x, rtol=1e-5, atol=1e-6)
+
+
+# -- explain(): fallbacks name the user's line ---------------------------------------------
+
+
+def _running_sum(h):
+    return jnp.cumsum(h, axis=-1)  # no push-down rule: the fallback explain() reports
+
+
+_RUNNING_SUM_LINE = _running_sum.__code__.co_firstlineno + 1
+
+
+@pytest.mark.parametrize("nested_jit", [True, False])
+def test_fallback_source_is_the_users_line_through_rebound_equations(nested_jit):
+    # Before push-down, nested jits are inlined: every equation in them is re-bound by the
+    # pass, which must keep its source info, or explain() names pockjax's own frame.
+    running_sum = jax.jit(_running_sum) if nested_jit else _running_sum
+
+    @jax.jit
+    def block(w, x):  # the backward of a jit is a jit: it is inlined too
+        return jnp.tanh(running_sum(x @ w))
+
+    loss = lambda p, x: jnp.sum(block(p["dense_0"]["kernel"], x) ** 2)
+    info = assert_matches_dense(loss, pj.Scheme({"dense_0/kernel": pj.Channels(count=3, axis="out")}),
+                                PARAMS, X)
+    source = info.fallback_sources["cumsum"]
+    assert f"{__file__}:{_RUNNING_SUM_LINE}:" in source and "(_running_sum)" in source, source
+    assert "pockjax" not in str(info).replace(__file__, ""), str(info)
+
+
+def test_equations_the_pass_emits_keep_the_users_line():
+    # Rules' output (narrowed dot_generals, slices) carries the line of the equation it replaces.
+    info = pj.sparse_grad(mlp_loss, SCHEME).explain(PARAMS, X)
+    sources = {pushdown._describe_source(e) for e in info.jaxpr.jaxpr.eqns}
+    assert not [s for s in sources if "pushdown.py" in s], sources
