@@ -21,7 +21,8 @@ Rows: PyTorch eager full, frozen (`requires_grad=False` on what the sparse schem
 freezes), LoRA r=8 (peft), torch.compile full; JAX + optax full and multi_transform
 (the sparse scheme's tensors trained whole, the rest set to zero); pockjax full and
 sparse (`pj.nnx.Trainer`); the sparse step exported to IREE host-cpu and run with
-`pj.runtime`. Each row runs in its own process (peak resident memory from the OS is that
+`pj.runtime`; pockjax full and sparse on the PyTorch rows' `LlamaForCausalLM` brought in
+through `pockjax.torch` (LLaMA only), beside the Flax rows: the frontend's overhead. Each row runs in its own process (peak resident memory from the OS is that
 row's alone) with a timeout; a row that fails says why in its cell. Prints markdown
 tables and writes benchmarks/results/paper_table.md and paper_table.png.
 
@@ -49,7 +50,10 @@ from benchmarks.common import (ROOT, commit, report_result, rss_mib,  # noqa: E4
 WORKLOADS = ["llama", "mobilenetv2"]
 ROWS = ["torch full", "torch frozen", "torch lora r8", "torch.compile full", "jax+optax full",
         "jax+optax multi_transform", "pockjax full", "pockjax sparse",
-        "pockjax sparse iree host-cpu"]
+        "pockjax sparse iree host-cpu", "pockjax.torch full", "pockjax.torch sparse"]
+# pockjax on the Hugging Face LlamaForCausalLM the torch rows run, brought in through
+# pockjax.torch (torchax), against the Flax LLaMA rows: the frontend's overhead.
+TORCH_FRONTEND_ROWS = ("pockjax.torch full", "pockjax.torch sparse")
 LR = 1e-4
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -464,6 +468,45 @@ def run_jax(workload: str, row: str, s: dict, args) -> dict:
     return {"losses": losses, "times": times, **extra, **_memory(compiled())}
 
 
+def run_pockjax_torch(workload: str, row: str, s: dict, args) -> dict:
+    """pockjax on the torch rows' `LlamaForCausalLM` (same weights), through pockjax.torch."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import pockjax as pj
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    rss_imports = rss_mib()
+    net = LlamaForCausalLM.from_pretrained(os.path.join(args.data, "hf"),
+                                           torch_dtype=torch.float32).eval()
+    params, apply = pj.torch.functional(net, output=lambda out: out.logits)
+    tokens = jnp.asarray(make_batch(workload, s))
+
+    def lm_loss(p, tokens):
+        logits = apply(p, tokens, use_cache=False)[:, :-1]
+        targets = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1])
+        return -jnp.mean(jnp.sum(targets * jax.nn.log_softmax(logits), axis=-1))
+
+    # The same scheme as "pockjax sparse", on torch's names (q_proj/weight, lm_head/weight).
+    scheme = pj.Scheme(default=pj.Full()) if row.endswith("full") else pj.schemes.transformer(
+        params, last=max(1, s["layers"] // 2), extra=["lm_head/**"])
+    trainer = pj.sparse_train(lm_loss, optimizer=optax.adam(LR), scheme=scheme)
+    state = [trainer.init(params, copy=False)]
+
+    def step():
+        state[0], metrics = trainer(state[0], tokens)
+        return float(jax.block_until_ready(metrics["loss"]))
+
+    losses, times = _timed(step, args.steps, args.warmup)
+    trained = sum(int(np.prod(np.shape(x))) for x in
+                  jax.tree_util.tree_leaves(pj.trainable(state[0].params, scheme)))
+    return {"losses": losses, "times": times, "trained_params": trained,
+            "rss_imports_mib": rss_imports, **_memory(trainer.lower(state[0], tokens).compile())}
+
+
 def run_iree(workload: str, trainer, batch, args) -> dict:
     import jax
 
@@ -501,7 +544,8 @@ def run_iree(workload: str, trainer, batch, args) -> dict:
 
 def child(args) -> None:
     s = sizes(args.workload, args.quick, getattr(args, args.workload))
-    run = run_torch if args.row.startswith("torch") else run_jax
+    run = (run_torch if args.row.startswith("torch") else
+           run_pockjax_torch if args.row in TORCH_FRONTEND_ROWS else run_jax)
     result = run(args.workload, args.row, s, args)
     result["imports_jax"] = "jax" in sys.modules
     report_result(result)
@@ -560,6 +604,13 @@ def table(workload: str, s: dict, prep: dict, results: dict, rows: list[str], ar
                          f"{prep['jax_first_loss']:.6f} (relative difference {rel:.1e})"
                          + ("; this process imported JAX" if results[row].get("imports_jax")
                             else ""))
+    for mine, flax in (("pockjax.torch sparse", "pockjax sparse"),
+                       ("pockjax.torch full", "pockjax full")):
+        if ok(mine) and ok(flax):
+            lines.append(f"- frontend overhead, {mine} (HF LlamaForCausalLM through torchax) vs "
+                         f"{flax} (Flax LLaMA): {med(mine) / med(flax):.2f}x the step time, "
+                         f"first loss {results[mine]['losses'][0]:.6f} vs "
+                         f"{results[flax]['losses'][0]:.6f}")
     if ok("pockjax sparse iree host-cpu"):
         lines.append(f"- IREE export and compilation took "
                      f"{results['pockjax sparse iree host-cpu']['export_s']:.1f} s")
@@ -673,6 +724,9 @@ def main(argv=None):
             prep = prepare(w, s, data)
             results = {}
             for row in rows:
+                if row in TORCH_FRONTEND_ROWS and w != "llama":
+                    results[row] = {"error": "LLaMA only (the Hugging Face module)"}
+                    continue
                 print(f"[{w}] {row} ...", file=sys.stderr, flush=True, end=" ")
                 results[row] = run_row(w, row, args)
                 r = results[row]
