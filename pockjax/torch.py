@@ -9,13 +9,18 @@ schemes, `search`, `export`) takes them unchanged. Each weight carries its layou
 `Linear`, `OIHW` convolutions and GPT-2's `[in, out]` `Conv1D`.
 `load_state(module, params)` writes trained values back into the module.
 
->>> import torch, optax, pockjax as pj                                # doctest: +SKIP
+>>> import torch, optax, jax.numpy as jnp, pockjax as pj
 >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
 >>> params, apply = pj.torch.functional(net)
->>> scheme = pj.Scheme({"2/**": pj.Full(), "0/weight": pj.Channels(ratio=0.5, axis="out")})
->>> trainer = pj.sparse_train(lambda p, b: ((apply(p, b["x"]) - b["y"]) ** 2).mean(),
+>>> params["0"]["weight"].shape                      # torch's [out, in]
+(8, 4)
+>>> scheme = pj.Scheme({"2/**": pj.Full(), "0/weight": pj.Channels(ratio=0.5, axis="in")})
+>>> scheme.resolve(params)["0"]["weight"]             # "in" is axis 1 here
+Channels(count=2, axis=1)
+>>> trainer = pj.sparse_train(lambda p, b: jnp.mean((apply(p, b) - 1.0) ** 2),
 ...                           optimizer=optax.adamw(1e-3), scheme=scheme)
->>> pj.torch.load_state(net, trainer.init(params).params)
+>>> state, metrics = trainer(trainer.init(params), jnp.ones((3, 4)))
+>>> names = pj.torch.load_state(net, state.params)   # trained values back into the module
 
 Buffers (BatchNorm running statistics, rotary tables) are kept apart from the
 parameters, in `apply.buffers`; `apply` reads them as constants.
@@ -392,9 +397,11 @@ def trainer(module, loss_fn: Callable, *, optimizer, scheme=None, output: Callab
     `scheme=None` trains every parameter. This is what `pockjax export` builds from a
     `{"model", "loss_fn", "optimizer", "scheme", "batch"}` dict.
 
-    >>> trainer, state = pj.torch.trainer(                             # doctest: +SKIP
-    ...     model, lambda apply, p, b: lm_loss(apply(p, b["ids"]), b["ids"]),
-    ...     optimizer=optax.adamw(1e-3), scheme=scheme, output=lambda out: out.logits)
+    For a Hugging Face causal LM:
+
+        trainer, state = pj.torch.trainer(
+            model, lambda apply, p, b: lm_loss(apply(p, b["ids"], use_cache=False), b["ids"]),
+            optimizer=optax.adamw(1e-3), scheme=scheme, output=lambda out: out.logits)
     """
     from pockjax.scheme import Full, Scheme
     from pockjax.train import sparse_train

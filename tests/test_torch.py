@@ -527,3 +527,10 @@ def test_example_torch_hf_finetune_fast(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "exported android-vulkan" in proc.stdout
     assert (tmp_path / "tuned" / "config.json").exists()
+
+
+def test_docstring_examples():
+    import doctest
+
+    result = doctest.testmod(pt, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
