@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import importlib.metadata as md
 import json
 import os
@@ -16,15 +15,14 @@ import numpy as np
 
 from pockjax.export import vulkan
 from pockjax.export.lowering import Lowered, lower_step
+from pockjax.export.manifest import (MANIFEST, PARAMS, SCHEMA_VERSION, SCOPE, VMFB,
+                                      read_manifest, sha256)
 from pockjax.export.stream import StreamReport, analyze, narrow_bindings
 from pockjax.export.targets import ExportError, resolve_target
 from pockjax.scheme import leaves_with_paths
 
 __all__ = ["export", "Artifact", "MANIFEST", "VMFB", "PARAMS", "SCHEMA_VERSION", "read_manifest"]
 
-MANIFEST, VMFB, PARAMS = "manifest.json", "train_step.vmfb", "params.irpa"
-SCHEMA_VERSION = 2
-SCOPE = "model"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,19 +34,12 @@ class Artifact:
         return f"Artifact({self.path!r}, target={self.manifest['target']['name']!r})"
 
 
-def _version(name: str) -> str:
+def package_version(name: str) -> str:
+    """The installed version of a distribution, or 'not installed'."""
     try:
         return md.version(name)
     except md.PackageNotFoundError:
         return "not installed"
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def compile_module(mlir: str | bytes, target_name: str, flags: tuple[str, ...],
@@ -75,7 +66,7 @@ def check_stream(stream: bytes | str, lowered: Lowered, target: str) -> StreamRe
     """Analyze the step's stream IR; refuse a schedule that reads a parameter after its
     in-place write, or that does not update the donated state in place."""
     text = stream.decode() if isinstance(stream, bytes) else stream
-    report = analyze(text, {i: s.name for i, s in enumerate(lowered.mutable)})
+    report = analyze(text, lowered.donated)
     if report.hazards:
         raise ExportError(
             f"refusing to export for {target!r}: IREE scheduled an in-place update before a "
@@ -173,8 +164,8 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
                        # The GPU the SPIR-V was compiled for (checked when loading), and
                        # for host-vulkan the device it was built from.
                        "gpu_target": gpu_target, "device": device},
-            "versions": {"pockjax": _version("pockjax"), "jax": _version("jax"),
-                         "iree-base-compiler": _version("iree-base-compiler")},
+            "versions": {"pockjax": package_version("pockjax"), "jax": package_version("jax"),
+                         "iree-base-compiler": package_version("iree-base-compiler")},
             "parameter_scope": SCOPE,
             # train_step(state..., batch...) -> (state'..., outputs...), state donated;
             # eval(state..., batch...) -> loss; init() / frozen() -> their outputs.
@@ -198,7 +189,7 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
             "memory": {"input_bytes": report.input_bytes,
                        "peak_alloc_bytes": report.peak_alloc_bytes,
                        "submissions": report.submissions},
-            "files": {name: {"sha256": _sha256(os.path.join(tmp, name)),
+            "files": {name: {"sha256": sha256(os.path.join(tmp, name)),
                              "bytes": os.path.getsize(os.path.join(tmp, name))}
                       for name in (VMFB, PARAMS)},
         }
@@ -230,26 +221,3 @@ def _replace_dir(tmp: str, out_dir: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out_dir)
-
-
-def read_manifest(path: str) -> dict:
-    """The manifest of an artifact directory, checked for the schema version and files."""
-    mpath = os.path.join(os.fspath(path), MANIFEST)
-    if not os.path.isfile(mpath):
-        raise ExportError(f"'{path}' is not a pockjax artifact: {MANIFEST} is missing")
-    try:
-        with open(mpath) as f:
-            manifest = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ExportError(f"'{mpath}' is not valid JSON: {e}") from None
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise ExportError(f"'{mpath}' has schema version {manifest.get('schema_version')!r}; this "
-                          f"pockjax reads version {SCHEMA_VERSION}")
-    for name, info in manifest.get("files", {}).items():
-        fpath = os.path.join(os.fspath(path), name)
-        if not os.path.isfile(fpath):
-            raise ExportError(f"artifact file '{fpath}' is missing")
-        if os.path.getsize(fpath) != info["bytes"] or _sha256(fpath) != info["sha256"]:
-            raise ExportError(f"artifact file '{fpath}' does not match the manifest's hash "
-                              "(modified or truncated); export again")
-    return manifest

@@ -51,6 +51,12 @@ class Slot:
         return _tensor_type(self.shape, self.dtype)
 
 
+def in_place(slot: Slot) -> bool:
+    """Whether the exported `train_step` updates this state slot in its own buffer: every
+    array of the state; scalars get a new buffer each step (see `lower_step`)."""
+    return len(slot.shape) > 0
+
+
 @dataclasses.dataclass
 class Lowered:
     mlir: str
@@ -63,6 +69,11 @@ class Lowered:
     @property
     def state(self) -> list[Slot]:
         return self.frozen + self.mutable
+
+    @property
+    def donated(self) -> dict[int, str]:
+        """`train_step`'s arguments updated in their own buffers: index -> state name."""
+        return {i: s.name for i, s in enumerate(self.mutable) if in_place(s)}
 
 
 _MLIR_DTYPES = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
@@ -213,9 +224,14 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
         return [f"    %{prefix}{i} = util.global.load @{gname[s.name]} : {s.mlir_type()}"
                 for i, s in enumerate(slots)]
 
+    # A scalar of the state (the step count, an optimizer's count) gets a new buffer each
+    # step instead of its own: the per-parameter updates read an optimizer's old count,
+    # and IREE can fuse that read into an update kernel it schedules after the count's
+    # in-place write (seen with a schedule); a data tie from those kernels would keep
+    # their whole outputs alive. Four bytes per step do not matter.
     def signature(slots, prefix, attrs=False):
         return [f"%{prefix}{i}: {s.mlir_type()}"
-                + (f" {{tf.aliasing_output = {i} : i32}}" if attrs else "")
+                + (f" {{tf.aliasing_output = {i} : i32}}" if attrs and in_place(s) else "")
                 for i, s in enumerate(slots)]
 
     def call(name, callee, params, ins, in_slots, results):

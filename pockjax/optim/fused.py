@@ -232,7 +232,6 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
 
     new_params = list(param_leaves)
     new_state = list(state_leaves)
-    state_reads: dict[int, list] = {}  # optimizer state index -> values computed from it
     if plan.shared is not None:
         ins = [state_leaves[i - n] for i in plan.shared_inputs]
         for j, v in zip(plan.shared_out, _call(plan.shared, ins)):
@@ -262,9 +261,6 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
                 assert i - n - m == j, "a per-leaf update read another leaf's parameter"
                 ins.append(view)
         u, *s = _call(leaf.jaxpr, ins)
-        for i in leaf.inputs:
-            if n <= i < n + m:
-                state_reads.setdefault(i - n, []).append(u)
         new_params[k] = _write_back(p, d, _plus(view + u, zero), tok)
         for idx, v in zip(leaf.state_out, s):
             new_state[idx] = v
@@ -276,11 +272,6 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
     outs = pushdown.interpret(jaxpr, grad_jaxpr.consts,
                               [*(param_leaves if reads is None else reads), *other_leaves],
                               after=after)
-    if ties == "data":
-        # Shared state (a schedule's step count) is written in place over the old value,
-        # which the per-leaf updates read: order its write after them, as for parameters.
-        for j in plan.shared_out:
-            new_state[j] = _plus(new_state[j], _zero(state_reads.get(j, [])))
     return outs[:n_head], new_params, new_state
 
 

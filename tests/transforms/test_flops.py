@@ -43,7 +43,7 @@ def test_mlp_in_axis_memory(mlp):
     assert total(sg) < 0.5 * total(jax.grad(loss))
 
 
-@pytest.mark.parametrize("axis", ["out", "in"])
+@pytest.mark.parametrize("axis", [2, 1], ids=["out", "in"])  # of stacked [layers, in, out]
 def test_scanned_mlp_flops(axis):
     W = jax.random.normal(KEYS[0], (LAYERS, D, D)) / np.sqrt(D)
     x = jax.random.normal(KEYS[1], (BATCH, D))

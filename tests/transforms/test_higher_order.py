@@ -93,7 +93,7 @@ def scanned(W, x, unroll=1):
 
 
 def test_scan_channels_inside_the_body():
-    for axis in ("in", "out"):
+    for axis in (1, 2):  # in, out of stacked [layers, in, out] (a rank-3 weight takes int axes)
         info = assert_matches_dense(scanned, pj.Scheme({"*": pj.Channels(ratio=0.25, axis=axis)}), WS, XS)
         assert info.rules.get("scan") and not info.fallbacks
 
