@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 # JAX is imported where a JAX state is saved or loaded: the runtime writes checkpoints
 # with this module's format on devices that have no JAX.
+if TYPE_CHECKING:
+    from pockjax.scheme import Scheme
 
 __all__ = ["save", "load", "read_metadata", "write_atomic", "CheckpointError"]
 
@@ -57,7 +59,7 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
-def save(path: str | os.PathLike, state, *, scheme: "Scheme | None" = None,
+def save(path: str | os.PathLike, state, *, scheme: Scheme | None = None,
          metadata: dict[str, str] | None = None) -> None:
     """Save `state` (a `TrainState` or any pytree of arrays) to a safetensors file.
 

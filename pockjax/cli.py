@@ -111,11 +111,8 @@ def cmd_export(args) -> int:
 
     trainer, state, batch = _load_spec(args.spec)
     if args.scheme:
-        from pockjax.train import SparseTrainer
-
         scheme = _read_scheme(args.scheme)
-        trainer = SparseTrainer(trainer.loss_fn, trainer.optimizer, scheme,
-                                has_aux=trainer.has_aux, donate=trainer.donate)
+        trainer = trainer.replace(scheme=scheme)
         state = trainer.init(state.params)
         print(f"scheme from {args.scheme}: {scheme!r}")
     t0 = time.perf_counter()

@@ -45,6 +45,8 @@ import numpy as np
 from jax.extend.core import primitives as P
 from jax.interpreters import partial_eval as pe
 
+from pockjax._jaxpr import consts_to_invars
+
 __all__ = ["FlopCount", "analyze_flops", "count_flops", "flops_of"]
 
 
@@ -102,7 +104,7 @@ def analyze_flops(program) -> FlopCount:
                         f"function, use flops_of(f, *args)")
     # Dead code is not compiled: drop it first (recursing into calls and loops).
     n_consts = len(jaxpr.constvars)
-    whole = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
+    whole = consts_to_invars(jaxpr)
     dced, used = pe.dce_jaxpr(whole, [True] * len(whole.outvars))
     used_consts = [c for c, u in zip(consts, used[:n_consts]) if u]
     known = {v: c for v, c in zip(dced.invars, used_consts) if c is not None}

@@ -186,7 +186,7 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
         raise SchemeError("no candidates: no floating parameter matches "
                           f"include={list(include) if include is not None else None}, "
                           f"exclude={list(exclude)}; parameters are e.g. "
-                          + ", ".join(repr(p) for p in _paths(params)[:4]))
+                          + ", ".join(repr(p) for p, _ in leaves_with_paths(params)[0][:4]))
     return out
 
 

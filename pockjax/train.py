@@ -32,8 +32,8 @@ from pockjax._report import compiled_memory, format_bytes, format_flops, tree_by
 from pockjax.flops import count_flops
 from pockjax.optim import fused, perleaf
 from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
-from pockjax.transforms.sparse_grad import (TransformInfo, _SparseGradFn, _is_dynamic, _resolved,
-                                            trainable)
+from pockjax.transforms.sparse_grad import (SparseGradFn, TransformInfo, is_dynamic,
+                                            resolved_decisions, trainable)
 
 __all__ = ["TrainState", "SparseTrainer", "sparse_train", "fit", "History", "TrainReport"]
 
@@ -87,9 +87,9 @@ class SparseTrainer:
             raise SchemeError(f"scheme must be a pockjax.Scheme, got {type(scheme).__name__}")
         self.loss_fn, self.optimizer, self.scheme = loss_fn, optimizer, scheme
         self.has_aux, self.donate, self.layout = has_aux, donate, layout
-        self._grad = _SparseGradFn(loss_fn, scheme, 0, has_aux, with_value=True)
+        self._grad = SparseGradFn(loss_fn, scheme, 0, has_aux, with_value=True)
         self._plans: dict = {}
-        self._step_jit = jax.jit(self._step, donate_argnums=(0,) if donate else ())
+        self._step_jit = jax.jit(self.step, donate_argnums=(0,) if donate else ())
         functools.update_wrapper(self, loss_fn)
 
     def __repr__(self) -> str:
@@ -125,7 +125,7 @@ class SparseTrainer:
     def _shardings(self, params, opt_state, decisions=None) -> TrainState:
         """Where each array of the state lives on the mesh (a TrainState of shardings)."""
         layout = self.layout
-        decisions = _resolved(params, self.scheme) if decisions is None else decisions
+        decisions = resolved_decisions(params, self.scheme) if decisions is None else decisions
         view = jax.eval_shape(lambda p: trainable(p, _decisions_tree(p, decisions)), abstract_arrays(params))
         view_shardings = layout.view_shardings(params, decisions)
         return TrainState(
@@ -155,13 +155,26 @@ class SparseTrainer:
             raise SchemeError(f"this state was made for {state.scheme!r}, but the trainer uses "
                               f"{self.scheme!r}; make the state with this trainer's init()")
 
-    def _step(self, state: TrainState, batch, *, placement: str | None = None,
-              ties: str = "barrier"):
-        """The step's trace. `placement="global"` forces the single-barrier update (the
-        simple alternative, for comparisons); `ties` see `fused.fused_step`."""
-        _, info, aux_def, decisions, _ = self._grad._build((state.params, batch), {})
+    def replace(self, **changes) -> "SparseTrainer":
+        """A new trainer with some of its settings changed (`loss_fn`, `optimizer`,
+        `scheme`, `has_aux`, `donate`, `layout`)."""
+        settings = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, scheme=self.scheme,
+                        has_aux=self.has_aux, donate=self.donate, layout=self.layout)
+        unknown = sorted(set(changes) - set(settings))
+        if unknown:
+            raise TypeError(f"SparseTrainer.replace() got unknown settings {unknown}; "
+                            f"it takes {sorted(settings)}")
+        return SparseTrainer(**{**settings, **changes})
+
+    def step(self, state: TrainState, batch, *, placement: str | None = None,
+             ties: str = "barrier"):
+        """The training step as a function to trace (`trainer(state, batch)` runs it
+        jitted, with the state donated): `(state, batch) -> (new state, metrics)`.
+        `placement="global"` forces the single-barrier update (the simple alternative,
+        for comparisons); `ties` see `pockjax.optim.fused.fused_step`."""
+        _, info, aux_def, decisions, _ = self._grad.trace(state.params, batch)
         param_leaves = jax.tree_util.tree_leaves(state.params)
-        other = [x for x in jax.tree_util.tree_leaves(([None, batch], {})) if _is_dynamic(x)]
+        other = [x for x in jax.tree_util.tree_leaves(([None, batch], {})) if is_dynamic(x)]
         view = trainable(state.params, _decisions_tree(state.params, decisions))
         plan = self._plan(view, state.opt_state)
         n_head = 1 + aux_def.num_leaves

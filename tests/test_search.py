@@ -108,7 +108,7 @@ def test_costs_come_from_the_compiler(searched):
     step = factory(report.scheme)
     state = step.init(student())
     compiled = step.lower(state, DATA[0][0]).compile()
-    assert pj.train._memory(compiled)["peak"] == report.measured_bytes
+    assert pj.compiled_memory(compiled)["peak"] == report.measured_bytes
 
 
 def test_the_scheme_round_trips_and_trains(searched, tmp_path):

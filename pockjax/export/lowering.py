@@ -21,21 +21,22 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from pockjax.export.manifest import SCOPE
 from pockjax.export.targets import ExportError
 from pockjax.scheme import Frozen, leaves_with_paths
-from pockjax.train import SparseTrainer, TrainState
 from pockjax.transforms.legalize import legalize_for_iree
 
-__all__ = ["Slot", "Lowered", "lower_step"]
+if TYPE_CHECKING:  # the trainer is passed in; export does not import train at run time
+    from pockjax.train import SparseTrainer, TrainState
 
-_SCOPE = "model"
+__all__ = ["Slot", "Lowered", "lower_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +140,7 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
     _check_static(batch)
     if trainer.layout is not None:
         # An artifact runs on one device: the same step without the mesh layout.
-        trainer = SparseTrainer(trainer.loss_fn, trainer.optimizer, trainer.scheme,
-                                has_aux=trainer.has_aux, donate=trainer.donate)
+        trainer = trainer.replace(layout=None)
     decisions = jax.tree_util.tree_leaves(trainer.scheme.resolve(state.params))
     named_params, params_def = leaves_with_paths(state.params)
     named_opt, opt_def = leaves_with_paths(state.opt_state)
@@ -170,9 +170,9 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
 
     def flat_step(mut, frz, batch_leaves):
         step, train, opt = mut[0], mut[1:1 + n_train], mut[1 + n_train:]
-        st = TrainState(step, params_from(train, frz),
-                        jax.tree_util.tree_unflatten(opt_def, opt), state.scheme)
-        new, metrics = trainer._step(st, jax.tree_util.tree_unflatten(batch_def, batch_leaves),
+        st = state.replace(step=step, params=params_from(train, frz),
+                           opt_state=jax.tree_util.tree_unflatten(opt_def, opt))
+        new, metrics = trainer.step(st, jax.tree_util.tree_unflatten(batch_def, batch_leaves),
                                      placement=placement, ties=ties)
         new_params = jax.tree_util.tree_leaves(new.params)
         aux = leaves_with_paths(metrics.get("aux"))[0] if "aux" in metrics else []
@@ -218,7 +218,7 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
         gname[s.name] = f"i{i}"
     for s in frz_slots + mut_slots:
         lines.append(f'  util.global private @{gname[s.name]} = '
-                     f'#flow.parameter.named<"{_SCOPE}"::"{s.name}"> : {s.mlir_type()}')
+                     f'#flow.parameter.named<"{SCOPE}"::"{s.name}"> : {s.mlir_type()}')
 
     def loads(slots, prefix):
         return [f"    %{prefix}{i} = util.global.load @{gname[s.name]} : {s.mlir_type()}"

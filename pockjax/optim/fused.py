@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pockjax._jaxpr import interpret, is_var, producers
 from pockjax.optim.perleaf import UpdatePlan
 from pockjax.scheme import Channels, Full
-from pockjax.transforms import pushdown
 
 __all__ = ["Placement", "place_updates", "fused_step", "global_step"]
 
@@ -43,21 +43,13 @@ class Placement:
     ties: tuple[Any, ...]
 
 
-def _is_var(v) -> bool:
-    return isinstance(v, jex.Var) and not isinstance(v, jex.DropVar)
-
-
 def _size(v) -> int:
     return int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
 
 
 def place_updates(jaxpr: jex.Jaxpr, params: Sequence[Any], grads: Sequence[Any]) -> list[Placement]:
     """A `Placement` for each pair (parameter input var, gradient output atom)."""
-    producer: dict = {}
-    for i, e in enumerate(jaxpr.eqns):
-        for v in e.outvars:
-            if _is_var(v):
-                producer[v] = i
+    producer = producers(jaxpr)
 
     # Vars that alias each parameter: the parameter and its views.
     owners: dict = {}
@@ -67,13 +59,13 @@ def place_updates(jaxpr: jex.Jaxpr, params: Sequence[Any], grads: Sequence[Any])
     for i, e in enumerate(jaxpr.eqns):
         touched = set()
         for v in e.invars:
-            if _is_var(v) and v in owners:
+            if is_var(v) and v in owners:
                 touched |= owners[v]
         for j in touched:
             readers[j].append(i)
         if touched and e.primitive.name in _VIEWS:
             for v in e.outvars:
-                if _is_var(v):
+                if is_var(v):
                     owners.setdefault(v, set()).update(touched)
 
     # A reader is on the frontier unless another reader of the same parameter
@@ -90,12 +82,12 @@ def place_updates(jaxpr: jex.Jaxpr, params: Sequence[Any], grads: Sequence[Any])
     for i, e in enumerate(jaxpr.eqns):
         m = 0
         for v in e.invars:
-            if _is_var(v):
+            if is_var(v):
                 m |= anc.get(v, 0)
         in_mask.append(m)
         out = m | eqn_bits.get(i, 0)
         for v in e.outvars:
-            if _is_var(v):
+            if is_var(v):
                 anc[v] = out
 
     placements = []
@@ -106,10 +98,10 @@ def place_updates(jaxpr: jex.Jaxpr, params: Sequence[Any], grads: Sequence[Any])
             b = 1 << bit_of[(j, i)]
             if any(in_mask[k] & b for k in rs if k != i):
                 continue
-            outs = [v for v in jaxpr.eqns[i].outvars if _is_var(v)]
+            outs = [v for v in jaxpr.eqns[i].outvars if is_var(v)]
             if outs:
                 ties.append(min(outs, key=_size))
-        g_at = producer.get(g, -1) if _is_var(g) else -1
+        g_at = producer.get(g, -1) if is_var(g) else -1
         placements.append(Placement(max([g_at, *rs]) if rs else g_at, tuple(ties)))
     return placements
 
@@ -269,7 +261,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
         for j in at.get(i, ()):
             update(j, read)
 
-    outs = pushdown.interpret(jaxpr, grad_jaxpr.consts,
+    outs = interpret(jaxpr, grad_jaxpr.consts,
                               [*(param_leaves if reads is None else reads), *other_leaves],
                               after=after)
     return outs[:n_head], new_params, new_state
@@ -309,7 +301,7 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
             for j in at.get(i, ()):
                 zeros[j] = _data_tie(placements[j], read, loop_values)
 
-        outs = pushdown.interpret(jaxpr, grad_jaxpr.consts, inputs, after=after)
+        outs = interpret(jaxpr, grad_jaxpr.consts, inputs, after=after)
         grads = [_shard(g, grad_shardings, j) for j, g in enumerate(outs[n_head:])]
     head = outs[:n_head]
     views = [_kept_view(p, decisions[k]) for k, p in zip(train_idx, trained)]
@@ -347,4 +339,4 @@ def _loop_values(jaxpr) -> set:
 
 
 def _call(closed: jex.ClosedJaxpr, args):
-    return pushdown.interpret(closed.jaxpr, closed.consts, args)
+    return interpret(closed.jaxpr, closed.consts, args)

@@ -20,6 +20,8 @@ import jax
 import jax.extend.core as jex
 from jax.interpreters import partial_eval as pe
 
+from pockjax._jaxpr import consts_to_invars
+
 __all__ = ["LeafUpdate", "UpdatePlan", "plan_updates"]
 
 
@@ -89,13 +91,9 @@ class _UnionFind:
         self.parent[self.find(a)] = self.find(b)
 
 
-def _consts_as_inputs(jaxpr: jex.Jaxpr) -> jex.Jaxpr:
-    return jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
-
-
 def _sub_jaxpr(closed: jex.ClosedJaxpr, outputs: Sequence[int]) -> tuple[jex.ClosedJaxpr, list[int]]:
     """`closed` restricted to `outputs`, and the inputs it still reads."""
-    jaxpr = _consts_as_inputs(closed.jaxpr)
+    jaxpr = consts_to_invars(closed.jaxpr)
     n_consts = len(closed.consts)
     jaxpr = jaxpr.replace(outvars=[jaxpr.outvars[i] for i in outputs])
     dced, used = pe.dce_jaxpr(jaxpr, [True] * len(outputs))
@@ -135,7 +133,7 @@ def plan_updates(optimizer, grads_view, state, params_view, names: Sequence[str]
 
     closed = jax.make_jaxpr(flat_update)(*g_leaves, *s_leaves, *p_leaves)
     n_in = 2 * n + m
-    masks = _deps(_consts_as_inputs(closed.jaxpr),
+    masks = _deps(consts_to_invars(closed.jaxpr),
                   [0] * len(closed.consts) + [1 << i for i in range(n_in)])
     u_deps, s_deps = masks[:n], masks[n:]
 

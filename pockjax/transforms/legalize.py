@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pockjax.transforms import pushdown
+from pockjax._jaxpr import bind, interpret
 
 __all__ = ["legalize_for_iree", "select_and_scatter_add", "unbatched_gather"]
 
@@ -227,13 +227,13 @@ def _reduction(ctx, e, ins):
         src = ctx.produced_by(e.invars[0], "neg")
         if src is not None:
             ctx.made("neg_sum")
-            out = lax.neg(pushdown._bind(e, [ctx.read(src.invars[0])]))
+            out = lax.neg(bind(e, [ctx.read(src.invars[0])]))
     axes, ndim = e.params["axes"], len(e.invars[0].aval.shape)
     if ctx.backend == "vulkan" and ndim >= 2 and axes and ndim - 1 not in axes \
             and e.outvars[0].aval.shape:
         # Kept out of its consumers' kernel (see the module docstring).
         ctx.made("leading_axes_reduction")
-        out = pushdown._bind(e, ins) if out is None else out
+        out = bind(e, ins) if out is None else out
         return [lax.optimization_barrier(out)]
     return None if out is None else [out]
 
@@ -254,7 +254,7 @@ def _rewrite(jaxpr: jex.Jaxpr, consts, args, stats, backend):
         rule = _RULES.get(e.primitive)
         return None if rule is None else rule(_Context(backend, stats, producer, read), e, ins)
 
-    return pushdown.interpret(jaxpr, consts, args, override)
+    return interpret(jaxpr, consts, args, override)
 
 
 def legalize_for_iree(closed: jex.ClosedJaxpr, backend: str | None = None

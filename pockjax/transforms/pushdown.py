@@ -17,7 +17,7 @@ slice) and is counted in `Stats.fallbacks`.
 
 Every equation the pass emits (re-bound, narrowed, or a slice of it) carries the source
 info of the equation it comes from, so messages of this and later passes name the
-user's line (`_as_source`).
+user's line (`as_source`).
 
 Higher-order primitives recurse: a box of a `scan`, `remat` or `cond` output becomes
 an extra output of the rewritten body; `jit` is inlined; `while` bodies are rewritten
@@ -27,8 +27,6 @@ a gradient jaxpr) are kept as they are.
 from __future__ import annotations
 
 import collections
-import contextlib
-import contextvars
 import dataclasses
 import math
 from typing import Callable, NamedTuple, Sequence
@@ -39,10 +37,8 @@ import numpy as np
 from jax import lax
 from jax.extend.core import primitives as P
 
-try:  # JAX 0.10 has no public API to read or set an equation's source info
-    from jax._src import source_info_util as _source_info
-except ImportError:  # pragma: no cover - a later JAX moved it: messages lose the user's line
-    _source_info = None
+from pockjax._jaxpr import (as_source, avals, bind, consts_to_invars, describe_source,
+                             inline_jit, is_var, var_shape)
 
 Box = tuple  # tuple[tuple[int, int], ...]
 
@@ -68,53 +64,6 @@ def slice_to_box(x, box: Box, shape: Sequence[int]):
     return lax.slice(x, [s for s, _ in box], [e for _, e in box])
 
 
-def _shape(v) -> tuple[int, ...]:
-    return tuple(v.aval.shape)
-
-
-def _is_var(v) -> bool:
-    return isinstance(v, jex.Var) and not isinstance(v, jex.DropVar)
-
-
-def _describe_source(eqn) -> str:
-    """The user's source line of an equation, for messages."""
-    try:
-        return _source_info.summarize(eqn.source_info) or "<unknown source>"
-    except Exception:  # pragma: no cover - best effort only
-        return "<unknown source>"
-
-
-_enclosing_traceback = contextvars.ContextVar("pockjax_enclosing_traceback", default=None)
-
-
-@contextlib.contextmanager
-def _as_source(eqn):
-    """A context in which the equations bound for `eqn` carry `eqn`'s source info.
-
-    Without it every re-bound equation would name the pass's own frame as its source
-    (a later pass's messages would point at this file, not the user's line). Like
-    `jax.core.eval_jaxpr`: the traceback is the equation's own and its name stack is
-    appended to the current one (that of the enclosing call when a `jit` is inlined).
-    An equation traced inside a library's jit (`jnp.cumsum`, `jnp.var`) may have no
-    user frame at all; it takes the enclosing equation's traceback, the user's call.
-    Enter it once per equation: nested for the same equation it repeats the name stack.
-    """
-    info = getattr(eqn, "source_info", None)
-    if _source_info is None or info is None:
-        yield
-        return
-    traceback = info.traceback
-    if traceback is None or _source_info.user_frame(traceback) is None:
-        traceback = _enclosing_traceback.get() or traceback
-    token = _enclosing_traceback.set(traceback)
-    try:
-        with _source_info.user_context(
-                traceback, name_stack=_source_info.current_name_stack() + info.name_stack):
-            yield
-    finally:
-        _enclosing_traceback.reset(token)
-
-
 # --------------------------------------------------------------------------- stats
 
 
@@ -134,7 +83,7 @@ class Stats:
     def fallback(self, eqn):
         name = eqn.primitive.name
         self.fallbacks[name] += 1
-        self.fallback_sources.setdefault(name, _describe_source(eqn))
+        self.fallback_sources.setdefault(name, describe_source(eqn))
 
 
 # --------------------------------------------------------------------------- rule table
@@ -159,24 +108,11 @@ def register(names: str | Sequence[str], pull: Callable, apply: Callable, slicin
         RULES[name] = Rule(pull, apply, slicing, widen)
 
 
-def _bind(eqn, invals, **overrides):
-    """Re-emit `eqn` on new inputs, with some params changed.
-
-    Callers bind inside `_as_source(eqn)` (`interpret` and the pass do) so the new
-    equation keeps the user's source line.
-    """
-    params = eqn.primitive.get_bind_params({**eqn.params, **overrides})
-    if isinstance(params, tuple):  # (subfuns, params) for some call primitives
-        subfuns, params = params
-        return eqn.primitive.bind(*subfuns, *invals, **params)
-    return eqn.primitive.bind(*invals, **params)
-
-
 def _rebind_on_pulled(pull):
     """An apply rule for one-operand ops: the op re-bound on its pulled operand box."""
     def apply(ctx, eqn, i, box):
         (v, b), = pull(eqn, i, box)
-        return _bind(eqn, [ctx.get(v, b)])
+        return bind(eqn, [ctx.get(v, b)])
     return apply
 
 
@@ -206,7 +142,7 @@ def _elementwise_operand_box(v, out_shape, box):
     (lax binary ops take rank-preserving size-1 operands, e.g. `w / w.std(0, keepdims=True)`):
     such a dim keeps its whole (0, 1) box, the others take the output's.
     """
-    shape = _shape(v)
+    shape = var_shape(v)
     if shape == ():
         return ()
     if len(shape) != len(out_shape) or any(n not in (1, m) for n, m in zip(shape, out_shape)):
@@ -215,10 +151,10 @@ def _elementwise_operand_box(v, out_shape, box):
 
 
 def _elementwise_pull(eqn, i, box):
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = var_shape(eqn.outvars[0])
     needs = []
     for v in eqn.invars:
-        if not _is_var(v):
+        if not is_var(v):
             continue
         b = _elementwise_operand_box(v, out_shape, box)
         if b is None:
@@ -228,8 +164,8 @@ def _elementwise_pull(eqn, i, box):
 
 
 def _elementwise_apply(ctx, eqn, i, box):
-    out_shape = _shape(eqn.outvars[0])
-    return _bind(eqn, [ctx.get(v, _elementwise_operand_box(v, out_shape, box)) if _is_var(v)
+    out_shape = var_shape(eqn.outvars[0])
+    return bind(eqn, [ctx.get(v, _elementwise_operand_box(v, out_shape, box)) if is_var(v)
                        else ctx.get(v) for v in eqn.invars])
 
 
@@ -251,9 +187,9 @@ register("transpose", _transpose_pull, _rebind_on_pulled(_transpose_pull))
 
 
 def _squeeze_pull(eqn, i, box):
-    dims = set(d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
+    dims = set(d % len(var_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
     it = iter(box)
-    opbox = tuple((0, 1) if d in dims else next(it) for d in range(len(_shape(eqn.invars[0]))))
+    opbox = tuple((0, 1) if d in dims else next(it) for d in range(len(var_shape(eqn.invars[0]))))
     return [(eqn.invars[0], opbox)]
 
 
@@ -263,7 +199,7 @@ register("squeeze", _squeeze_pull, _rebind_on_pulled(_squeeze_pull))
 def _rev_pull(eqn, i, box):
     dims = set(eqn.params["dimensions"])
     return [(eqn.invars[0], tuple((n - e, n - s) if d in dims else (s, e)
-                                  for d, ((s, e), n) in enumerate(zip(box, _shape(eqn.invars[0])))))]
+                                  for d, ((s, e), n) in enumerate(zip(box, var_shape(eqn.invars[0])))))]
 
 
 register("rev", _rev_pull, _rebind_on_pulled(_rev_pull))
@@ -329,7 +265,7 @@ def _flat_to_box(a, b, dims):
 def _reshape_pull(eqn, i, box):
     if eqn.params.get("dimensions") is not None:
         return None
-    in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    in_shape, out_shape = var_shape(eqn.invars[0]), var_shape(eqn.outvars[0])
     if 0 in in_shape:
         return None
     opbox = []
@@ -344,7 +280,7 @@ def _reshape_pull(eqn, i, box):
 
 def _reshape_apply(ctx, eqn, i, box):
     (v, b), = _reshape_pull(eqn, i, box)
-    return _bind(eqn, [ctx.get(v, b)], new_sizes=box_shape(box))
+    return bind(eqn, [ctx.get(v, b)], new_sizes=box_shape(box))
 
 
 register("reshape", _reshape_pull, _reshape_apply)
@@ -352,21 +288,21 @@ register("reshape", _reshape_pull, _reshape_apply)
 
 def _broadcast_pull(eqn, i, box):
     v = eqn.invars[0]
-    if not _is_var(v):
+    if not is_var(v):
         return []
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = var_shape(eqn.outvars[0])
     opbox = []
     for j, od in enumerate(eqn.params["broadcast_dimensions"]):
-        n = _shape(v)[j]
+        n = var_shape(v)[j]
         opbox.append((0, 1) if n == 1 and out_shape[od] != 1 else box[od])
-    return [(v, tuple(opbox))] + [(w, full_box(_shape(w))) for w in eqn.invars[1:] if _is_var(w)]
+    return [(v, tuple(opbox))] + [(w, full_box(var_shape(w))) for w in eqn.invars[1:] if is_var(w)]
 
 
 def _broadcast_apply(ctx, eqn, i, box):
     needs = _broadcast_pull(eqn, i, box)
     v = eqn.invars[0]
     x = ctx.get(v, needs[0][1]) if needs else v.val
-    return _bind(eqn, [x] + [ctx.get(w, None) for w in eqn.invars[1:]], shape=box_shape(box))
+    return bind(eqn, [x] + [ctx.get(w, None) for w in eqn.invars[1:]], shape=box_shape(box))
 
 
 register("broadcast_in_dim", _broadcast_pull, _broadcast_apply)
@@ -376,7 +312,7 @@ def _reduce_pull(eqn, i, box):
     v = eqn.invars[0]
     axes = set(eqn.params["axes"])
     it = iter(box)
-    opbox = tuple((0, n) if d in axes else next(it) for d, n in enumerate(_shape(v)))
+    opbox = tuple((0, n) if d in axes else next(it) for d, n in enumerate(var_shape(v)))
     return [(v, opbox)]
 
 
@@ -388,9 +324,9 @@ def _reduce_window_pull(eqn, i, box):
     """Dims whose window is the identity (size 1, stride 1, no padding or dilation) pass
     their box straight through (e.g. channels under an average pool); others stay whole."""
     p, x = eqn.params, eqn.invars[0]
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = var_shape(eqn.outvars[0])
     opbox = []
-    for d, (b, n) in enumerate(zip(box, _shape(x))):
+    for d, (b, n) in enumerate(zip(box, var_shape(x))):
         identity = (p["window_dimensions"][d], p["window_strides"][d], tuple(p["padding"][d]),
                     p["base_dilation"][d], p["window_dilation"][d]) == (1, 1, (0, 0), 1, 1)
         if identity:
@@ -417,7 +353,7 @@ def _slice_pull(eqn, i, box):
     need the dim whole (a conv's spatial dims) and would split one producer into
     overlapping boxes (`x[0::2]` and `x[1::2]` of the same `x`).
     """
-    starts, out_shape, in_shape = eqn.params["start_indices"], _shape(eqn.outvars[0]), _shape(eqn.invars[0])
+    starts, out_shape, in_shape = eqn.params["start_indices"], var_shape(eqn.outvars[0]), var_shape(eqn.invars[0])
     strides = eqn.params["strides"] or (1,) * len(box)
     opbox = []
     for a, k, (s, e), m, n in zip(starts, strides, box, out_shape, in_shape):
@@ -474,7 +410,7 @@ def _stack_pull(eqn, i, box):
     axis = eqn.params["axis"]
     s, e = box[axis]
     inner = box[:axis] + box[axis + 1:]
-    return [(v, inner) for v in eqn.invars[s:e] if _is_var(v)]
+    return [(v, inner) for v in eqn.invars[s:e] if is_var(v)]
 
 
 def _stack_apply(ctx, eqn, i, box):
@@ -494,7 +430,7 @@ def _concat_pieces(eqn, box):
     s, e = box[dim]
     pieces, off = [], 0
     for v in eqn.invars:
-        n = _shape(v)[dim]
+        n = var_shape(v)[dim]
         lo, hi = max(s, off), min(e, off + n)
         if lo < hi:
             b = list(box)
@@ -505,7 +441,7 @@ def _concat_pieces(eqn, box):
 
 
 def _concat_pull(eqn, i, box):
-    return [(v, b) for v, b in _concat_pieces(eqn, box) if _is_var(v)]
+    return [(v, b) for v, b in _concat_pieces(eqn, box) if is_var(v)]
 
 
 def _concat_apply(ctx, eqn, i, box):
@@ -523,7 +459,7 @@ def _pad_ranges(eqn, box):
     Operand element j sits at output lo + j * (interior + 1) (lo may be negative: a crop).
     """
     ranges = []
-    for (s, e), (lo, _, interior), n in zip(box, eqn.params["padding_config"], _shape(eqn.invars[0])):
+    for (s, e), (lo, _, interior), n in zip(box, eqn.params["padding_config"], var_shape(eqn.invars[0])):
         r = interior + 1
         j0 = max(-((lo - s) // r), 0)  # the first j with lo + j * r >= s
         j1 = min((e - 1 - lo) // r + 1, n)  # one past the last j with lo + j * r < e
@@ -536,9 +472,9 @@ def _pad_ranges(eqn, box):
 
 def _pad_pull(eqn, i, box):
     x, pv = eqn.invars
-    needs = [(pv, ())] if _is_var(pv) else []
+    needs = [(pv, ())] if is_var(pv) else []
     ranges = _pad_ranges(eqn, box)
-    if ranges is not None and _is_var(x):
+    if ranges is not None and is_var(x):
         needs.insert(0, (x, tuple(r for r, _ in ranges)))
     return needs
 
@@ -559,12 +495,12 @@ def _dynamic_slice_pull(eqn, i, box):
     x, *idx = eqn.invars
     sizes = eqn.params["slice_sizes"]
     opbox = []
-    for (s, e), size, n in zip(box, sizes, _shape(x)):
+    for (s, e), size, n in zip(box, sizes, var_shape(x)):
         if (s, e) != (0, size):
             if size != n:  # only dims the slice spans whole can be narrowed
                 return None
         opbox.append((s, e) if size == n else (0, n))
-    return [(x, tuple(opbox))] + [(v, ()) for v in idx if _is_var(v)]
+    return [(x, tuple(opbox))] + [(v, ()) for v in idx if is_var(v)]
 
 
 def _dynamic_slice_apply(ctx, eqn, i, box):
@@ -572,8 +508,8 @@ def _dynamic_slice_apply(ctx, eqn, i, box):
     sizes = eqn.params["slice_sizes"]
     (_, opbox), *_ = _dynamic_slice_pull(eqn, i, box)
     new_sizes = tuple(e - s if size == n else size
-                      for (s, e), size, n in zip(box, sizes, _shape(x)))
-    return _bind(eqn, [ctx.get(x, opbox)] + [ctx.get(v, ()) for v in idx], slice_sizes=new_sizes)
+                      for (s, e), size, n in zip(box, sizes, var_shape(x)))
+    return bind(eqn, [ctx.get(x, opbox)] + [ctx.get(v, ()) for v in idx], slice_sizes=new_sizes)
 
 
 register("dynamic_slice", _dynamic_slice_pull, _dynamic_slice_apply)
@@ -581,23 +517,23 @@ register("dynamic_slice", _dynamic_slice_pull, _dynamic_slice_apply)
 
 def _dus_pull(eqn, i, box):
     x, upd, *idx = eqn.invars
-    for (s, e), n, u in zip(box, _shape(x), _shape(upd)):
+    for (s, e), n, u in zip(box, var_shape(x), var_shape(upd)):
         if (s, e) != (0, n) and u != n:
             return None
-    needs = [(x, box)] if _is_var(x) else []
-    needs += [(upd, _dus_update_box(eqn, box))] if _is_var(upd) else []
-    return needs + [(v, ()) for v in idx if _is_var(v)]
+    needs = [(x, box)] if is_var(x) else []
+    needs += [(upd, _dus_update_box(eqn, box))] if is_var(upd) else []
+    return needs + [(v, ()) for v in idx if is_var(v)]
 
 
 def _dus_update_box(eqn, box):
     """The update's box: narrowed only where the update spans the whole axis."""
     x, upd = eqn.invars[:2]
-    return tuple(b if u == n else (0, u) for b, n, u in zip(box, _shape(x), _shape(upd)))
+    return tuple(b if u == n else (0, u) for b, n, u in zip(box, var_shape(x), var_shape(upd)))
 
 
 def _dus_apply(ctx, eqn, i, box):
     x, upd, *idx = eqn.invars
-    return _bind(eqn, [ctx.get(x, box), ctx.get(upd, _dus_update_box(eqn, box))]
+    return bind(eqn, [ctx.get(x, box), ctx.get(upd, _dus_update_box(eqn, box))]
                  + [ctx.get(v, ()) for v in idx])
 
 
@@ -613,7 +549,7 @@ def _scatter_boxes(eqn, box):
     """
     operand, _, updates = eqn.invars
     dn = eqn.params["dimension_numbers"]
-    oshape, ushape = _shape(operand), _shape(updates)
+    oshape, ushape = var_shape(operand), var_shape(updates)
     window = [d for d in range(len(oshape))
               if d not in dn.inserted_window_dims and d not in dn.operand_batching_dims]
     ubox = list(full_box(ushape))
@@ -631,18 +567,18 @@ def _scatter_boxes(eqn, box):
 
 def _scatter_pull(eqn, i, box):
     boxes = _scatter_boxes(eqn, box)
-    if boxes is None or not _is_var(eqn.invars[0]):
+    if boxes is None or not is_var(eqn.invars[0]):
         return None
     operand, indices, updates = eqn.invars
-    needs = [(operand, boxes[0])] + ([(indices, full_box(_shape(indices)))] if _is_var(indices) else [])
-    return needs + ([(updates, boxes[1])] if _is_var(updates) else [])
+    needs = [(operand, boxes[0])] + ([(indices, full_box(var_shape(indices)))] if is_var(indices) else [])
+    return needs + ([(updates, boxes[1])] if is_var(updates) else [])
 
 
 def _scatter_apply(ctx, eqn, i, box):
     obox, ubox = _scatter_boxes(eqn, box)
     operand, indices, updates = eqn.invars
-    return _bind(eqn, [ctx.get(operand, obox), ctx.get(indices),
-                       ctx.get(updates, ubox) if _is_var(updates) else ctx.get(updates)])
+    return bind(eqn, [ctx.get(operand, obox), ctx.get(indices),
+                       ctx.get(updates, ubox) if is_var(updates) else ctx.get(updates)])
 
 
 register("scatter-add", _scatter_pull, _scatter_apply)
@@ -655,8 +591,8 @@ def _dot_boxes(eqn, box):
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lhs, rhs = eqn.invars
     nb = len(lb)
-    lfree = [d for d in range(len(_shape(lhs))) if d not in lc and d not in lb]
-    rfree = [d for d in range(len(_shape(rhs))) if d not in rc and d not in rb]
+    lfree = [d for d in range(len(var_shape(lhs))) if d not in lc and d not in lb]
+    rfree = [d for d in range(len(var_shape(rhs))) if d not in rc and d not in rb]
 
     def operand_box(shape, contract, batch, free, offset):
         b = []
@@ -669,18 +605,18 @@ def _dot_boxes(eqn, box):
                 b.append(box[offset + free.index(d)])
         return tuple(b)
 
-    return (operand_box(_shape(lhs), lc, lb, lfree, nb),
-            operand_box(_shape(rhs), rc, rb, rfree, nb + len(lfree)))
+    return (operand_box(var_shape(lhs), lc, lb, lfree, nb),
+            operand_box(var_shape(rhs), rc, rb, rfree, nb + len(lfree)))
 
 
 def _dot_pull(eqn, i, box):
     lb, rb = _dot_boxes(eqn, box)
-    return [(v, b) for v, b in zip(eqn.invars, (lb, rb)) if _is_var(v)]
+    return [(v, b) for v, b in zip(eqn.invars, (lb, rb)) if is_var(v)]
 
 
 def _dot_apply(ctx, eqn, i, box):
     lb, rb = _dot_boxes(eqn, box)
-    return _bind(eqn, [ctx.get(eqn.invars[0], lb), ctx.get(eqn.invars[1], rb)])
+    return bind(eqn, [ctx.get(eqn.invars[0], lb), ctx.get(eqn.invars[1], rb)])
 
 
 register("dot_general", _dot_pull, _dot_apply)
@@ -691,12 +627,12 @@ def _conv_plan(eqn, box):
     lhs, rhs = eqn.invars
     dn = eqn.params["dimension_numbers"]
     lspec, rspec, ospec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = var_shape(eqn.outvars[0])
     for d in ospec[2:]:
         if box[d] != (0, out_shape[d]):
             return None
     G, B = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
-    lbox, rbox = list(full_box(_shape(lhs))), list(full_box(_shape(rhs)))
+    lbox, rbox = list(full_box(var_shape(lhs))), list(full_box(var_shape(rhs)))
     bs, be = box[ospec[0]]
     fs, fe = box[ospec[1]]
     O = out_shape[ospec[1]]
@@ -712,11 +648,11 @@ def _conv_plan(eqn, box):
         rbox[rspec[0]] = (fs, fe)
         g0, g1 = fs // gsize, fe // gsize
         if G > 1:
-            cg = _shape(lhs)[lspec[1]] // G
+            cg = var_shape(lhs)[lspec[1]] // G
             lbox[lspec[1]] = (g0 * cg, g1 * cg)
             G = g1 - g0
         elif B > 1:
-            ng = _shape(lhs)[lspec[0]] // B
+            ng = var_shape(lhs)[lspec[0]] // B
             lbox[lspec[0]] = (g0 * ng, g1 * ng)
             B = g1 - g0
     return tuple(lbox), tuple(rbox), G, B
@@ -727,19 +663,19 @@ def _conv_pull(eqn, i, box):
     if plan is None:
         return None
     lbox, rbox, _, _ = plan
-    return [(v, b) for v, b in zip(eqn.invars, (lbox, rbox)) if _is_var(v)]
+    return [(v, b) for v, b in zip(eqn.invars, (lbox, rbox)) if is_var(v)]
 
 
 def _conv_apply(ctx, eqn, i, box):
     lbox, rbox, G, B = _conv_plan(eqn, box)
-    return _bind(eqn, [ctx.get(eqn.invars[0], lbox), ctx.get(eqn.invars[1], rbox)],
+    return bind(eqn, [ctx.get(eqn.invars[0], lbox), ctx.get(eqn.invars[1], rbox)],
                  feature_group_count=G, batch_group_count=B)
 
 
 def _conv_widen(eqn, i, box):
     """The box grown to what `_conv_plan` takes: spatial dims whole, the batch whole under
     batch groups, the features out to whole groups."""
-    out_shape = _shape(eqn.outvars[0])
+    out_shape = var_shape(eqn.outvars[0])
     ospec = eqn.params["dimension_numbers"].out_spec
     G, B = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
     wide = list(box)
@@ -768,7 +704,7 @@ class _Ctx:
     def get(self, v, box=None):
         if isinstance(v, jex.Literal):
             return v.val
-        shape = _shape(v)
+        shape = var_shape(v)
         box = full_box(shape) if box is None else tuple(box)
         have = self.env[v]
         if box in have:
@@ -789,23 +725,23 @@ def _folded_concat(eqn, producers):
     dim = eqn.params["dimension"]
     src, pos = None, 0
     for v in eqn.invars:
-        e = producers.get(v) if _is_var(v) else None
+        e = producers.get(v) if is_var(v) else None
         if e is None or e.primitive.name != "slice" or e.params["strides"] not in (None,) and any(
                 s != 1 for s in e.params["strides"]):
             return None
         x = e.invars[0]
-        if not _is_var(x) or (src is not None and x is not src) or _shape(x) != _shape(eqn.outvars[0]):
+        if not is_var(x) or (src is not None and x is not src) or var_shape(x) != var_shape(eqn.outvars[0]):
             return None
         src = x
         starts, limits = e.params["start_indices"], e.params["limit_indices"]
-        for d, (s, l, n) in enumerate(zip(starts, limits, _shape(x))):
+        for d, (s, l, n) in enumerate(zip(starts, limits, var_shape(x))):
             if d == dim:
                 if s != pos:
                     return None
                 pos = l
             elif (s, l) != (0, n):
                 return None
-    return src if src is not None and pos == _shape(src)[dim] else None
+    return src if src is not None and pos == var_shape(src)[dim] else None
 
 
 def _analyse(jaxpr, out_needs, stats):
@@ -817,30 +753,30 @@ def _analyse(jaxpr, out_needs, stats):
     """
     needs: dict = collections.defaultdict(set)
     for v, boxes in zip(jaxpr.outvars, out_needs):
-        if _is_var(v):
+        if is_var(v):
             needs[v].update(tuple(b) for b in boxes)
     plans = {}  # id(eqn) -> (whole: bool, {(i, box): [(var, box)]}, wanted)
-    producers = {v: e for e in jaxpr.eqns for v in e.outvars if _is_var(v)}
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars if is_var(v)}
     for eqn in reversed(jaxpr.eqns):
-        outs = [(i, v) for i, v in enumerate(eqn.outvars) if _is_var(v) and needs.get(v)]
+        outs = [(i, v) for i, v in enumerate(eqn.outvars) if is_var(v) and needs.get(v)]
         if not outs and not eqn.effects:
             continue  # dead
         name = eqn.primitive.name
         src = _folded_concat(eqn, producers) if name == "concatenate" else None
         if src is not None:
             plans[id(eqn)] = ("alias", src, None)
-            needs[src].add(full_box(_shape(src)))
+            needs[src].add(full_box(var_shape(src)))
             continue
         if name in _CALLS:
             plans[id(eqn)] = (True, {}, [])
             for w in eqn.invars:
-                if _is_var(w):
-                    needs[w].add(full_box(_shape(w)))
+                if is_var(w):
+                    needs[w].add(full_box(var_shape(w)))
             continue
         rule = RULES.get(name)
         wanted = [(i, box) for i, v in outs for box in needs[v]]
         whole = bool(eqn.effects) or rule is None or any(
-            box == full_box(_shape(eqn.outvars[i])) and not rule.slicing for i, box in wanted)
+            box == full_box(var_shape(eqn.outvars[i])) and not rule.slicing for i, box in wanted)
         plan = {}
         if not whole:
             for i, box in wanted:
@@ -848,7 +784,7 @@ def _analyse(jaxpr, out_needs, stats):
                     pulled = rule.pull(eqn, i, box)
                     if pulled is None and rule.widen is not None:
                         box = rule.widen(eqn, i, box)
-                        if box is not None and box != full_box(_shape(eqn.outvars[i])):
+                        if box is not None and box != full_box(var_shape(eqn.outvars[i])):
                             pulled = rule.pull(eqn, i, box)  # `box` is then sliced from it
                 except Exception:  # a rule declines cases it does not cover
                     pulled = None
@@ -857,15 +793,15 @@ def _analyse(jaxpr, out_needs, stats):
                     break
                 plan[(i, box)] = pulled
         if whole:
-            if any(box != full_box(_shape(eqn.outvars[i])) for i, box in wanted) and not any(
-                    box == full_box(_shape(eqn.outvars[i])) for i, box in wanted):
+            if any(box != full_box(var_shape(eqn.outvars[i])) for i, box in wanted) and not any(
+                    box == full_box(var_shape(eqn.outvars[i])) for i, box in wanted):
                 stats.fallback(eqn)  # only part is used, but no rule could narrow it
             for w in eqn.invars:
-                if _is_var(w):
-                    needs[w].add(full_box(_shape(w)))
+                if is_var(w):
+                    needs[w].add(full_box(var_shape(w)))
         else:
             for (i, box), pulled in plan.items():
-                if box != full_box(_shape(eqn.outvars[i])):
+                if box != full_box(var_shape(eqn.outvars[i])):
                     stats.rule(name)
                 for w, b in pulled:
                     needs[w].add(tuple(b))
@@ -878,13 +814,13 @@ def _eval(jaxpr, consts, args, out_needs, stats):
     needs, plans = _analyse(jaxpr, out_needs, stats)
     ctx = _Ctx()
     for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args)):
-        if _is_var(v):
-            ctx.put(v, full_box(_shape(v)), x)
+        if is_var(v):
+            ctx.put(v, full_box(var_shape(v)), x)
     for eqn in jaxpr.eqns:
         if id(eqn) in plans:
-            with _as_source(eqn):  # what is emitted for `eqn` keeps the user's line
+            with as_source(eqn):  # what is emitted for `eqn` keeps the user's line
                 _eval_eqn(ctx, eqn, plans[id(eqn)], needs, stats)
-    return [[ctx.get(v, b) if _is_var(v) else v.val for b in boxes]
+    return [[ctx.get(v, b) if is_var(v) else v.val for b in boxes]
             for v, boxes in zip(jaxpr.outvars, out_needs)]
 
 
@@ -892,7 +828,7 @@ def _eval_eqn(ctx, eqn, plan_entry, needs, stats):
     whole, plan, wanted = plan_entry
     name = eqn.primitive.name
     if whole == "alias":
-        ctx.put(eqn.outvars[0], full_box(_shape(eqn.outvars[0])), ctx.get(plan))
+        ctx.put(eqn.outvars[0], full_box(var_shape(eqn.outvars[0])), ctx.get(plan))
         return
     if name in _CALLS:
         _CALL_RULES[name](ctx, eqn, needs, stats)
@@ -901,8 +837,8 @@ def _eval_eqn(ctx, eqn, plan_entry, needs, stats):
         outs = _HIGHER_ORDER.get(name, _bind_generic)(ctx, eqn, stats)
         outs = outs if eqn.primitive.multiple_results else [outs]
         for v, o in zip(eqn.outvars, outs):
-            if _is_var(v):
-                ctx.put(v, full_box(_shape(v)), o)
+            if is_var(v):
+                ctx.put(v, full_box(var_shape(v)), o)
         for i, box in wanted:  # slice right away, so the whole value can die early
             ctx.get(eqn.outvars[i], box)
         return
@@ -912,11 +848,7 @@ def _eval_eqn(ctx, eqn, plan_entry, needs, stats):
 
 
 def _bind_generic(ctx, eqn, stats):
-    return _bind(eqn, [ctx.get(v, None) for v in eqn.invars])
-
-
-def _avals(vars_):
-    return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in vars_]
+    return bind(eqn, [ctx.get(v, None) for v in eqn.invars])
 
 
 def rewrite(closed: jex.ClosedJaxpr, out_needs: Sequence[Sequence[Box]] | None = None,
@@ -929,56 +861,17 @@ def rewrite(closed: jex.ClosedJaxpr, out_needs: Sequence[Sequence[Box]] | None =
     stats = stats if stats is not None else Stats()
     jaxpr, consts = closed.jaxpr, closed.consts
     if out_needs is None:
-        out_needs = [[full_box(_shape(v))] if _is_var(v) else [()] for v in jaxpr.outvars]
+        out_needs = [[full_box(var_shape(v))] if is_var(v) else [()] for v in jaxpr.outvars]
     out_needs = [[tuple(b) for b in boxes] for boxes in out_needs]
 
     def fn(*args):
-        inner = _inline_jit(jaxpr, consts)
+        inner = inline_jit(jaxpr, consts)
         outs = _eval(inner.jaxpr, inner.consts, args, out_needs, stats)
         return [o for per_var in outs for o in per_var]
 
     if jaxpr.invars:
-        return jax.make_jaxpr(fn)(*_avals(jaxpr.invars))
+        return jax.make_jaxpr(fn)(*avals(jaxpr.invars))
     return jax.make_jaxpr(fn)()
-
-
-def _inline_jit(jaxpr, consts) -> jex.ClosedJaxpr:
-    """`jaxpr` with nested `jit` calls inlined, as a closed jaxpr over the same inputs."""
-    if not any(e.primitive is P.jit_p for e in jaxpr.eqns):
-        return jex.ClosedJaxpr(jaxpr, list(consts))
-
-    def inline(e, ins, read):
-        if e.primitive is P.jit_p:
-            sub = e.params["jaxpr"]
-            return interpret(sub.jaxpr, sub.consts, ins, inline)
-        return None
-
-    return jax.make_jaxpr(lambda *a: interpret(jaxpr, consts, a, inline))(*_avals(jaxpr.invars))
-
-
-def interpret(jaxpr, consts, args, override=None, after=None):
-    """Evaluate `jaxpr` by binding each equation; `override(eqn, ins, read)` may return
-    the equation's outputs itself (or None to bind it as it is); `after(i, read)` runs
-    after equation `i` (and once with i = -1 before the first)."""
-    env = {}
-    read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]
-    for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args)):
-        env[v] = x
-    if after:
-        after(-1, read)
-    for i, e in enumerate(jaxpr.eqns):
-        ins = [read(v) for v in e.invars]
-        with _as_source(e):  # also for what `override` emits, e.g. an inlined jit's body
-            outs = override(e, ins, read) if override else None
-            if outs is None:
-                outs = _bind(e, ins)
-                outs = outs if e.primitive.multiple_results else [outs]
-        for v, o in zip(e.outvars, outs):
-            if _is_var(v):
-                env[v] = o
-        if after:
-            after(i, read)
-    return [read(v) for v in jaxpr.outvars]
 
 
 # --------------------------------------------------------------------------- calls
@@ -992,14 +885,14 @@ def _body_needs(eqn, needs, body_outvars, inner_box=lambda i, b: b, always_whole
     """Per body output: the list of boxes the rewritten body returns."""
     result = []
     for i, (v, bv) in enumerate(zip(eqn.outvars, body_outvars)):
-        boxes = needs.get(v, set()) if _is_var(v) else set()
-        fb = full_box(_shape(v))
-        bn = [full_box(_shape(bv))] if (i in always_whole or fb in boxes) else []
+        boxes = needs.get(v, set()) if is_var(v) else set()
+        fb = full_box(var_shape(v))
+        bn = [full_box(var_shape(bv))] if (i in always_whole or fb in boxes) else []
         for b in sorted(b for b in boxes if b != fb):
             ib = inner_box(i, b)
             if ib is None:  # cannot narrow inside: keep whole, slice outside
-                if full_box(_shape(bv)) not in bn:
-                    bn.insert(0, full_box(_shape(bv)))
+                if full_box(var_shape(bv)) not in bn:
+                    bn.insert(0, full_box(var_shape(bv)))
             elif ib not in bn:
                 bn.append(ib)
         result.append(bn)
@@ -1007,7 +900,7 @@ def _body_needs(eqn, needs, body_outvars, inner_box=lambda i, b: b, always_whole
 
 
 def _unchanged(body_needs, body_outvars):
-    return all(bn == [full_box(_shape(v))] for bn, v in zip(body_needs, body_outvars))
+    return all(bn == [full_box(var_shape(v))] for bn, v in zip(body_needs, body_outvars))
 
 
 def _store(ctx, eqn, body_needs, outs, outer_box=lambda i, b: b):
@@ -1015,7 +908,7 @@ def _store(ctx, eqn, body_needs, outs, outer_box=lambda i, b: b):
     for i, (bn, v) in enumerate(zip(body_needs, eqn.outvars)):
         for b in bn:
             val = next(it)
-            if _is_var(v):
+            if is_var(v):
                 ctx.put(v, outer_box(i, b), val)
 
 
@@ -1033,21 +926,15 @@ def _scan_rule(ctx, eqn, needs, stats):
 
     body_needs = _body_needs(eqn, needs, body.jaxpr.outvars, inner_box, always_whole=range(nc))
     if _unchanged(body_needs, body.jaxpr.outvars):
-        outs = _bind(eqn, ops)
+        outs = bind(eqn, ops)
     else:
         new = rewrite(body, body_needs, stats)
         consts = list(new.consts)
         outs = P.scan_p.bind(*consts, *ops, **{
-            **p, "jaxpr": jex.ClosedJaxpr(_consts_to_invars(new), []),
+            **p, "jaxpr": jex.ClosedJaxpr(consts_to_invars(new), []),
             "num_consts": p["num_consts"] + len(consts)})
     _store(ctx, eqn, body_needs, outs,
-           lambda i, b: b if i < nc else ((0, _shape(eqn.outvars[i])[0]),) + tuple(b))
-
-
-def _consts_to_invars(closed: jex.ClosedJaxpr):
-    """The open jaxpr of `closed` with its constants turned into leading inputs."""
-    j = closed.jaxpr
-    return j.replace(constvars=[], invars=list(j.constvars) + list(j.invars))
+           lambda i, b: b if i < nc else ((0, var_shape(eqn.outvars[i])[0]),) + tuple(b))
 
 
 def _remat_rule(ctx, eqn, needs, stats):
@@ -1055,13 +942,13 @@ def _remat_rule(ctx, eqn, needs, stats):
     ops = [ctx.get(v, None) for v in eqn.invars]
     body_needs = _body_needs(eqn, needs, p["jaxpr"].outvars)
     if _unchanged(body_needs, p["jaxpr"].outvars):
-        outs = _bind(eqn, ops)
+        outs = bind(eqn, ops)
     else:
         stats.rules["remat2"] += 1
         new = rewrite(jex.ClosedJaxpr(p["jaxpr"], []), body_needs, stats)
         # Bound directly (not through jax.checkpoint) to keep `differentiated`, which
         # stops XLA from merging the recomputation with the forward pass.
-        outs = P.remat_p.bind(*new.consts, *ops, jaxpr=_consts_to_invars(new),
+        outs = P.remat_p.bind(*new.consts, *ops, jaxpr=consts_to_invars(new),
                               prevent_cse=p["prevent_cse"], differentiated=p["differentiated"],
                               policy=p["policy"])
     _store(ctx, eqn, body_needs, outs)
@@ -1073,7 +960,7 @@ def _cond_rule(ctx, eqn, needs, stats):
     ops = [ctx.get(v, None) for v in eqn.invars]
     body_needs = _body_needs(eqn, needs, branches[0].jaxpr.outvars)
     if _unchanged(body_needs, branches[0].jaxpr.outvars):
-        outs = _bind(eqn, ops)
+        outs = bind(eqn, ops)
     else:
         stats.rules["cond"] += 1
         new = [rewrite(br, body_needs, stats) for br in branches]
@@ -1082,7 +969,7 @@ def _cond_rule(ctx, eqn, needs, stats):
         const_avals = [jax.core.ShapedArray(np.shape(c), c.dtype) for c in all_consts]
         fixed, offset = [], 0
         for b in new:
-            j = _consts_to_invars(b)
+            j = consts_to_invars(b)
             n = len(b.consts)
             fresh = [jex.Var(a) for a in const_avals]
             invars = fresh[:offset] + list(j.invars[:n]) + fresh[offset + n:] + list(j.invars[n:])
@@ -1106,8 +993,8 @@ def _while_rule(ctx, eqn, stats):
     new_cond = rewrite(p["cond_jaxpr"], None, stats)
     bc, cc = list(new_body.consts), list(new_cond.consts)
     return P.while_p.bind(*cc, *cond_consts, *bc, *body_consts, *init, **{
-        **p, "body_jaxpr": jex.ClosedJaxpr(_consts_to_invars(new_body), []),
-        "cond_jaxpr": jex.ClosedJaxpr(_consts_to_invars(new_cond), []),
+        **p, "body_jaxpr": jex.ClosedJaxpr(consts_to_invars(new_body), []),
+        "cond_jaxpr": jex.ClosedJaxpr(consts_to_invars(new_cond), []),
         "body_nconsts": bn + len(bc), "cond_nconsts": cn + len(cc)})
 
 

@@ -18,7 +18,7 @@ import jax.extend.core as jex
 from jax import lax
 from jax.extend.core import primitives as P
 
-from pockjax.transforms.pushdown import _avals, _inline_jit, _is_var, interpret
+from pockjax._jaxpr import avals, inline_jit, interpret, is_var
 
 __all__ = ["split_scans"]
 
@@ -29,7 +29,7 @@ def _boundaries(eqn, producers):
     first_x = p["num_consts"] + p["num_carry"]
     cuts = set()
     for v in eqn.invars[first_x:]:
-        prod = producers.get(v) if _is_var(v) else None
+        prod = producers.get(v) if is_var(v) else None
         if prod is not None and prod.primitive.name == "concatenate" \
                 and prod.params["dimension"] == 0 and len(prod.invars) > 1:
             off = 0
@@ -42,9 +42,9 @@ def _boundaries(eqn, producers):
 def split_scans(closed: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, int]:
     """`closed` with scans split at concatenation boundaries of their `xs`; and how many."""
     # Nested jit calls can hide the concatenation from the scan: inline them first.
-    closed = _inline_jit(closed.jaxpr, closed.consts)
+    closed = inline_jit(closed.jaxpr, closed.consts)
     jaxpr = closed.jaxpr
-    producers = {v: e for e in jaxpr.eqns for v in e.outvars if _is_var(v)}
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars if is_var(v)}
     todo = {id(e): _boundaries(e, producers) for e in jaxpr.eqns if e.primitive is P.scan_p}
     todo = {k: v for k, v in todo.items() if v}
     if not todo:
@@ -57,7 +57,7 @@ def split_scans(closed: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, int]:
         count[0] += 1
         return _split_one(e, ins, todo[id(e)], producers, read)
 
-    new = jax.make_jaxpr(lambda *a: interpret(jaxpr, closed.consts, a, split))(*_avals(jaxpr.invars))
+    new = jax.make_jaxpr(lambda *a: interpret(jaxpr, closed.consts, a, split))(*avals(jaxpr.invars))
     return new, count[0]
 
 
@@ -71,7 +71,7 @@ def _split_one(eqn, ins, cuts, producers, read):
 
     def piece_of(v, x, s, e):
         """xs[s:e], taken from the concatenated operand itself where there is one."""
-        prod = producers.get(v) if _is_var(v) else None
+        prod = producers.get(v) if is_var(v) else None
         if prod is not None and prod.primitive.name == "concatenate" and prod.params["dimension"] == 0:
             off = 0
             for w in prod.invars:

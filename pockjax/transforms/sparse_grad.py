@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.extend.core as jex
@@ -35,7 +35,7 @@ __all__ = ["sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates",
 # --------------------------------------------------------------------------- views
 
 
-def _resolved(params, scheme: Scheme | Any):
+def resolved_decisions(params, scheme: Scheme | Any):
     """Decision leaves for `params` (accepts a Scheme or an already-resolved tree)."""
     if isinstance(scheme, Scheme):
         return jax.tree_util.tree_leaves(scheme.resolve(params))
@@ -58,7 +58,7 @@ def trainable(params, scheme):
     Frozen leaves are `None`, Channels leaves hold the kept slice, Full leaves are whole.
     """
     named, treedef = leaves_with_paths(params)
-    decisions = _resolved(params, scheme)
+    decisions = resolved_decisions(params, scheme)
     view = [None if isinstance(d, Frozen) else _kept(x, d) if isinstance(d, Channels) else x
             for (_, x), d in zip(named, decisions)]
     return jax.tree_util.tree_unflatten(treedef, view)
@@ -71,7 +71,7 @@ def apply_updates(params, updates, scheme):
     Frozen leaves are returned as they are.
     """
     named, treedef = leaves_with_paths(params)
-    decisions = _resolved(params, scheme)
+    decisions = resolved_decisions(params, scheme)
     upd = jax.tree_util.tree_leaves(updates, is_leaf=lambda x: x is None)
     if len(upd) != len(named):
         raise SchemeError(f"updates have {len(upd)} leaves but the parameters have {len(named)}; "
@@ -142,11 +142,28 @@ class TransformInfo:
         return "\n".join(lines)
 
 
-def _is_dynamic(x) -> bool:
+def is_dynamic(x) -> bool:
+    """Whether a non-differentiated argument leaf is traced as an array (else it is static)."""
     return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, jax.core.Tracer)
 
 
-class _SparseGradFn:
+class GradProgram(NamedTuple):
+    """What the transform built for one argument signature, for the trainer and export:
+    `runner` (the jitted gradient program over the differentiated leaves and the dynamic
+    other leaves), `info` (its `TransformInfo`, with the rewritten jaxpr), the aux
+    treedef, the resolved decision per differentiated leaf and their treedef."""
+
+    runner: Callable
+    info: "TransformInfo"
+    aux_def: Any
+    decisions: list
+    diff_def: Any
+
+
+class SparseGradFn:
+    """`sparse_grad` / `sparse_value_and_grad` of a function: call it like `jax.grad`'s
+    result; `trace(*args)` gives the `GradProgram` for those arguments (cached)."""
+
     def __init__(self, fun, scheme, argnums, has_aux, with_value):
         if not isinstance(scheme, Scheme):
             raise SchemeError(f"scheme must be a pockjax.Scheme, got {type(scheme).__name__}")
@@ -172,12 +189,13 @@ class _SparseGradFn:
         rest = [None if i in nums else x for i, x in enumerate(args)]
         return nums, diff, rest
 
-    def _build(self, args, kwargs):
+    def trace(self, *args, **kwargs) -> GradProgram:
+        """The gradient program for arguments like these (traced once per signature)."""
         nums, diff, rest = self._split_args(args, kwargs)
         named, diff_def = leaves_with_paths(diff)
-        decisions = _resolved(diff, self.scheme)
+        decisions = resolved_decisions(diff, self.scheme)
         other_leaves, other_def = jax.tree_util.tree_flatten((rest, kwargs))
-        dyn_mask = [_is_dynamic(x) for x in other_leaves]
+        dyn_mask = [is_dynamic(x) for x in other_leaves]
         static = tuple(None if m else x for x, m in zip(other_leaves, dyn_mask))
         avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x))) for _, x in named)
         dyn_avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x)))
@@ -298,16 +316,16 @@ class _SparseGradFn:
             eqns_before=stats.eqns_in, eqns_after=stats.eqns_out,
             scans_split=out_info.get("scans_split", 0))
         runner = jax.jit(jex.jaxpr_as_fun(final))
-        return runner, info, out_info["aux_def"], decisions, diff_def
+        return GradProgram(runner, info, out_info["aux_def"], decisions, diff_def)
 
     # -- calling ---------------------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        runner, info, aux_def, decisions, diff_def = self._build(args, kwargs)
+        runner, info, aux_def, decisions, diff_def = self.trace(*args, **kwargs)
         nums, diff, rest = self._split_args(args, kwargs)
         leaves = jax.tree_util.tree_leaves(diff)
         other_leaves = jax.tree_util.tree_leaves((rest, kwargs))
-        dyn = [x for x in other_leaves if _is_dynamic(x)]
+        dyn = [x for x in other_leaves if is_dynamic(x)]
         outs = runner(*leaves, *dyn)
         value, outs = outs[0], outs[1:]
         n_aux = aux_def.num_leaves
@@ -321,7 +339,7 @@ class _SparseGradFn:
 
     def explain(self, *args, **kwargs) -> TransformInfo:
         """What the transform did for these arguments (rules, fallbacks, the jaxpr)."""
-        return self._build(args, kwargs)[1]
+        return self.trace(*args, **kwargs).info
 
 
 def _trace_with_tree(f, *args):
@@ -352,10 +370,10 @@ def sparse_grad(fun: Callable, scheme: Scheme, argnums: int | Sequence[int] = 0,
     >>> g({"w": jnp.ones((3, 4))}, jnp.ones((2, 3)))["w"].shape
     (3, 1)
     """
-    return _SparseGradFn(fun, scheme, argnums, has_aux, with_value=False)
+    return SparseGradFn(fun, scheme, argnums, has_aux, with_value=False)
 
 
 def sparse_value_and_grad(fun: Callable, scheme: Scheme, argnums: int | Sequence[int] = 0,
                           has_aux: bool = False) -> Callable:
     """Like `jax.value_and_grad`, with the gradient of `sparse_grad`."""
-    return _SparseGradFn(fun, scheme, argnums, has_aux, with_value=True)
+    return SparseGradFn(fun, scheme, argnums, has_aux, with_value=True)

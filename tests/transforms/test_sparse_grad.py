@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import pockjax as pj
-from pockjax.transforms import pushdown
+from pockjax._jaxpr import describe_source
 from tests.helpers import assert_matches_dense, assert_trees_close, dense_view
 
 
@@ -238,5 +238,5 @@ def test_fallback_source_is_the_users_line_through_rebound_equations(nested_jit)
 def test_equations_the_pass_emits_keep_the_users_line():
     # Rules' output (narrowed dot_generals, slices) carries the line of the equation it replaces.
     info = pj.sparse_grad(mlp_loss, SCHEME).explain(PARAMS, X)
-    sources = {pushdown._describe_source(e) for e in info.jaxpr.jaxpr.eqns}
+    sources = {describe_source(e) for e in info.jaxpr.jaxpr.eqns}
     assert not [s for s in sources if "pushdown.py" in s], sources
