@@ -162,14 +162,21 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
     if not expanding:
         raise SchemeError("no 'blocks/{i}/expand/conv/kernel' parameters: this scheme needs "
                           "pockjax.models.MobileNetV2's parameter paths")
+    return _expansion_scheme(paths, expanding, last, "expand/conv/kernel", ratio, axis,
+                             [f"*/bn/{n}" for n in ("scale", "bias")] if norms else [], classifier)
+
+
+def _expansion_scheme(paths, expanding, last, expand, ratio, axis, norms, classifier) -> Scheme:
+    """The paper's MobileNetV2 scheme over blocks `expanding` (with an expansion conv at
+    `{block}/{expand}`): the last `last` of them, their norms (`{block}/{n}` for `n` in
+    `norms`) and the classifier."""
     if last is not None:
         if not 1 <= last <= len(expanding):
             raise SchemeError(f"last={last} but the model has {len(expanding)} blocks with an "
                               f"expansion convolution; use 1..{len(expanding)}")
         expanding = expanding[-last:]
-    rules: list = [(f"{b}/expand/conv/kernel", _decision(ratio, axis)) for b in expanding]
-    if norms:
-        rules += [(f"{b}/*/bn/{n}", Full()) for b in expanding for n in ("scale", "bias")]
+    rules: list = [(f"{b}/{expand}", _decision(ratio, axis)) for b in expanding]
+    rules += [(f"{b}/{n}", Full()) for b in expanding for n in norms]
     if classifier:
         rules += _keep_matching([("classifier/**", Full())], paths, "'classifier/**'")
     return Scheme(rules, default=Frozen())
@@ -180,18 +187,9 @@ def _torchvision_mobilenetv2(paths, last, ratio, axis, norms, classifier) -> Sch
     # ConvBNReLU (depth-wise), Conv2d (project), BatchNorm2d]; without one it has 3 entries.
     found = (re.fullmatch(r"features/(\d+)/conv/3/weight", p) for p in paths)
     expanding = [f"features/{i}" for i in sorted(int(m[1]) for m in found if m)]
-    if last is not None:
-        if not 1 <= last <= len(expanding):
-            raise SchemeError(f"last={last} but the model has {len(expanding)} blocks with an "
-                              f"expansion convolution; use 1..{len(expanding)}")
-        expanding = expanding[-last:]
-    rules: list = [(f"{b}/conv/0/0/weight", _decision(ratio, axis)) for b in expanding]
-    if norms:
-        rules += [(f"{b}/conv/{bn}/{n}", Full()) for b in expanding
-                  for bn in ("0/1", "1/1", "3") for n in ("weight", "bias")]
-    if classifier:
-        rules += _keep_matching([("classifier/**", Full())], paths, "'classifier/**'")
-    return Scheme(rules, default=Frozen())
+    return _expansion_scheme(paths, expanding, last, "conv/0/0/weight", ratio, axis,
+                             [f"conv/{bn}/{n}" for bn in ("0/1", "1/1", "3") for n in ("weight", "bias")]
+                             if norms else [], classifier)
 
 
 def lora(names: Sequence[str] = ("lora_a", "lora_b")) -> Scheme:
