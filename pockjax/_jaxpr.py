@@ -17,7 +17,7 @@ import jax.extend.core as jex
 from jax.extend.core import primitives as P
 
 __all__ = ["interpret", "inline_jit", "bind", "as_source", "describe_source", "avals", "var_shape",
-           "is_var", "consts_to_invars", "producers"]
+           "is_var", "consts_to_invars", "producers", "call_body"]
 
 try:  # JAX 0.10 has no public API to read or set an equation's source info
     from jax._src import source_info_util as _source_info
@@ -132,6 +132,19 @@ def consts_to_invars(jaxpr: jex.Jaxpr | jex.ClosedJaxpr) -> jex.Jaxpr:
     """The open jaxpr with its constants turned into leading inputs."""
     j = jaxpr.jaxpr if isinstance(jaxpr, jex.ClosedJaxpr) else jaxpr
     return j.replace(constvars=[], invars=[*j.constvars, *j.invars])
+
+
+_CALL_BODIES = {P.jit_p: "jaxpr", P.closed_call_p: "call_jaxpr"}
+
+
+def call_body(eqn) -> jex.ClosedJaxpr | None:
+    """The body of a plain call equation (`jit`, `closed_call`) as a closed jaxpr, whose
+    inputs and outputs are the equation's; None for any other equation."""
+    param = _CALL_BODIES.get(eqn.primitive)
+    if param is None:
+        return None
+    body = eqn.params[param]
+    return body if isinstance(body, jex.ClosedJaxpr) else jex.ClosedJaxpr(body, [])
 
 
 def producers(jaxpr) -> dict:

@@ -20,7 +20,7 @@ import jax
 import jax.extend.core as jex
 from jax.interpreters import partial_eval as pe
 
-from pockjax._jaxpr import consts_to_invars
+from pockjax._jaxpr import call_body, consts_to_invars
 
 __all__ = ["LeafUpdate", "UpdatePlan", "plan_updates"]
 
@@ -62,8 +62,8 @@ def _deps(jaxpr: jex.Jaxpr, in_masks: Sequence[int]) -> list[int]:
     read = lambda v: 0 if isinstance(v, jex.Literal) else env.get(v, 0)
     for e in jaxpr.eqns:
         ins = [read(v) for v in e.invars]
-        sub = e.params.get("jaxpr") if e.primitive.name in ("jit", "pjit", "closed_call") else None
-        if isinstance(sub, jex.ClosedJaxpr):
+        sub = call_body(e)
+        if sub is not None:
             outs = _deps(sub.jaxpr, ins)
         else:
             # Other higher-order primitives (scan, while, cond): every output depends

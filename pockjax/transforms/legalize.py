@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pockjax._jaxpr import bind, interpret
+from pockjax._jaxpr import bind, call_body, interpret
 
 __all__ = ["legalize_for_iree", "select_and_scatter_add", "unbatched_gather"]
 
@@ -241,15 +241,12 @@ def _reduction(ctx, e, ins):
 for _p in (lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p):
     _RULES[_p] = _reduction
 
-_CALLS = ("jit", "pjit", "closed_call")
-
-
 def _rewrite(jaxpr: jex.Jaxpr, consts, args, stats, backend):
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
 
     def override(e, ins, read):
-        if e.primitive.name in _CALLS:
-            sub = e.params["jaxpr"]
+        sub = call_body(e)
+        if sub is not None:
             return _rewrite(sub.jaxpr, sub.consts, ins, stats, backend)
         rule = _RULES.get(e.primitive)
         return None if rule is None else rule(_Context(backend, stats, producer, read), e, ins)
