@@ -28,10 +28,11 @@ import numpy as np
 import optax
 
 from pockjax import sharding as _sharding
+from pockjax._jaxpr import is_var
 from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes
 from pockjax.flops import count_flops
 from pockjax.optim import fused, perleaf
-from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
+from pockjax.scheme import Frozen, Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.transforms.sparse_grad import (SparseGradFn, TransformInfo, is_dynamic,
                                             resolved_decisions, trainable)
 
@@ -105,12 +106,21 @@ class SparseTrainer:
         With `copy=True` the parameters are copied, so donating the state in later
         steps never deletes the caller's arrays; pass `copy=False` to hand them over
         (saves one copy of the model).
+
+        Parameters given as `jax.ShapeDtypeStruct`s (e.g. from `nnx.eval_shape`) give an
+        abstract state, with nothing allocated: `report()`, `lower()` and `export()`
+        accept it, so a model's memory can be read before it is loaded; stepping needs
+        arrays.
         """
         scheme, optimizer = self.scheme, self.optimizer
         scheme.resolve(params)  # scheme errors surface here, outside any trace
+        init = lambda p: optimizer.init(trainable(p, scheme))
+        if _abstract(params, "params"):
+            # Shapes only: for report(), lower() and export() before allocating a model.
+            return TrainState(jax.ShapeDtypeStruct((), jnp.int32), params,
+                              jax.eval_shape(init, params), scheme)
         if copy:
             params = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), params)
-        init = lambda p: optimizer.init(trainable(p, scheme))
         if self.layout is None:
             opt_state = jax.jit(init)(params)
             step = jnp.zeros((), jnp.int32)
@@ -216,6 +226,10 @@ class SparseTrainer:
     def __call__(self, state: TrainState, batch):
         """One training step: `(state, batch) -> (new state, {"loss": ..., "aux": ...})`."""
         self._check_state(state)
+        if _abstract(state, "state"):
+            raise TypeError("this TrainState holds shapes (jax.ShapeDtypeStruct), not arrays: "
+                            "it can be reported, lowered or exported, not stepped; make it "
+                            "from the model's arrays with trainer.init(params)")
         _check_not_donated(state, self.donate)
         if self.layout is not None:
             batch = self.layout.put_batch(batch)
@@ -252,7 +266,7 @@ class SparseTrainer:
 
     def update_mode(self, state: TrainState, batch) -> tuple[str, str]:
         """("fused" | "global", why) for this state's trainable view."""
-        view = trainable(state.params, self.scheme)
+        view = jax.eval_shape(lambda p: trainable(p, self.scheme), abstract_arrays(state.params))
         plan = self._plan(view, state.opt_state)
         return plan.mode, plan.reason
 
@@ -311,6 +325,13 @@ class SparseTrainer:
         mode, reason = self.update_mode(state, batch)
         info = self.explain(state, batch)
         full_state = jax.eval_shape(self.optimizer.init, abstract_arrays(state.params))
+        breakdown = breakdown_full = None
+        if self.layout is None:  # on a mesh the per-device split is the layout's
+            decisions = resolved_decisions(state.params, self.scheme)
+            breakdown = self._breakdown(state, batch, decisions, compiled_memory(sparse)["temp"])
+            everything = TrainState(state.step, state.params, full_state, None)
+            breakdown_full = self._breakdown(everything, batch, [Full()] * len(decisions),
+                                             compiled_memory(full)["temp"])
         return TrainReport(
             trainable_params=info.trainable_params, total_params=info.total_params,
             mode=mode, mode_reason=reason,
@@ -321,7 +342,68 @@ class SparseTrainer:
             devices=1 if self.layout is None else self.layout.mesh.devices.size,
             layout=None if self.layout is None else self.layout.describe(),
             collectives=_sharding.collectives(sparse) if self.layout is not None else [],
-            collectives_full=_sharding.collectives(full) if self.layout is not None else [])
+            collectives_full=_sharding.collectives(full) if self.layout is not None else [],
+            breakdown=breakdown, breakdown_full=breakdown_full)
+
+    def _breakdown(self, state: TrainState, batch, decisions, temp: int) -> dict[str, int]:
+        """The step's memory by what it holds, in bytes: the arguments by kind (exact)
+        and the compiled temporaries split into the activations the backward pass reads
+        (an estimate: the residuals of `jax.vjp` with respect to the trained leaves) and
+        the rest."""
+        leaves = jax.tree_util.tree_leaves(state.params)
+        trained = [i for i, d in enumerate(decisions) if not isinstance(d, Frozen)]
+        dynamic = [x for x in jax.tree_util.tree_leaves(batch) if is_dynamic(x)]
+        kept = _residual_bytes(self.loss_fn, self.has_aux, state.params, batch, trained)
+        return {"frozen weights": tree_bytes([x for i, x in enumerate(leaves) if i not in set(trained)]),
+                "trained weights": tree_bytes([leaves[i] for i in trained]),
+                "optimizer state": tree_bytes(state.opt_state) + tree_bytes(state.step),
+                "batch": tree_bytes(dynamic),
+                "activations kept for backward": min(kept, temp),
+                "other temporaries": max(temp - kept, 0)}
+
+
+def _residual_bytes(loss_fn, has_aux: bool, params, batch, trained: list[int]) -> int:
+    """Bytes of what reverse mode keeps from the forward pass for the gradient of the
+    leaves at `trained`: the residuals of `jax.vjp`, less the inputs themselves."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    batch_leaves, batch_def = jax.tree_util.tree_flatten(batch)
+    dyn = [i for i, x in enumerate(batch_leaves) if is_dynamic(x)]
+
+    def keep(t, rest, dyn_leaves):
+        full = list(rest)
+        for i, x in zip(trained, t):
+            full[i] = x
+        b = list(batch_leaves)
+        for i, x in zip(dyn, dyn_leaves):
+            b[i] = x
+        b = jax.tree_util.tree_unflatten(batch_def, b)
+        f = lambda t_: loss_fn(jax.tree_util.tree_unflatten(
+            treedef, [dict(zip(trained, t_)).get(i, x) for i, x in enumerate(full)]), b)
+        return jax.vjp(f, t, has_aux=has_aux)[1]
+
+    avals = abstract_arrays
+    closed = jax.make_jaxpr(keep)(avals([leaves[i] for i in trained]), avals(leaves),
+                                  avals([batch_leaves[i] for i in dyn]))
+    inputs = set(closed.jaxpr.invars) | set(closed.jaxpr.constvars)
+    seen, total = set(), 0
+    for v in closed.jaxpr.outvars:
+        if is_var(v) and v not in inputs and v not in seen:
+            seen.add(v)
+            total += int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+    return total
+
+
+def _abstract(tree, what: str) -> bool:
+    """Whether every leaf is a `jax.ShapeDtypeStruct`; refuse a mix of shapes and arrays."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    shapes = [isinstance(x, jax.ShapeDtypeStruct) for _, x in leaves]
+    if any(shapes) and not all(shapes):
+        path = next(p for (p, _), s in zip(leaves, shapes) if s != shapes[0])
+        raise TypeError(f"{what}{jax.tree_util.keystr(path)} is "
+                        f"{'a ShapeDtypeStruct' if not shapes[0] else 'an array'} while "
+                        f"{what}{jax.tree_util.keystr(leaves[0][0])} is not: give all arrays "
+                        f"(to train) or all jax.ShapeDtypeStructs (to report or lower)")
+    return bool(shapes) and all(shapes)
 
 
 def _check_not_donated(state: TrainState, donate: bool) -> None:
@@ -384,6 +466,8 @@ class TrainReport:
     layout: str | None = None
     collectives: list = dataclasses.field(default_factory=list)
     collectives_full: list = dataclasses.field(default_factory=list)
+    breakdown: dict[str, int] | None = None
+    breakdown_full: dict[str, int] | None = None
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -416,6 +500,12 @@ class TrainReport:
                          ("peak", "peak estimate")):
             rows.append((label + per, format_bytes(self.memory[k]), format_bytes(self.memory_full[k]),
                          ratio(self.memory[k], self.memory_full[k])))
+        if self.breakdown is not None:
+            rows.append(("memory by what it holds:", "", "", ""))
+            for k, n in self.breakdown.items():
+                label = "  " + k + (" (estimate)" if k == "activations kept for backward" else "")
+                rows.append((label, format_bytes(n), format_bytes(self.breakdown_full[k]),
+                             ratio(n, self.breakdown_full[k])))
         if self.layout is not None:
             ops, ops_full = self.collective_bytes(), self.collective_bytes(full=True)
             for op in sorted(set(ops) | set(ops_full)):

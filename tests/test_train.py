@@ -284,6 +284,34 @@ def test_report_compares_with_full_training():
     trainer(state, _batches(1)[0])
 
 
+def test_report_breaks_memory_down_and_needs_no_arrays():
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-3), scheme=MIXED)
+    params, batch = _mlp_params(), _batches(1)[0]
+    report = trainer.report(trainer.init(params), batch)
+    b, b_full = report.breakdown, report.breakdown_full
+    # The arguments by kind add up to what XLA allocates for them.
+    assert sum(b[k] for k in ("frozen weights", "trained weights", "optimizer state", "batch")) \
+        == report.memory["argument"]
+    assert b["frozen weights"] == 4 * (D * D + D)  # l0/w and l1/b
+    assert b_full["frozen weights"] == 0 and b_full["trained weights"] == 4 * 3 * (D * D + D)
+    assert b["activations kept for backward"] + b["other temporaries"] >= report.memory["temp"]
+    assert 0 < b["activations kept for backward"] <= b_full["activations kept for backward"]
+    assert "activations kept for backward (estimate)" in str(report)
+
+    # The same report from shapes alone: nothing is allocated for the model.
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (params, batch))
+    abstract = trainer.init(shapes[0])
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(abstract))
+    from_shapes = trainer.report(abstract, shapes[1])
+    assert from_shapes.memory == report.memory and from_shapes.breakdown == b
+    assert from_shapes.flops == report.flops and from_shapes.trainable_params == report.trainable_params
+    with pytest.raises(TypeError, match="holds shapes.*not stepped"):
+        trainer(abstract, batch)
+    mixed = dict(params, l0=dict(params["l0"], w=shapes[0]["l0"]["w"]))
+    with pytest.raises(TypeError, match=r"params\['l0'\]\['w'\] is a ShapeDtypeStruct"):
+        trainer.init(mixed)
+
+
 def test_fit_runs_the_loop_and_returns_history(capsys):
     trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-2), scheme=MIXED)
     state = trainer.init(_mlp_params())

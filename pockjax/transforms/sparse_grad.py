@@ -143,8 +143,9 @@ class TransformInfo:
 
 
 def is_dynamic(x) -> bool:
-    """Whether a non-differentiated argument leaf is traced as an array (else it is static)."""
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) or isinstance(x, jax.core.Tracer)
+    """Whether a non-differentiated argument leaf is traced as an array (else it is static).
+    A `jax.ShapeDtypeStruct` stands for an array: tracing (`explain`, `trace`) needs shapes only."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, jax.core.Tracer))
 
 
 class GradProgram(NamedTuple):
