@@ -57,7 +57,7 @@ def _load_spec(spec: str):
 
     if isinstance(obj, tuple) and len(obj) == 2 and isinstance(obj[0], Trainer):
         nnx_trainer, batch = obj
-        return nnx_trainer.sparse, nnx_trainer.state, nnx_trainer._batch(batch)
+        return nnx_trainer.sparse, nnx_trainer.state, nnx_trainer.step_batch(batch)
     if isinstance(obj, dict) and _is_torch_module(obj.get("model")):
         missing = sorted({"loss_fn", "optimizer", "batch"} - set(obj))
         if missing:

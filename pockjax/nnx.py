@@ -5,6 +5,11 @@ default) as a plain nested dict, and the rest (batch statistics, RNG counters) a
 another. Parameter paths are the module's attribute path joined with "/", e.g.
 `layers/0/attn/q_proj/kernel`, the same paths `Scheme` globs see.
 
+`pockjax.schemes` and `pockjax.scheme_search` work on parameter trees and import no
+Flax; importing this module registers `split(model)[1]` as the parameters of an
+`nnx.Module` (`pockjax.schemes.register_params_of`), so `pj.schemes.transformer(model)`
+and `pj.scheme_search.find_candidates(model)` take a module.
+
 >>> import optax, jax.numpy as jnp, pockjax as pj
 >>> from flax import nnx
 >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -20,11 +25,12 @@ from typing import Any, Callable, Iterable, Sequence
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from pockjax import scheme_search, schemes
 from pockjax.scheme import Decision, Frozen, Full, Scheme, SchemeError, DECISION_TYPES, exact_pattern
 from pockjax.sharding import Layout
 from pockjax.train import History, SparseTrainer, TrainState, fit
 
-__all__ = ["split", "merge", "param_paths", "scheme", "Trainer"]
+__all__ = ["split", "merge", "param_paths", "scheme", "Trainer", "search"]
 
 Filter = Any
 
@@ -38,6 +44,9 @@ def split(model: nnx.Module, wrt: Filter = nnx.Param) -> tuple[Any, dict, dict]:
 def merge(graphdef, params: dict, rest: dict) -> nnx.Module:
     """The module back from `split`'s parts (a new module; inside a trace, a traced one)."""
     return nnx.merge(graphdef, params, rest)
+
+
+schemes.register_params_of(nnx.Module, lambda model: split(model)[1])
 
 
 def _variables(model: nnx.Module, wrt: Filter):
@@ -92,6 +101,25 @@ def scheme(model: nnx.Module, rules: Filter | Sequence[tuple[Filter, Decision]],
 _filter_scheme = scheme
 
 
+def _module_loss(graphdef, loss_fn: Callable, *, has_aux: bool, has_rest: bool, wrt: Filter):
+    """`loss_fn(model, batch)` as a function of the parameter dict: `(params, batch)`.
+    A module with other state takes `{"batch": ..., "model_state": ...}` and returns
+    `(loss, {"aux": ..., "model_state": ...})`, so that state is carried step to step."""
+    others = nnx.Not(wrt)
+
+    def pure(params, batch):
+        m = nnx.merge(graphdef, params, batch["model_state"]) if has_rest else \
+            nnx.merge(graphdef, params)
+        out = loss_fn(m, batch["batch"] if has_rest else batch)
+        if not has_rest:
+            return out
+        loss, aux = out if has_aux else (out, None)
+        return loss, {"aux": aux, "model_state": nnx.to_pure_dict(nnx.state(m, others))}
+
+    pure.__name__ = getattr(loss_fn, "__name__", "loss")
+    return pure
+
+
 class Trainer:
     """An `nnx.Module` trained by `sparse_train`, one call per step.
 
@@ -103,11 +131,18 @@ class Trainer:
     `update(model)` writes the trained values back into a module, `model()` builds a new one.
     `mesh`, `data_axis`, `param_axis` and `param_specs` train on several devices, as in
     `pockjax.sparse_train`; the module's other state is replicated.
+
+    `copy=True` (the default) copies the parameters, so the module stays usable while the
+    trainer updates its own copy in place. `copy=False` hands the module's parameter
+    arrays to the trainer without a second copy of the model (what a 1B-7B model on one
+    device needs): the first step donates them, so the module's parameters are gone until
+    `trainer.update(model)` writes the trained ones back.
     """
 
     def __init__(self, model: nnx.Module, loss_fn: Callable, *, optimizer, scheme=None,
                  wrt: Filter = nnx.Param, has_aux: bool = False, donate: bool = True,
-                 mesh=None, data_axis="data", param_axis=None, param_specs=None):
+                 copy: bool = True, mesh=None, data_axis="data", param_axis=None,
+                 param_specs=None):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"pockjax.nnx.Trainer needs an nnx.Module, got {type(model).__name__}; "
                             "for Linen or plain functions use pockjax.sparse_train")
@@ -119,18 +154,8 @@ class Trainer:
         elif not isinstance(scheme, Scheme):
             scheme = _filter_scheme(model, scheme, wrt=wrt)
         self.wrt, self.has_aux, self.loss_fn = wrt, has_aux, loss_fn
-        graphdef, others = self.graphdef, nnx.Not(wrt)
-
-        def pure(params, batch):
-            m = nnx.merge(graphdef, params, batch["model_state"]) if self.rest else \
-                nnx.merge(graphdef, params)
-            out = loss_fn(m, batch["batch"] if self.rest else batch)
-            loss, aux = out if has_aux else (out, None)
-            if not self.rest:
-                return out
-            return loss, {"aux": aux, "model_state": nnx.to_pure_dict(nnx.state(m, others))}
-
-        pure.__name__ = getattr(loss_fn, "__name__", "loss")
+        pure = _module_loss(self.graphdef, loss_fn, has_aux=has_aux, has_rest=bool(self.rest),
+                            wrt=wrt)
         layout = None
         if mesh is not None:  # the module's other state (batch statistics) is replicated
             layout = Layout(mesh, data_axis=data_axis, param_axis=param_axis,
@@ -142,13 +167,15 @@ class Trainer:
                             "(4,), ('data',)), param_axis='data')")
         self.sparse = SparseTrainer(pure, optimizer, scheme, has_aux=has_aux or bool(self.rest),
                                     donate=donate, layout=layout)
-        self.state: TrainState = self.sparse.init(params)
+        self.state: TrainState = self.sparse.init(params, copy=copy)
 
     @property
     def scheme(self) -> Scheme:
         return self.sparse.scheme
 
-    def _batch(self, batch):
+    def step_batch(self, batch):
+        """`batch` as `self.sparse` (the `SparseTrainer`) takes it: with the module's other
+        state (batch statistics) under `"model_state"` when it has any."""
         return {"batch": batch, "model_state": self.rest} if self.rest else batch
 
     def _metrics(self, metrics):
@@ -161,7 +188,7 @@ class Trainer:
 
     def __call__(self, batch) -> dict:
         """One step; `{"loss": ..., "aux": ...}`. The trainer's state advances in place."""
-        self.state, metrics = self.sparse(self.state, self._batch(batch))
+        self.state, metrics = self.sparse(self.state, self.step_batch(batch))
         return self._metrics(metrics)
 
     def fit(self, batches: Iterable, steps: int | None = None, **kwargs) -> History:
@@ -190,19 +217,19 @@ class Trainer:
 
     def report(self, batch):
         """`SparseTrainer.report` for this step: FLOPs and memory against full training."""
-        return self.sparse.report(self.state, self._batch(batch))
+        return self.sparse.report(self.state, self.step_batch(batch))
 
     def explain(self, batch):
-        return self.sparse.explain(self.state, self._batch(batch))
+        return self.sparse.explain(self.state, self.step_batch(batch))
 
     def lower(self, batch):
-        return self.sparse.lower(self.state, self._batch(batch))
+        return self.sparse.lower(self.state, self.step_batch(batch))
 
     def export(self, batch, target: str = "host-cpu", out_dir: str = "export", **kwargs):
         """Export the step (see `pockjax.export`). A module with other state (batch
         statistics) takes it as batch inputs `model_state/...` and returns it as outputs
         `aux/model_state/...`."""
-        return self.sparse.export(self.state, self._batch(batch), target=target,
+        return self.sparse.export(self.state, self.step_batch(batch), target=target,
                                   out_dir=out_dir, **kwargs)
 
 
@@ -212,14 +239,17 @@ def search(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%
     memory budget. `loss_fn(model, batch)` and `data = (train_batches, heldout_batches)`
     as for `Trainer`; other keyword arguments go to `pockjax.search`. Returns the
     `Scheme` (exact parameter paths; `Trainer(..., scheme=scheme)` takes it) and the
-    `SearchReport`."""
-    from pockjax.scheme_search import search as _search
-
-    trainer = Trainer(model, loss_fn, optimizer=optimizer, has_aux=has_aux, wrt=wrt)
-    pure, inner_aux = trainer.sparse.loss_fn, trainer.sparse.has_aux
+    `SearchReport`. The module is not changed: every candidate trains a copy."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"pockjax.nnx.search needs an nnx.Module, got {type(model).__name__}; "
+                        "for parameter trees use pockjax.search")
+    graphdef, params, rest = split(model, wrt)
+    pure = _module_loss(graphdef, loss_fn, has_aux=has_aux, has_rest=bool(rest), wrt=wrt)
+    with_state = lambda b: {"batch": b, "model_state": rest} if rest else b
     train, heldout = data if not isinstance(data, dict) else (data["train"], data["heldout"])
     steps = kwargs.get("steps", 20)
-    train = [trainer._batch(b) for b, _ in zip(train, range(steps))]
-    heldout = [trainer._batch(b) for b in heldout]
-    return _search(lambda s: SparseTrainer(pure, optimizer, s, has_aux=inner_aux),
-                   trainer.state.params, (train, heldout), budget, **kwargs)
+    train = [with_state(b) for b, _ in zip(train, range(steps))]
+    heldout = [with_state(b) for b in heldout]
+    return scheme_search.search(
+        lambda s: SparseTrainer(pure, optimizer, s, has_aux=has_aux or bool(rest)),
+        params, (train, heldout), budget, **kwargs)

@@ -56,6 +56,7 @@ from pockjax.checkpoint import write_atomic
 from pockjax.flops import count_flops
 from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError, \
     decision_from_json, decision_to_json, glob_to_regex, exact_pattern, layouts_of, leaves_with_paths
+from pockjax.schemes import blocks, params_of
 from pockjax._report import compiled_memory, format_bytes, tree_bytes
 from pockjax.train import SparseTrainer, abstract_arrays
 
@@ -89,8 +90,8 @@ class Candidate:
         return json.dumps([[p, decision_to_json(d)] for p, d in self.rules], sort_keys=True)
 
 
-def _block_of(path: str, blocks: list[str]) -> int | None:
-    for i, b in enumerate(blocks):
+def _block_of(path: str, block_list: list[str]) -> int | None:
+    for i, b in enumerate(block_list):
         if path.startswith(b + "/"):
             return i
     return None
@@ -100,7 +101,8 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
                include: Sequence[str] | None = None, exclude: Sequence[str] = (),
                vectors: Sequence[str] = ("bias",), stacked: Sequence[str] = (),
                block_name: str | None = None) -> list[Candidate]:
-    """The search's candidates for `params` (a pytree or an `nnx.Module`).
+    """The search's candidates for `params`: a pytree, or a model whose type has a
+    converter (`pockjax.schemes.register_params_of`; `pockjax.nnx` registers `nnx.Module`).
 
     - every floating weight (2 or more dimensions) matching `include` (globs; all by
       default) and not `exclude`: Full, and Channels at each of `ratios` along `axis`
@@ -111,13 +113,7 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
     - each weight matching `stacked` (globs) has a leading layer axis: its last k
       layers, k = 1..L, train (`Channels(count=k, axis=0, last=True)`).
     """
-    from pockjax.schemes import blocks as find_blocks
-
-    from flax import nnx
-
-    if isinstance(params, nnx.Module):
-        from pockjax.nnx import split
-        params = split(params)[1]
+    params = params_of(params)
     named = [(p, x) for p, x in leaves_with_paths(params)[0]
              if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
     inc = [glob_to_regex(g) for g in include] if include is not None else None
@@ -165,7 +161,7 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
     named_vec = [(p, x) for p, x in vec if p.rsplit("/", 1)[-1] in tuple(vectors)]
     vec = named_vec or vec
     try:
-        block_list = find_blocks(params, block_name)
+        block_list = blocks(params, block_name)
     except SchemeError:
         block_list = []
     in_blocks: dict[int, list[str]] = {}
@@ -402,9 +398,11 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
     caps the knapsack rounds (each compiles its set once), and the fill stops after
     `max_fill` candidates that did not fit.
     Returns the chosen `Scheme` and a `SearchReport`.
-    """
-    from tqdm.auto import tqdm
 
+    The steps, each a function below: `_references` (forward pass, full fine-tuning,
+    the budget), `_measure` (every candidate's run), `_solve` (the knapsack, calibrated
+    against compiled sets, each `_repair`ed to fit), `_fill` (room left).
+    """
     train, heldout = _split_data(data, steps)
     if candidates is not None and candidate_options:
         raise TypeError(f"give candidates= or options for find_candidates "
@@ -414,9 +412,46 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
     if len(set(names)) != len(names):
         raise SchemeError("candidate names must be unique; got duplicates "
                           f"{sorted({n for n in names if names.count(n) > 1})}")
-    batch0 = train[0]
+    ref = _references(trainer_factory, params, train[0], budget)
+    baseline = ref.heldout_loss(params, heldout)
+    store = _Cache(cache, _fingerprint(params, train, heldout, steps, cache_key))
+    results = _measure(ref, cands, params, train, heldout, baseline, store, progress)
+    useful, floor = _useful(ref, results, steps, flop_budget, min_contribution)
+    state = _Search(ref, params, train[0], flop_budget, useful)
+    selection = _solve(state, calibrate) or _Selection([], ref.forward_bytes, 0.0, ref.forward_bytes)
+    selection = _fill(state, selection, max_fill)
+    if not selection.chosen:
+        raise ValueError(f"no candidate set fits the budget {format_bytes(ref.budget_bytes)} when "
+                         f"compiled; give a budget between {format_bytes(min(r.peak_bytes for r in results))} "
+                         f"and {format_bytes(ref.full_bytes)}")
+    scheme = _scheme_of(selection.chosen)
+    report = SearchReport(results=results, baseline_loss=baseline, forward_bytes=ref.forward_bytes,
+                          full_bytes=ref.full_bytes, full_flops=ref.full_flops,
+                          budget_bytes=ref.budget_bytes, flop_budget=flop_budget,
+                          chosen=[r.name for r in selection.chosen],
+                          predicted_bytes=selection.predicted, measured_bytes=selection.measured,
+                          measured_flops=selection.flops, log=state.log, scheme=scheme,
+                          steps=steps, min_contribution=floor)
+    return scheme, report
 
-    # The reference points: the forward pass, and full fine-tuning.
+
+@dataclasses.dataclass
+class _References:
+    """The search's reference points: the forward pass alone and full fine-tuning, and
+    the budget in bytes."""
+
+    trainer_factory: Callable[[Scheme], SparseTrainer]
+    evaluate: Callable  # jitted (params, batch) -> loss
+    forward_bytes: int
+    full_bytes: int
+    full_flops: float
+    budget_bytes: int
+
+    def heldout_loss(self, params, heldout) -> float:
+        return float(np.mean([float(self.evaluate(params, b)) for b in heldout]))
+
+
+def _references(trainer_factory, params, batch0, budget) -> _References:
     probe = trainer_factory(Scheme(default=Full()))
     if not isinstance(probe, SparseTrainer):
         raise TypeError(f"trainer_factory must return a pockjax SparseTrainer (from "
@@ -425,8 +460,7 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
     evaluate = jax.jit(lambda p, b: _loss_value(loss_fn(p, b)))
     forward = evaluate.lower(abstract_arrays(params), abstract_arrays(batch0)).compile()
     forward_bytes = _peak(forward)
-    full_state = jax.eval_shape(probe.init, params)
-    full_traced = probe.trace(full_state, batch0)
+    full_traced = probe.trace(jax.eval_shape(probe.init, params), batch0)
     full_bytes, full_flops = _peak(full_traced.lower().compile()), count_flops(full_traced)
     budget_bytes = parse_budget(budget, full_bytes)
     if budget_bytes >= full_bytes:
@@ -439,12 +473,13 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
                          f"alone ({format_bytes(forward_bytes)}), so no training step fits; give a "
                          f"budget between {format_bytes(forward_bytes)} and full fine-tuning's "
                          f"{format_bytes(full_bytes)} ({_budget_range_hint(forward_bytes, full_bytes)})")
+    return _References(trainer_factory, evaluate, forward_bytes, full_bytes, full_flops, budget_bytes)
 
-    def heldout_loss(p) -> float:
-        return float(np.mean([float(evaluate(p, b)) for b in heldout]))
 
-    baseline = heldout_loss(params)
-    store = _Cache(cache, _fingerprint(params, train, heldout, steps, cache_key))
+def _measure(ref: _References, cands, params, train, heldout, baseline, store,
+             progress: bool) -> list[CandidateResult]:
+    """Contribution analysis: each candidate's run, from the cache where it has one."""
+    from tqdm.auto import tqdm
 
     results: list[CandidateResult] = []
     bar = tqdm(cands, disable=not progress, unit="cand", desc="contribution", dynamic_ncols=True)
@@ -452,105 +487,140 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
         bar.set_postfix_str(c.name[-40:])
         hit = store.get(c.key())
         if hit is None:
-            hit = _run_candidate(trainer_factory, c, params, train, heldout_loss, baseline, batch0,
-                                 forward_bytes)
+            hit = _run_candidate(ref, c, params, train, heldout, baseline)
             store.put(c.key(), hit)
         results.append(CandidateResult(name=c.name, group=c.group,
                                        rules=[[p, decision_to_json(d)] for p, d in c.rules], **hit))
     bar.close()
+    return results
 
-    fits = [r for r in results if r.peak_bytes <= budget_bytes]
+
+def _useful(ref: _References, results, steps, flop_budget, min_contribution):
+    """The candidates worth choosing from (above the noise floor) and that floor; errors
+    when no candidate fits the budgets or none improved the loss."""
+    fits = [r for r in results if r.peak_bytes <= ref.budget_bytes]
     if not fits:
         smallest = min(results, key=lambda r: r.peak_bytes)
-        raise ValueError(f"budget {format_bytes(budget_bytes)} is below every candidate's step: the "
+        raise ValueError(f"budget {format_bytes(ref.budget_bytes)} is below every candidate's step: the "
                          f"smallest is {format_bytes(smallest.peak_bytes)} ('{smallest.name}'); give "
                          f"a budget between {format_bytes(smallest.peak_bytes)} and full fine-tuning's "
-                         f"{format_bytes(full_bytes)}")
-
+                         f"{format_bytes(ref.full_bytes)}")
     if flop_budget is not None and not any(r.flops <= flop_budget for r in fits):
         least = min(fits, key=lambda r: r.flops)
         raise ValueError(f"FLOP budget {flop_budget / 1e9:.4g} GFLOP is below every candidate's "
                          f"step that fits the memory budget: the least is {least.flops / 1e9:.4g} "
-                         f"GFLOP ('{least.name}'); full fine-tuning takes {full_flops / 1e9:.4g}")
+                         f"GFLOP ('{least.name}'); full fine-tuning takes {ref.full_flops / 1e9:.4g}")
     best = max(r.contribution for r in results)
     if not best > 0:
         raise ValueError(f"no candidate improved the held-out loss in {steps} steps (best change "
                          f"{best:+.3g}); use more steps, a larger learning rate or other candidates")
     floor = min_contribution * best
-    useful = [r for r in results if r.contribution > floor]
-    capacity = budget_bytes - forward_bytes
-    log: list[str] = []
-    measured_sets: dict = {}
+    return [r for r in results if r.contribution > floor], floor
 
-    def measure(sel):
-        key = frozenset(r.name for r in sel)
-        if key not in measured_sets:
-            if not sel:
-                measured_sets[key] = (forward_bytes, 0.0)
+
+@dataclasses.dataclass
+class _Selection:
+    """A candidate set with its compiled peak memory and FLOPs, and the memory the
+    knapsack predicted for it (the forward pass plus the summed added bytes)."""
+
+    chosen: list[CandidateResult]
+    measured: int
+    flops: float
+    predicted: int
+
+    @property
+    def value(self) -> float:
+        return sum(r.contribution for r in self.chosen)
+
+
+@dataclasses.dataclass
+class _Search:
+    """What the choosing steps share: the budgets, the candidates to choose from, the
+    log, and every set compiled so far (each set compiles once)."""
+
+    ref: _References
+    params: object
+    batch0: object
+    flop_budget: float | None
+    useful: list[CandidateResult]
+    log: list[str] = dataclasses.field(default_factory=list)
+    compiled: dict = dataclasses.field(default_factory=dict)
+
+    def measure(self, chosen: list[CandidateResult]) -> tuple[int, float]:
+        """The set's compiled step peak memory and FLOPs."""
+        key = frozenset(r.name for r in chosen)
+        if key not in self.compiled:
+            if not chosen:
+                self.compiled[key] = (self.ref.forward_bytes, 0.0)
             else:
-                traced = _trace_scheme(trainer_factory, _scheme_of(sel), params, batch0)
-                measured_sets[key] = (_peak(traced.lower().compile()), count_flops(traced))
-        return measured_sets[key]
+                traced = _trace_scheme(self.ref.trainer_factory, _scheme_of(chosen), self.params,
+                                       self.batch0)
+                self.compiled[key] = (_peak(traced.lower().compile()), count_flops(traced))
+        return self.compiled[key]
 
-    def within(m, f):
-        return m <= budget_bytes and (flop_budget is None or f <= flop_budget)
+    def within(self, measured: int, flops: float) -> bool:
+        return measured <= self.ref.budget_bytes and (self.flop_budget is None
+                                                      or flops <= self.flop_budget)
 
-    # Summed costs over-count the backward pass that candidates share, so the knapsack
-    # is solved again with its capacity scaled by the over-count the compiler showed.
-    best = None  # (contribution, chosen, measured, flops, predicted)
+
+def _solve(state: _Search, calibrate: int) -> _Selection | None:
+    """The knapsack over summed costs, each answer compiled and repaired, the best kept.
+    Summed costs over-count the backward pass that candidates share, so the knapsack is
+    solved again with its capacity scaled by the over-count the compiler showed."""
+    capacity = state.ref.budget_bytes - state.ref.forward_bytes
+    best: _Selection | None = None
     scale, seen = 1.0, set()
     for _ in range(max(calibrate, 1)):
-        chosen = _knapsack(useful, int(capacity * scale), flop_budget)
+        chosen = _knapsack(state.useful, int(capacity * scale), state.flop_budget)
         key = frozenset(r.name for r in chosen)
         if not chosen or key in seen:
             break
         seen.add(key)
         summed = sum(r.added_bytes for r in chosen)
-        measured, flops = measure(chosen)
-        log.append(f"knapsack (capacity x{scale:.2f}): {len(chosen)} candidates, summed "
-                   f"{format_bytes(forward_bytes + summed)}, compiled {format_bytes(measured)}")
-        real = measured - forward_bytes
-        # Repair: over the budget, drop the member that adds least per byte.
-        while chosen and not within(measured, flops):
-            worst = min(chosen, key=lambda r: r.contribution / max(r.added_bytes, 1))
-            chosen = [r for r in chosen if r is not worst]
-            measured, flops = measure(chosen)
-            log.append(f"  over budget: dropped '{worst.name}' -> {format_bytes(measured)}")
-        value = sum(r.contribution for r in chosen)
-        if chosen and (best is None or value > best[0]):
-            best = (value, chosen, measured, flops, forward_bytes + summed)
+        measured, _ = state.measure(chosen)
+        state.log.append(f"knapsack (capacity x{scale:.2f}): {len(chosen)} candidates, summed "
+                         f"{format_bytes(state.ref.forward_bytes + summed)}, compiled "
+                         f"{format_bytes(measured)}")
+        repaired = _repair(state, chosen, state.ref.forward_bytes + summed)
+        if repaired.chosen and (best is None or repaired.value > best.value):
+            best = repaired
+        real = measured - state.ref.forward_bytes
         if real <= 0:
             break
         new_scale = summed / real
         if abs(new_scale - scale) < 0.05 * scale:
             break
         scale = new_scale
-    chosen, measured, flops, predicted = (best[1], best[2], best[3], best[4]) if best else \
-        ([], forward_bytes, 0.0, forward_bytes)
-    # Fill: try the best remaining candidates, each compiled, while they fit.
+    return best
+
+
+def _repair(state: _Search, chosen: list[CandidateResult], predicted: int) -> _Selection:
+    """Over the budget, drop the member that adds least per byte, until the set fits."""
+    measured, flops = state.measure(chosen)
+    while chosen and not state.within(measured, flops):
+        worst = min(chosen, key=lambda r: r.contribution / max(r.added_bytes, 1))
+        chosen = [r for r in chosen if r is not worst]
+        measured, flops = state.measure(chosen)
+        state.log.append(f"  over budget: dropped '{worst.name}' -> {format_bytes(measured)}")
+    return _Selection(chosen, measured, flops, predicted)
+
+
+def _fill(state: _Search, sel: _Selection, max_fill: int) -> _Selection:
+    """Try the best remaining candidates, each compiled, while they fit; stop after
+    `max_fill` that did not."""
     rejected = 0
-    for r in sorted(useful, key=lambda r: -r.contribution):
+    for r in sorted(state.useful, key=lambda r: -r.contribution):
         if rejected >= max_fill:
             break
-        if r.group in {x.group for x in chosen} or r.peak_bytes > budget_bytes:
+        if r.group in {x.group for x in sel.chosen} or r.peak_bytes > state.ref.budget_bytes:
             continue
-        m, f = measure(chosen + [r])
-        if within(m, f):
-            chosen, measured, flops = chosen + [r], m, f
-            log.append(f"room left: added '{r.name}' -> {format_bytes(m)}")
+        m, f = state.measure(sel.chosen + [r])
+        if state.within(m, f):
+            sel = _Selection(sel.chosen + [r], m, f, sel.predicted)
+            state.log.append(f"room left: added '{r.name}' -> {format_bytes(m)}")
         else:
             rejected += 1
-    if not chosen:
-        raise ValueError(f"no candidate set fits the budget {format_bytes(budget_bytes)} when "
-                         f"compiled; give a budget between {format_bytes(min(r.peak_bytes for r in results))} "
-                         f"and {format_bytes(full_bytes)}")
-    scheme = _scheme_of(chosen)
-    report = SearchReport(results=results, baseline_loss=baseline, forward_bytes=forward_bytes,
-                          full_bytes=full_bytes, full_flops=full_flops, budget_bytes=budget_bytes,
-                          flop_budget=flop_budget, chosen=[r.name for r in chosen],
-                          predicted_bytes=predicted, measured_bytes=measured, measured_flops=flops,
-                          log=log, scheme=scheme, steps=steps, min_contribution=floor)
-    return scheme, report
+    return sel
 
 
 def _budget_range_hint(low: int, high: int) -> str:
@@ -586,19 +656,18 @@ def _trace_scheme(trainer_factory, scheme: Scheme, params, batch) -> jax.stages.
     return trainer.trace(state, batch)
 
 
-def _run_candidate(trainer_factory, c: Candidate, params, train, heldout_loss, baseline, batch0,
-                   forward_bytes) -> dict:
+def _run_candidate(ref: _References, c: Candidate, params, train, heldout, baseline) -> dict:
     start = time.perf_counter()
-    trainer = trainer_factory(c.scheme())
+    trainer = ref.trainer_factory(c.scheme())
     state = trainer.init(params)
-    traced = trainer.trace(state, batch0)
+    traced = trainer.trace(state, train[0])
     compiled = traced.lower().compile()  # once; every step runs it
     for batch in train:
         state, _ = compiled(state, batch)
-    loss = heldout_loss(state.params)
+    loss = ref.heldout_loss(state.params, heldout)
     peak = _peak(compiled)
     return {"loss": loss, "contribution": baseline - loss if np.isfinite(loss) else -math.inf,
-            "peak_bytes": peak, "added_bytes": max(peak - forward_bytes, 0),
+            "peak_bytes": peak, "added_bytes": max(peak - ref.forward_bytes, 0),
             "flops": count_flops(traced), "seconds": time.perf_counter() - start,
             "opt_state_bytes": tree_bytes(state.opt_state)}
 

@@ -1,8 +1,13 @@
 """Ready-made schemes: the paper's sparse schemes and the common baselines.
 
-Each helper takes the model's parameters (a pytree, or an `nnx.Module`) so it can
-find the blocks and keep only rules that match; a helper that would select nothing
-raises `SchemeError` naming what it looked for.
+Each helper takes the model's parameters so it can find the blocks and keep only
+rules that match; a helper that would select nothing raises `SchemeError` naming what
+it looked for.
+
+This module (and `pockjax.scheme_search`) works on pytrees only and imports no Flax.
+A model object is turned into its parameter tree by a converter registered with
+`register_params_of`: `pockjax.nnx` registers one for `nnx.Module` when it is imported
+(`pockjax.models` imports it), so `pj.schemes.transformer(model)` takes a module too.
 
 >>> import jax.numpy as jnp, pockjax as pj
 >>> params = {"layers": [{"attn": {"q_proj": {"kernel": jnp.zeros((4, 4))}},
@@ -13,24 +18,46 @@ Scheme({'layers/2/**/q_proj/kernel': Full()}, default=Frozen())
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError, \
     glob_to_regex, leaves_with_paths
 
-__all__ = ["bias_only", "blocks", "last_blocks", "transformer", "mobilenetv2", "lora"]
+__all__ = ["bias_only", "blocks", "last_blocks", "transformer", "mobilenetv2", "lora",
+           "param_paths", "params_of", "register_params_of"]
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_IN = ("gate_proj", "up_proj")
 
 
-def param_paths(params) -> list[str]:
-    from flax import nnx  # only for modules
+# type -> fn(model) -> parameter pytree; filled by adapters (pockjax.nnx) on import.
+_PARAMS_OF: dict[type, Callable[[Any], Any]] = {}
 
-    if isinstance(params, nnx.Module):
-        from pockjax.nnx import param_paths as module_paths
-        return module_paths(params)
-    return [p for p, _ in leaves_with_paths(params)[0]]
+
+def register_params_of(cls: type, fn: Callable[[Any], Any]) -> None:
+    """Let the helpers here (and `pockjax.search`'s candidates) take instances of `cls`
+    (and its subclasses): `fn(model)` returns the model's parameters as a pytree whose
+    "/"-joined paths are what schemes glob. `pockjax.nnx` registers `nnx.Module`."""
+    _PARAMS_OF[cls] = fn
+
+
+def params_of(model) -> Any:
+    """`model`'s parameter tree: through the converter registered for its type (see
+    `register_params_of`), else `model` itself, which must be a pytree of arrays."""
+    for cls in type(model).__mro__:
+        if cls in _PARAMS_OF:
+            return _PARAMS_OF[cls](model)
+    if any(c.__module__.startswith("flax.nnx") for c in type(model).__mro__):
+        raise TypeError(f"got a Flax {type(model).__name__} but no converter for it is registered; "
+                        "`import pockjax.nnx` registers the one for nnx.Module, or pass the "
+                        "parameters: pockjax.nnx.split(model)[1]")
+    return model
+
+
+def param_paths(params) -> list[str]:
+    """The "/"-joined paths of `params`' leaves (a pytree, or a model with a registered
+    converter: see `register_params_of`)."""
+    return [p for p, _ in leaves_with_paths(params_of(params))[0]]
 
 
 def _keep_matching(rules, paths, what: str):
@@ -54,8 +81,9 @@ def blocks(params, name: str | None = None) -> list[str]:
     >>> blocks({"h": [{"w": 0.0}, {"w": 0.0}], "head": {"w": 0.0}})
     ['h/0', 'h/1']
     """
+    paths = param_paths(params)
     found: dict[str, set[int]] = {}
-    for path in param_paths(params):
+    for path in paths:
         m = _BLOCK.match(path)
         if m:
             base, idx = (m["a"], m["i"]) if m["a"] is not None else (m["b"], m["j"])
@@ -69,7 +97,7 @@ def blocks(params, name: str | None = None) -> list[str]:
         raise SchemeError("the parameters have no repeated blocks (paths like 'layers/0/...' or "
                           "'Block_0/...'); name the parameters in a Scheme instead")
     base = max(found, key=lambda b: len(found[b]))
-    linen = not any(p.startswith(base + "/") for p in param_paths(params))
+    linen = not any(p.startswith(base + "/") for p in paths)
     return [f"{base}_{i}" if linen else f"{base}/{i}" for i in sorted(found[base])]
 
 
