@@ -60,3 +60,63 @@ def test_no_module_imports_another_modules_private_names():
                 found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: from {node.module} "
                           f"import {a.name}" for a in node.names if a.name.startswith("_")]
     assert not found, "\n".join(found)
+
+
+def _imports(tree: ast.AST) -> list[str]:
+    """Every module an `import` or `from ... import` names, anywhere in the file."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.append(node.module)
+            found += [f"{node.module}.{a.name}" for a in node.names]
+    return found
+
+
+def test_schemes_and_the_search_import_no_flax():
+    """Flax stays at the edge: `pockjax.nnx` converts modules (it registers a converter
+    with `schemes.register_params_of`); the scheme helpers and the search see pytrees."""
+    for name in ("schemes.py", "scheme_search.py"):
+        bad = [m for m in _imports(ast.parse((PACKAGE / name).read_text()))
+               if m.split(".")[0] == "flax" or m.startswith("pockjax.nnx")]
+        assert not bad, f"pockjax/{name} imports {bad}"
+
+
+def _pockjax_names(tree: ast.AST) -> set[str]:
+    """The local names bound to pockjax or one of its modules (`pj`, `artifact`)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.asname or a.name.split(".")[0] for a in node.names
+                      if a.name.split(".")[0] == "pockjax"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pockjax":
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def test_examples_and_benchmarks_use_no_private_names():
+    """`pj.train._memory` or `from pockjax.export.artifact import _version` in an example
+    is a seam missing: the example shows users something they cannot rely on."""
+    found = []
+    root = PACKAGE.parent
+    for path in sorted([*(root / "examples").rglob("*.py"), *(root / "benchmarks").rglob("*.py")]):
+        tree = ast.parse(path.read_text())
+        ours = _pockjax_names(tree)
+        where = lambda node: f"{path.relative_to(root)}:{node.lineno}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pockjax":
+                found += [f"{where(node)}: from {node.module} import {a.name}"
+                          for a in node.names if _private(a.name)]
+            elif isinstance(node, ast.Attribute):
+                chain, base = [node.attr], node.value
+                while isinstance(base, ast.Attribute):
+                    chain.append(base.attr)
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in ours and any(map(_private, chain)):
+                    found.append(f"{where(node)}: {ast.unparse(node)}")
+    assert not sorted(set(found)), "\n".join(sorted(set(found)))

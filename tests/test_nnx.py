@@ -133,6 +133,32 @@ def test_nnx_trainer_errors():
                        scheme=nnx.PathContains("nope"))
 
 
+
+def test_nnx_trainer_copy_false_takes_the_modules_arrays_and_trains_the_same(batch):
+    """copy=False: the state holds the module's own buffers (no second model in memory);
+    training matches copy=True, and update() gives the module its parameters back."""
+    model, ref_model = Net(nnx.Rngs(0)), Net(nnx.Rngs(0))
+    theirs = jax.tree_util.tree_leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    trainer = pj.nnx.Trainer(model, xent, optimizer=optax.adam(1e-2), copy=False,
+                             scheme=nnx.PathContains("blocks"))
+    ref = pj.nnx.Trainer(ref_model, xent, optimizer=optax.adam(1e-2),
+                         scheme=nnx.PathContains("blocks"))
+    ours = jax.tree_util.tree_leaves(trainer.state.params)
+    assert all(a is b for a, b in zip(ours, theirs)) and len(ours) == len(theirs)
+    copied = jax.tree_util.tree_leaves(ref.state.params)
+    assert not any(a.unsafe_buffer_pointer() == b.unsafe_buffer_pointer()
+                   for a, b in zip(copied, jax.tree_util.tree_leaves(
+                       nnx.to_pure_dict(nnx.state(ref_model, nnx.Param)))))
+    for _ in range(3):
+        np.testing.assert_allclose(trainer(batch)["loss"], ref(batch)["loss"], rtol=1e-6)
+    assert model.blocks[0].kernel[...].is_deleted()  # donated: the module waits for update()
+    trainer.update(model)
+    ref.update(ref_model)
+    assert_trees_close(nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(ref_model)),
+                       rtol=0, atol=0)
+    np.testing.assert_array_equal(model(batch[0]), ref_model(batch[0]))
+
+
 # --------------------------------------------------------------------------- Linen
 
 

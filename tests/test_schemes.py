@@ -97,3 +97,28 @@ def test_lora_scheme_selects_the_adapters_only():
     assert jax.tree_util.tree_leaves(pj.nnx.scheme(model, nnx.LoRAParam).resolve(
         nnx.to_pure_dict(nnx.state(model, nnx.Param)))) == jax.tree_util.tree_leaves(
         pj.schemes.lora().resolve(nnx.to_pure_dict(nnx.state(model, nnx.Param))))
+
+
+def test_models_reach_the_helpers_through_a_registered_converter():
+    """Without pockjax.nnx loaded a Flax module is refused with the fix; importing it
+    registers the converter; any other model type can register its own."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pytest\n"
+            "from flax import nnx\n"
+            "import pockjax.schemes as schemes, pockjax.scheme_search as search\n"
+            "assert 'pockjax.nnx' not in sys.modules\n"
+            "model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))\n"
+            "with pytest.raises(TypeError, match='import pockjax.nnx'):\n"
+            "    schemes.bias_only(model)\n"
+            "import pockjax.nnx\n"
+            "assert schemes.bias_only(model).rules == (('**/bias', pockjax.Full()),)\n"
+            "assert [c.name for c in search.find_candidates(model, ratios=())] == "
+            "['kernel full', 'bias full']\n"
+            "class Box:\n"
+            "    def __init__(self, tree): self.tree = tree\n"
+            "schemes.register_params_of(Box, lambda box: box.tree)\n"
+            "assert schemes.blocks(Box({'h': [{'w': 0.0}] * 2})) == ['h/0', 'h/1']\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
