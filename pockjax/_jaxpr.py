@@ -4,7 +4,9 @@ equation with the user's source info, avals and small predicates.
 - `interpret(jaxpr, consts, args, override=, after=)` evaluates a jaxpr by binding each
   equation (inside `as_source`, so what it emits keeps the user's source line);
   `override` replaces an equation's evaluation, `after` runs after each one.
-- `inline_jit` inlines nested `jit` calls; `bind` re-emits one equation on new inputs.
+- `inline_calls` inlines nested `jit` and `closed_call` calls; `bind` re-emits one
+  equation on new inputs.
+- `dependencies` says which inputs (as bitmasks) each output depends on.
 - `consts_to_invars` turns a closed jaxpr's constants into leading inputs.
 """
 from __future__ import annotations
@@ -16,8 +18,8 @@ import jax
 import jax.extend.core as jex
 from jax.extend.core import primitives as P
 
-__all__ = ["interpret", "inline_jit", "bind", "as_source", "describe_source", "avals", "var_shape",
-           "is_var", "consts_to_invars", "producers", "call_body"]
+__all__ = ["interpret", "inline_calls", "bind", "as_source", "describe_source", "avals", "var_shape",
+           "is_var", "consts_to_invars", "producers", "call_body", "dependencies"]
 
 try:  # JAX 0.10 has no public API to read or set an equation's source info
     from jax._src import source_info_util as _source_info
@@ -89,16 +91,15 @@ def avals(vars_):
     return [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in vars_]
 
 
-def inline_jit(jaxpr, consts) -> jex.ClosedJaxpr:
-    """`jaxpr` with nested `jit` calls inlined, as a closed jaxpr over the same inputs."""
-    if not any(e.primitive is P.jit_p for e in jaxpr.eqns):
+def inline_calls(jaxpr, consts) -> jex.ClosedJaxpr:
+    """`jaxpr` with nested plain calls (`jit`, `closed_call`: see `call_body`) inlined, as
+    a closed jaxpr over the same inputs."""
+    if not any(e.primitive in _CALL_BODIES for e in jaxpr.eqns):
         return jex.ClosedJaxpr(jaxpr, list(consts))
 
     def inline(e, ins, read):
-        if e.primitive is P.jit_p:
-            sub = e.params["jaxpr"]
-            return interpret(sub.jaxpr, sub.consts, ins, inline)
-        return None
+        sub = call_body(e)
+        return None if sub is None else interpret(sub.jaxpr, sub.consts, ins, inline)
 
     return jax.make_jaxpr(lambda *a: interpret(jaxpr, consts, a, inline))(*avals(jaxpr.invars))
 
@@ -150,3 +151,30 @@ def call_body(eqn) -> jex.ClosedJaxpr | None:
 def producers(jaxpr) -> dict:
     """Each variable defined by an equation of `jaxpr` -> that equation's index."""
     return {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars if is_var(v)}
+
+
+def dependencies(jaxpr: jex.Jaxpr, in_masks, own=None, seen=None) -> list[int]:
+    """The bitmask each output of `jaxpr` depends on, given a bitmask per input.
+
+    An equation's outputs depend on the union of its inputs' masks (and on `own(i)`, bits
+    equation `i` adds itself, if given); plain calls (`call_body`) are followed into their
+    bodies; other higher-order primitives (scan, while, cond) make every output depend on
+    every input. `seen(i, mask)`, if given, gets the union of equation `i`'s input masks.
+    Constants depend on nothing.
+    """
+    env = dict(zip(jaxpr.invars, in_masks))
+    read = lambda v: env.get(v, 0) if is_var(v) else 0
+    for i, e in enumerate(jaxpr.eqns):
+        ins = [read(v) for v in e.invars]
+        union = 0
+        for m in ins:
+            union |= m
+        if seen is not None:
+            seen(i, union)
+        sub = call_body(e)
+        outs = dependencies(sub.jaxpr, ins) if sub is not None else [union] * len(e.outvars)
+        extra = own(i) if own is not None else 0
+        for v, m in zip(e.outvars, outs):
+            if is_var(v):
+                env[v] = m | extra
+    return [read(v) for v in jaxpr.outvars]

@@ -7,29 +7,34 @@ in a box needs boxes of its operands; most other uses need the whole value). It 
 re-traces the jaxpr forwards computing, for every needed box, just that part of the
 value. Equations nobody needs are dropped on the way (dead-code elimination).
 
-Rules live in one table keyed by primitive name: `pull(eqn, i, box)` says which
-(variable, box) pairs computing box `box` of output `i` needs, or returns `None`
-when it cannot do better than computing the whole output; `apply(ctx, eqn, i, box)`
-emits that computation. A rule may also `widen` a box it cannot compute into one it
-can (a conv computes all rows of its kept channels); the needed box is sliced from it.
-A primitive without a rule takes the always-correct path (compute all of it, then
-slice) and is counted in `Stats.fallbacks`.
+Rules live in one table keyed by primitive, `RULES`: a rule
+`rule(eqn, wanted, analysis)` takes the `(output index, box)` pairs wanted of `eqn`
+and returns a plan saying which boxes of its inputs it reads and how it emits them
+(`Narrowed`, `Whole`, `Alias`, `BodyRewrite`), or `Decline(reason)` when it cannot do
+better than computing the outputs whole. Most rules are a `BoxRule`: `pull(eqn, i, box)`
+gives the (variable, box) pairs that box `box` of output `i` needs, `apply(ctx, eqn, i, box)`
+emits that computation, and `widen` may grow a box it cannot compute into one it can
+(a conv computes all rows of its kept channels); the needed box is sliced from it.
+A primitive without a rule takes the default, `compute_whole` (compute all of it, then
+slice). A decline, or the default, on an equation of which only part is used is counted
+in `Stats.fallbacks` with its reason. A rule that raises is a bug: the error surfaces.
 
 Every equation the pass emits (re-bound, narrowed, or a slice of it) carries the source
 info of the equation it comes from, so messages of this and later passes name the
 user's line (`as_source`).
 
 Higher-order primitives recurse: a box of a `scan`, `remat` or `cond` output becomes
-an extra output of the rewritten body; `jit` is inlined; `while` bodies are rewritten
-in place; `custom_jvp_call`/`custom_vjp_call` (which only remain on the primal path of
-a gradient jaxpr) are kept as they are.
+an extra output of the rewritten body; `jit` and `closed_call` are inlined before the
+walk (`inline_calls`); `while` bodies are rewritten in place; `custom_jvp_call` and
+`custom_vjp_call` (which only remain on the primal path of a gradient jaxpr) decline:
+their custom derivative needs the call as it is.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence, Union
 
 import jax
 import jax.extend.core as jex
@@ -38,7 +43,7 @@ from jax import lax
 from jax.extend.core import primitives as P
 
 from pockjax._jaxpr import (as_source, avals, bind, consts_to_invars, describe_source,
-                             inline_jit, is_var, var_shape)
+                             inline_calls, is_var, var_shape)
 
 Box = tuple  # tuple[tuple[int, int], ...]
 
@@ -64,48 +69,179 @@ def slice_to_box(x, box: Box, shape: Sequence[int]):
     return lax.slice(x, [s for s, _ in box], [e for _, e in box])
 
 
+def _whole_inputs(eqn) -> list:
+    return [(w, full_box(var_shape(w))) for w in eqn.invars if is_var(w)]
+
+
+def _partial_only(eqn, wanted) -> bool:
+    """Only parts of the outputs are wanted: computing them whole wastes work."""
+    full = [box == full_box(var_shape(eqn.outvars[i])) for i, box in wanted]
+    return bool(full) and not any(full)
+
+
 # --------------------------------------------------------------------------- stats
 
 
 @dataclasses.dataclass
 class Stats:
-    """What the pass did: rules applied and fallbacks per primitive, equations in and out."""
+    """What the pass did: rules applied and fallbacks per primitive (with a source line
+    and the reason of the first one), equations in and out."""
 
     rules: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     fallback_sources: dict = dataclasses.field(default_factory=dict)
+    fallback_reasons: dict = dataclasses.field(default_factory=dict)
     eqns_in: int = 0
     eqns_out: int = 0
 
     def rule(self, name: str):
         self.rules[name] += 1
 
-    def fallback(self, eqn):
+    def fallback(self, eqn, reason: str = "no push-down rule"):
         name = eqn.primitive.name
         self.fallbacks[name] += 1
         self.fallback_sources.setdefault(name, describe_source(eqn))
+        self.fallback_reasons.setdefault(name, reason)
+
+
+# --------------------------------------------------------------------------- plans
+#
+# What a rule decides for one equation. Each plan names the input boxes it reads
+# (`inputs`) and emits the wanted boxes of the outputs during the forward re-trace.
+
+
+class Decline(NamedTuple):
+    """A rule's answer when it cannot narrow: the equation runs whole and the wanted
+    boxes are sliced from its outputs (a fallback, with `reason`, if only part is used)."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Narrowed:
+    """Each wanted box of an output computed by `apply` from the input boxes it pulls."""
+
+    pulled: dict  # (output index, box) -> [(input var, box)]
+    apply: Callable  # (ctx, eqn, i, box) -> the value of box `box` of output `i`
+
+    def inputs(self, eqn) -> list:
+        return [need for needs in self.pulled.values() for need in needs]
+
+    def emit(self, ctx, eqn, stats):
+        for i, box in self.pulled:
+            ctx.put(eqn.outvars[i], box, self.apply(ctx, eqn, i, box))
+
+
+def _rebind_whole(ctx, eqn, stats):
+    return bind(eqn, [ctx.get(v, None) for v in eqn.invars])
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+    """The equation runs on whole inputs (`run`, by default re-bound as it is); the wanted
+    boxes are sliced from its outputs. `reason` says why no rule narrowed it."""
+
+    wanted: tuple  # ((output index, box), ...)
+    run: Callable = _rebind_whole  # (ctx, eqn, stats) -> outputs
+    reason: str | None = None
+
+    def inputs(self, eqn) -> list:
+        return _whole_inputs(eqn)
+
+    def emit(self, ctx, eqn, stats):
+        outs = self.run(ctx, eqn, stats)
+        outs = outs if eqn.primitive.multiple_results else [outs]
+        for v, o in zip(eqn.outvars, outs):
+            if is_var(v):
+                ctx.put(v, full_box(var_shape(v)), o)
+        for i, box in self.wanted:  # slice right away, so the whole value can die early
+            ctx.get(eqn.outvars[i], box)
+
+
+@dataclasses.dataclass(frozen=True)
+class Alias:
+    """The equation's only output is `source` itself (a concatenation of all its slices)."""
+
+    source: Any
+
+    def inputs(self, eqn) -> list:
+        return [(self.source, full_box(var_shape(self.source)))]
+
+    def emit(self, ctx, eqn, stats):
+        ctx.put(eqn.outvars[0], full_box(var_shape(eqn.outvars[0])), ctx.get(self.source))
+
+
+Plan = Union[Narrowed, Whole, Alias, "BodyRewrite"]
 
 
 # --------------------------------------------------------------------------- rule table
 
 
-class Rule(NamedTuple):
-    pull: Callable  # (eqn, i, box) -> list[(var, box)] | None
-    apply: Callable  # (ctx, eqn, i, box) -> value
-    slicing: bool = False  # also used for the full box (slice-like primitives)
-    # (eqn, i, box) -> a larger box `pull` takes, for a box it declines; the larger box
-    # is computed and `box` sliced from it (a conv narrows channels, not spatial dims).
+class Analysis(NamedTuple):
+    """What rules may consult besides the equation: its jaxpr's producers, the stats."""
+
+    producers: dict  # var -> the equation defining it
+    stats: Stats
+
+
+Rule = Callable[[jex.JaxprEqn, tuple, Analysis], Union[Plan, Decline]]
+
+
+def compute_whole(eqn, wanted, analysis) -> Whole:
+    """The default rule: compute the outputs whole, then slice the wanted boxes."""
+    return Whole(wanted, reason="no push-down rule")
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxRule:
+    """A rule from per-box pieces: `pull(eqn, i, box)` -> [(var, box)] | Decline,
+    `apply(ctx, eqn, i, box)` -> value. A `slicing` rule also runs for the whole output
+    (slice-like primitives need only part of their input). `widen(eqn, i, box)` gives a
+    larger box `pull` takes, for a box it declines; `box` is then sliced from it (a conv
+    narrows channels, not spatial dims)."""
+
+    pull: Callable
+    apply: Callable
+    slicing: bool = False
     widen: Callable | None = None
 
+    def __call__(self, eqn, wanted, analysis) -> Narrowed | Whole | Decline:
+        if eqn.effects:
+            return Decline("the equation has effects")
+        if not self.slicing and any(box == full_box(var_shape(eqn.outvars[i])) for i, box in wanted):
+            return Whole(wanted)  # needed whole anyway: narrowing saves nothing
+        pulled = {}
+        for i, box in wanted:
+            needs = self._pull(eqn, i, box)
+            if isinstance(needs, Decline) and self.widen is not None:
+                wide = self.widen(eqn, i, box)
+                if wide != full_box(var_shape(eqn.outvars[i])):
+                    box, needs = wide, self._pull(eqn, i, wide)  # `box` is sliced from it
+            if isinstance(needs, Decline):
+                return needs
+            pulled[(i, box)] = needs
+        return Narrowed(pulled, self.apply)
 
-RULES: dict[str, Rule] = {}
+    def _pull(self, eqn, i, box):
+        needs = self.pull(eqn, i, box)
+        if needs is None:
+            raise TypeError(f"the push-down rule of '{eqn.primitive}' returned None for box {box}; "
+                            "a rule that cannot narrow returns Decline(reason)")
+        return needs
 
 
-def register(names: str | Sequence[str], pull: Callable, apply: Callable, slicing: bool = False,
-             widen: Callable | None = None):
-    """Register a push-down rule for primitives by name (also usable by other modules)."""
-    for name in [names] if isinstance(names, str) else names:
-        RULES[name] = Rule(pull, apply, slicing, widen)
+RULES: dict[jex.Primitive, Rule] = {}
+
+
+def register(primitives: jex.Primitive | Sequence[jex.Primitive], pull: Callable, apply: Callable,
+             slicing: bool = False, widen: Callable | None = None):
+    """Register a per-box push-down rule (a `BoxRule`) for primitives, e.g.
+    `register(jax.lax.tanh_p, pull, apply)`; `RULES[p] = rule` registers any other rule."""
+    for p in [primitives] if isinstance(primitives, jex.Primitive) else primitives:
+        if not isinstance(p, jex.Primitive):
+            raise TypeError(f"register takes jax Primitive objects (e.g. jax.lax.tanh_p), got {p!r}; "
+                            "rules are keyed by primitive, not by name")
+        RULES[p] = BoxRule(pull, apply, slicing, widen)
 
 
 def _rebind_on_pulled(pull):
@@ -126,13 +262,12 @@ def _pulled_itself(pull):
 
 # -- elementwise ---------------------------------------------------------------
 
-ELEMENTWISE = (
+ELEMENTWISE = tuple(getattr(P, f"{name}_p") for name in (
     "neg sign floor ceil round is_finite exp exp2 log log1p expm1 tanh logistic sin cos tan "
     "asin acos atan sinh cosh asinh acosh atanh sqrt rsqrt cbrt abs erf erfc erf_inv lgamma "
-    "digamma square integer_pow convert_element_type reduce_precision copy copy_p real imag "
-    "conj not add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge "
-    "add_any select_n clamp stop_gradient"
-).split()
+    "digamma square integer_pow convert_element_type reduce_precision copy real imag conj not "
+    "add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge add_jaxvals "
+    "select_n clamp stop_gradient").split())
 
 
 def _elementwise_operand_box(v, out_shape, box):
@@ -158,7 +293,7 @@ def _elementwise_pull(eqn, i, box):
             continue
         b = _elementwise_operand_box(v, out_shape, box)
         if b is None:
-            return None
+            return Decline(f"operand of shape {var_shape(v)} does not broadcast to {out_shape}")
         needs.append((v, b))
     return needs
 
@@ -169,7 +304,8 @@ def _elementwise_apply(ctx, eqn, i, box):
                        else ctx.get(v) for v in eqn.invars])
 
 
-register(ELEMENTWISE, _elementwise_pull, _elementwise_apply)
+for _p in ELEMENTWISE:
+    RULES[_p] = BoxRule(_elementwise_pull, _elementwise_apply)
 
 
 # -- layout ----------------------------------------------------------------------
@@ -183,7 +319,7 @@ def _transpose_pull(eqn, i, box):
     return [(eqn.invars[0], tuple(opbox))]
 
 
-register("transpose", _transpose_pull, _rebind_on_pulled(_transpose_pull))
+RULES[P.transpose_p] = BoxRule(_transpose_pull, _rebind_on_pulled(_transpose_pull))
 
 
 def _squeeze_pull(eqn, i, box):
@@ -193,7 +329,7 @@ def _squeeze_pull(eqn, i, box):
     return [(eqn.invars[0], opbox)]
 
 
-register("squeeze", _squeeze_pull, _rebind_on_pulled(_squeeze_pull))
+RULES[P.squeeze_p] = BoxRule(_squeeze_pull, _rebind_on_pulled(_squeeze_pull))
 
 
 def _rev_pull(eqn, i, box):
@@ -202,7 +338,7 @@ def _rev_pull(eqn, i, box):
                                   for d, ((s, e), n) in enumerate(zip(box, var_shape(eqn.invars[0])))))]
 
 
-register("rev", _rev_pull, _rebind_on_pulled(_rev_pull))
+RULES[P.rev_p] = BoxRule(_rev_pull, _rebind_on_pulled(_rev_pull))
 
 
 def _reshape_groups(in_shape, out_shape):
@@ -264,16 +400,16 @@ def _flat_to_box(a, b, dims):
 
 def _reshape_pull(eqn, i, box):
     if eqn.params.get("dimensions") is not None:
-        return None
+        return Decline("a reshape with `dimensions` transposes first")
     in_shape, out_shape = var_shape(eqn.invars[0]), var_shape(eqn.outvars[0])
     if 0 in in_shape:
-        return None
+        return Decline("a reshape of an empty array")
     opbox = []
     for ins, outs in _reshape_groups(in_shape, out_shape):
         flat = _box_to_flat([box[d] for d in outs], [out_shape[d] for d in outs])
         sub = None if flat is None else _flat_to_box(*flat, [in_shape[d] for d in ins])
         if sub is None:
-            return None
+            return Decline(f"box {box} is not one box of the reshape's operand")
         opbox += list(sub)
     return [(eqn.invars[0], tuple(opbox))]
 
@@ -283,7 +419,7 @@ def _reshape_apply(ctx, eqn, i, box):
     return bind(eqn, [ctx.get(v, b)], new_sizes=box_shape(box))
 
 
-register("reshape", _reshape_pull, _reshape_apply)
+RULES[P.reshape_p] = BoxRule(_reshape_pull, _reshape_apply)
 
 
 def _broadcast_pull(eqn, i, box):
@@ -305,7 +441,7 @@ def _broadcast_apply(ctx, eqn, i, box):
     return bind(eqn, [x] + [ctx.get(w, None) for w in eqn.invars[1:]], shape=box_shape(box))
 
 
-register("broadcast_in_dim", _broadcast_pull, _broadcast_apply)
+RULES[P.broadcast_in_dim_p] = BoxRule(_broadcast_pull, _broadcast_apply)
 
 
 def _reduce_pull(eqn, i, box):
@@ -316,8 +452,8 @@ def _reduce_pull(eqn, i, box):
     return [(v, opbox)]
 
 
-register(["reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"],
-         _reduce_pull, _rebind_on_pulled(_reduce_pull))
+for _p in (P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.argmax_p, P.argmin_p):
+    RULES[_p] = BoxRule(_reduce_pull, _rebind_on_pulled(_reduce_pull))
 
 
 def _reduce_window_pull(eqn, i, box):
@@ -334,11 +470,11 @@ def _reduce_window_pull(eqn, i, box):
         elif b == (0, out_shape[d]):
             opbox.append((0, n))
         else:
-            return None
+            return Decline(f"dim {d} is narrowed and has a window")
     return [(x, tuple(opbox))]
 
 
-register("reduce_window_sum", _reduce_window_pull, _rebind_on_pulled(_reduce_window_pull))
+RULES[P.reduce_window_sum_p] = BoxRule(_reduce_window_pull, _rebind_on_pulled(_reduce_window_pull))
 
 
 # -- slicing (these also run for the whole output: they need only part of their input)
@@ -377,7 +513,7 @@ def _slice_apply(ctx, eqn, i, box):
                               for r, k, (s, e) in zip(rel, strides, box)], strides)
 
 
-register("slice", _slice_pull, _slice_apply, slicing=True)
+RULES[P.slice_p] = BoxRule(_slice_pull, _slice_apply, slicing=True)
 
 
 def _split_pull(eqn, i, box):
@@ -388,7 +524,7 @@ def _split_pull(eqn, i, box):
     return [(eqn.invars[0], tuple(opbox))]
 
 
-register("split", _split_pull, _pulled_itself(_split_pull), slicing=True)
+RULES[lax.split_p] = BoxRule(_split_pull, _pulled_itself(_split_pull), slicing=True)
 
 
 def _unstack_pull(eqn, i, box):
@@ -403,7 +539,7 @@ def _unstack_apply(ctx, eqn, i, box):
     return lax.squeeze(ctx.get(v, b), (eqn.params["axis"],))
 
 
-register("unstack", _unstack_pull, _unstack_apply, slicing=True)
+RULES[lax.unstack_p] = BoxRule(_unstack_pull, _unstack_apply, slicing=True)
 
 
 def _stack_pull(eqn, i, box):
@@ -422,7 +558,7 @@ def _stack_apply(ctx, eqn, i, box):
         if len(parts) > 1 else lax.expand_dims(parts[0], (axis,))
 
 
-register("stack", _stack_pull, _stack_apply)
+RULES[lax.stack_p] = BoxRule(_stack_pull, _stack_apply)
 
 
 def _concat_pieces(eqn, box):
@@ -449,7 +585,39 @@ def _concat_apply(ctx, eqn, i, box):
     return parts[0] if len(parts) == 1 else lax.concatenate(parts, eqn.params["dimension"])
 
 
-register("concatenate", _concat_pull, _concat_apply)
+def _folded_concat(eqn, producers):
+    """`x` if this is `concatenate(x[a:b], x[b:c], ...)` covering all of `x`, else None."""
+    dim = eqn.params["dimension"]
+    src, pos = None, 0
+    for v in eqn.invars:
+        e = producers.get(v) if is_var(v) else None
+        if e is None or e.primitive is not P.slice_p or any(s != 1 for s in e.params["strides"] or ()):
+            return None
+        x = e.invars[0]
+        if not is_var(x) or (src is not None and x is not src) or var_shape(x) != var_shape(eqn.outvars[0]):
+            return None
+        src = x
+        starts, limits = e.params["start_indices"], e.params["limit_indices"]
+        for d, (s, l, n) in enumerate(zip(starts, limits, var_shape(x))):
+            if d == dim:
+                if s != pos:
+                    return None
+                pos = l
+            elif (s, l) != (0, n):
+                return None
+    return src if src is not None and pos == var_shape(src)[dim] else None
+
+
+_concat_narrowed = BoxRule(_concat_pull, _concat_apply)
+
+
+def _concat_rule(eqn, wanted, analysis):
+    """`concatenate(x[a:b], x[b:c], ...)` covering all of `x` is `x`; others narrow."""
+    src = _folded_concat(eqn, analysis.producers)
+    return Alias(src) if src is not None else _concat_narrowed(eqn, wanted, analysis)
+
+
+RULES[P.concatenate_p] = _concat_rule
 
 
 def _pad_ranges(eqn, box):
@@ -488,7 +656,7 @@ def _pad_apply(ctx, eqn, i, box):
     return lax.pad(ctx.get(x, tuple(r for r, _ in ranges)), pad_value, [c for _, c in ranges])
 
 
-register("pad", _pad_pull, _pad_apply)
+RULES[P.pad_p] = BoxRule(_pad_pull, _pad_apply)
 
 
 def _dynamic_slice_pull(eqn, i, box):
@@ -498,7 +666,7 @@ def _dynamic_slice_pull(eqn, i, box):
     for (s, e), size, n in zip(box, sizes, var_shape(x)):
         if (s, e) != (0, size):
             if size != n:  # only dims the slice spans whole can be narrowed
-                return None
+                return Decline(f"dim {len(opbox)} is narrowed and not taken whole by the slice")
         opbox.append((s, e) if size == n else (0, n))
     return [(x, tuple(opbox))] + [(v, ()) for v in idx if is_var(v)]
 
@@ -512,14 +680,14 @@ def _dynamic_slice_apply(ctx, eqn, i, box):
     return bind(eqn, [ctx.get(x, opbox)] + [ctx.get(v, ()) for v in idx], slice_sizes=new_sizes)
 
 
-register("dynamic_slice", _dynamic_slice_pull, _dynamic_slice_apply)
+RULES[P.dynamic_slice_p] = BoxRule(_dynamic_slice_pull, _dynamic_slice_apply)
 
 
 def _dus_pull(eqn, i, box):
     x, upd, *idx = eqn.invars
     for (s, e), n, u in zip(box, var_shape(x), var_shape(upd)):
         if (s, e) != (0, n) and u != n:
-            return None
+            return Decline("a narrowed dim is not spanned whole by the update")
     needs = [(x, box)] if is_var(x) else []
     needs += [(upd, _dus_update_box(eqn, box))] if is_var(upd) else []
     return needs + [(v, ()) for v in idx if is_var(v)]
@@ -537,7 +705,7 @@ def _dus_apply(ctx, eqn, i, box):
                  + [ctx.get(v, ()) for v in idx])
 
 
-register("dynamic_update_slice", _dus_pull, _dus_apply)
+RULES[P.dynamic_update_slice_p] = BoxRule(_dus_pull, _dus_apply)
 
 
 def _scatter_boxes(eqn, box):
@@ -567,8 +735,10 @@ def _scatter_boxes(eqn, box):
 
 def _scatter_pull(eqn, i, box):
     boxes = _scatter_boxes(eqn, box)
-    if boxes is None or not is_var(eqn.invars[0]):
-        return None
+    if boxes is None:
+        return Decline("a narrowed dim is indexed, or not spanned whole by the update window")
+    if not is_var(eqn.invars[0]):
+        return Decline("the operand is a literal")
     operand, indices, updates = eqn.invars
     needs = [(operand, boxes[0])] + ([(indices, full_box(var_shape(indices)))] if is_var(indices) else [])
     return needs + ([(updates, boxes[1])] if is_var(updates) else [])
@@ -581,7 +751,7 @@ def _scatter_apply(ctx, eqn, i, box):
                        ctx.get(updates, ubox) if is_var(updates) else ctx.get(updates)])
 
 
-register("scatter-add", _scatter_pull, _scatter_apply)
+RULES[P.scatter_add_p] = BoxRule(_scatter_pull, _scatter_apply)
 
 
 # -- contractions ----------------------------------------------------------------
@@ -619,7 +789,7 @@ def _dot_apply(ctx, eqn, i, box):
     return bind(eqn, [ctx.get(eqn.invars[0], lb), ctx.get(eqn.invars[1], rb)])
 
 
-register("dot_general", _dot_pull, _dot_apply)
+RULES[P.dot_general_p] = BoxRule(_dot_pull, _dot_apply)
 
 
 def _conv_plan(eqn, box):
@@ -661,7 +831,7 @@ def _conv_plan(eqn, box):
 def _conv_pull(eqn, i, box):
     plan = _conv_plan(eqn, box)
     if plan is None:
-        return None
+        return Decline("a spatial dim is narrowed, or the batch under batch groups, or part of a group")
     lbox, rbox, _, _ = plan
     return [(v, b) for v, b in zip(eqn.invars, (lbox, rbox)) if is_var(v)]
 
@@ -690,7 +860,7 @@ def _conv_widen(eqn, i, box):
     return tuple(wide)
 
 
-register("conv_general_dilated", _conv_pull, _conv_apply, widen=_conv_widen)
+RULES[P.conv_general_dilated_p] = BoxRule(_conv_pull, _conv_apply, widen=_conv_widen)
 
 
 # --------------------------------------------------------------------------- the pass
@@ -720,98 +890,41 @@ class _Ctx:
         self.env[v][tuple(box)] = val
 
 
-def _folded_concat(eqn, producers):
-    """`x` if this is `concatenate(x[a:b], x[b:c], ...)` covering all of `x`, else None."""
-    dim = eqn.params["dimension"]
-    src, pos = None, 0
-    for v in eqn.invars:
-        e = producers.get(v) if is_var(v) else None
-        if e is None or e.primitive.name != "slice" or e.params["strides"] not in (None,) and any(
-                s != 1 for s in e.params["strides"]):
-            return None
-        x = e.invars[0]
-        if not is_var(x) or (src is not None and x is not src) or var_shape(x) != var_shape(eqn.outvars[0]):
-            return None
-        src = x
-        starts, limits = e.params["start_indices"], e.params["limit_indices"]
-        for d, (s, l, n) in enumerate(zip(starts, limits, var_shape(x))):
-            if d == dim:
-                if s != pos:
-                    return None
-                pos = l
-            elif (s, l) != (0, n):
-                return None
-    return src if src is not None and pos == var_shape(src)[dim] else None
-
-
 def _analyse(jaxpr, out_needs, stats):
-    """Backward pass: the boxes needed of every variable, and how each is produced.
+    """Backward pass: the boxes needed of every variable, and each equation's plan.
 
-    An equation is *narrowed* when it has a rule and none of its outputs is needed
-    whole: each needed box is then computed by the rule from boxes of its inputs.
-    Otherwise it runs whole and the boxes are sliced from its outputs.
+    Each equation's rule (`compute_whole` if its primitive has none) sees the boxes its
+    consumers want of its outputs and plans how to produce them; a decline becomes a
+    `Whole` plan. An equation nobody needs, without effects, is dropped.
     """
     needs: dict = collections.defaultdict(set)
     for v, boxes in zip(jaxpr.outvars, out_needs):
         if is_var(v):
             needs[v].update(tuple(b) for b in boxes)
-    plans = {}  # id(eqn) -> (whole: bool, {(i, box): [(var, box)]}, wanted)
-    producers = {v: e for e in jaxpr.eqns for v in e.outvars if is_var(v)}
+    analysis = Analysis({v: e for e in jaxpr.eqns for v in e.outvars if is_var(v)}, stats)
+    plans = {}  # id(eqn) -> Plan
     for eqn in reversed(jaxpr.eqns):
-        outs = [(i, v) for i, v in enumerate(eqn.outvars) if is_var(v) and needs.get(v)]
-        if not outs and not eqn.effects:
+        wanted = tuple((i, box) for i, v in enumerate(eqn.outvars) if is_var(v) for box in needs.get(v, ()))
+        if not wanted and not eqn.effects:
             continue  # dead
-        name = eqn.primitive.name
-        src = _folded_concat(eqn, producers) if name == "concatenate" else None
-        if src is not None:
-            plans[id(eqn)] = ("alias", src, None)
-            needs[src].add(full_box(var_shape(src)))
-            continue
-        if name in _CALLS:
-            plans[id(eqn)] = (True, {}, [])
-            for w in eqn.invars:
-                if is_var(w):
-                    needs[w].add(full_box(var_shape(w)))
-            continue
-        rule = RULES.get(name)
-        wanted = [(i, box) for i, v in outs for box in needs[v]]
-        whole = bool(eqn.effects) or rule is None or any(
-            box == full_box(var_shape(eqn.outvars[i])) and not rule.slicing for i, box in wanted)
-        plan = {}
-        if not whole:
-            for i, box in wanted:
-                try:
-                    pulled = rule.pull(eqn, i, box)
-                    if pulled is None and rule.widen is not None:
-                        box = rule.widen(eqn, i, box)
-                        if box is not None and box != full_box(var_shape(eqn.outvars[i])):
-                            pulled = rule.pull(eqn, i, box)  # `box` is then sliced from it
-                except Exception:  # a rule declines cases it does not cover
-                    pulled = None
-                if pulled is None:
-                    whole, plan = True, {}
-                    break
-                plan[(i, box)] = pulled
-        if whole:
-            if any(box != full_box(var_shape(eqn.outvars[i])) for i, box in wanted) and not any(
-                    box == full_box(var_shape(eqn.outvars[i])) for i, box in wanted):
-                stats.fallback(eqn)  # only part is used, but no rule could narrow it
-            for w in eqn.invars:
-                if is_var(w):
-                    needs[w].add(full_box(var_shape(w)))
-        else:
-            for (i, box), pulled in plan.items():
+        plan = RULES.get(eqn.primitive, compute_whole)(eqn, wanted, analysis)
+        if isinstance(plan, Decline):
+            plan = Whole(wanted, reason=plan.reason)
+        if isinstance(plan, Whole) and plan.reason is not None and _partial_only(eqn, wanted):
+            stats.fallback(eqn, plan.reason)  # only part is used, but no rule could narrow it
+        if isinstance(plan, Narrowed):
+            for i, box in plan.pulled:
                 if box != full_box(var_shape(eqn.outvars[i])):
-                    stats.rule(name)
-                for w, b in pulled:
-                    needs[w].add(tuple(b))
-        plans[id(eqn)] = (whole, plan, wanted)
-    return needs, plans
+                    stats.rule(eqn.primitive.name)
+        for w, b in plan.inputs(eqn):
+            needs[w].add(tuple(b))
+        plans[id(eqn)] = plan
+    return plans
 
 
 def _eval(jaxpr, consts, args, out_needs, stats):
     """Forward re-trace computing only the needed boxes; values per outvar per box."""
-    needs, plans = _analyse(jaxpr, out_needs, stats)
+    plans = _analyse(jaxpr, out_needs, stats)
     ctx = _Ctx()
     for v, x in zip(list(jaxpr.constvars) + list(jaxpr.invars), list(consts) + list(args)):
         if is_var(v):
@@ -819,36 +932,9 @@ def _eval(jaxpr, consts, args, out_needs, stats):
     for eqn in jaxpr.eqns:
         if id(eqn) in plans:
             with as_source(eqn):  # what is emitted for `eqn` keeps the user's line
-                _eval_eqn(ctx, eqn, plans[id(eqn)], needs, stats)
+                plans[id(eqn)].emit(ctx, eqn, stats)
     return [[ctx.get(v, b) if is_var(v) else v.val for b in boxes]
             for v, boxes in zip(jaxpr.outvars, out_needs)]
-
-
-def _eval_eqn(ctx, eqn, plan_entry, needs, stats):
-    whole, plan, wanted = plan_entry
-    name = eqn.primitive.name
-    if whole == "alias":
-        ctx.put(eqn.outvars[0], full_box(var_shape(eqn.outvars[0])), ctx.get(plan))
-        return
-    if name in _CALLS:
-        _CALL_RULES[name](ctx, eqn, needs, stats)
-        return
-    if whole:
-        outs = _HIGHER_ORDER.get(name, _bind_generic)(ctx, eqn, stats)
-        outs = outs if eqn.primitive.multiple_results else [outs]
-        for v, o in zip(eqn.outvars, outs):
-            if is_var(v):
-                ctx.put(v, full_box(var_shape(v)), o)
-        for i, box in wanted:  # slice right away, so the whole value can die early
-            ctx.get(eqn.outvars[i], box)
-        return
-    rule = RULES[name]
-    for (i, box) in plan:
-        ctx.put(eqn.outvars[i], box, rule.apply(ctx, eqn, i, box))
-
-
-def _bind_generic(ctx, eqn, stats):
-    return bind(eqn, [ctx.get(v, None) for v in eqn.invars])
 
 
 def rewrite(closed: jex.ClosedJaxpr, out_needs: Sequence[Sequence[Box]] | None = None,
@@ -865,7 +951,7 @@ def rewrite(closed: jex.ClosedJaxpr, out_needs: Sequence[Sequence[Box]] | None =
     out_needs = [[tuple(b) for b in boxes] for boxes in out_needs]
 
     def fn(*args):
-        inner = inline_jit(jaxpr, consts)
+        inner = inline_calls(jaxpr, consts)
         outs = _eval(inner.jaxpr, inner.consts, args, out_needs, stats)
         return [o for per_var in outs for o in per_var]
 
@@ -876,16 +962,52 @@ def rewrite(closed: jex.ClosedJaxpr, out_needs: Sequence[Sequence[Box]] | None =
 
 # --------------------------------------------------------------------------- calls
 #
-# A call rule rewrites the body so that it returns, for each output of the call, the
-# whole value if it is needed whole and then each needed box; the rewritten body is
-# bound once, so a call never runs twice.
+# A call rule plans a `BodyRewrite`: the body is rewritten to return, for each output
+# of the call, the whole value if it is needed whole and then each needed box; the
+# rewritten body is bound once, so a call never runs twice.
 
 
-def _body_needs(eqn, needs, body_outvars, inner_box=lambda i, b: b, always_whole=()):
+def _same_box(eqn, i, box):
+    return box
+
+
+@dataclasses.dataclass(frozen=True)
+class BodyRewrite:
+    """A call on whole inputs whose body returns, for output j, the boxes `body_needs[j]`
+    (boxes of the body's output; `outer_box(eqn, j, box)` is that box of the call's).
+    `bind(eqn, ops, body_needs, stats)` binds the call with its body rewritten."""
+
+    body_needs: list
+    bind: Callable
+    outer_box: Callable = _same_box
+
+    def inputs(self, eqn) -> list:
+        return _whole_inputs(eqn)
+
+    def emit(self, ctx, eqn, stats):
+        ops = [ctx.get(v, None) for v in eqn.invars]
+        body_outvars = _body_outvars(eqn)
+        unchanged = all(bn == [full_box(var_shape(v))] for bn, v in zip(self.body_needs, body_outvars))
+        outs = bind(eqn, ops) if unchanged else self.bind(eqn, ops, self.body_needs, stats)
+        it = iter(outs)
+        for i, (boxes, v) in enumerate(zip(self.body_needs, eqn.outvars)):
+            for b in boxes:
+                val = next(it)
+                if is_var(v):
+                    ctx.put(v, self.outer_box(eqn, i, b), val)
+
+
+def _body_outvars(eqn):
+    body = {P.scan_p: lambda p: p["jaxpr"].jaxpr, P.remat_p: lambda p: p["jaxpr"],
+            P.cond_p: lambda p: p["branches"][0].jaxpr}[eqn.primitive](eqn.params)
+    return body.outvars
+
+
+def _body_needs(eqn, wanted, inner_box=lambda i, b: b, always_whole=()):
     """Per body output: the list of boxes the rewritten body returns."""
     result = []
-    for i, (v, bv) in enumerate(zip(eqn.outvars, body_outvars)):
-        boxes = needs.get(v, set()) if is_var(v) else set()
+    for i, (v, bv) in enumerate(zip(eqn.outvars, _body_outvars(eqn))):
+        boxes = {b for j, b in wanted if j == i}
         fb = full_box(var_shape(v))
         bn = [full_box(var_shape(bv))] if (i in always_whole or fb in boxes) else []
         for b in sorted(b for b in boxes if b != fb):
@@ -899,92 +1021,86 @@ def _body_needs(eqn, needs, body_outvars, inner_box=lambda i, b: b, always_whole
     return result
 
 
-def _unchanged(body_needs, body_outvars):
-    return all(bn == [full_box(var_shape(v))] for bn, v in zip(body_needs, body_outvars))
-
-
-def _store(ctx, eqn, body_needs, outs, outer_box=lambda i, b: b):
-    it = iter(outs)
-    for i, (bn, v) in enumerate(zip(body_needs, eqn.outvars)):
-        for b in bn:
-            val = next(it)
-            if is_var(v):
-                ctx.put(v, outer_box(i, b), val)
-
-
-def _scan_rule(ctx, eqn, needs, stats):
-    p = eqn.params
-    nc, body = p["num_carry"], p["jaxpr"]
-    ops = [ctx.get(v, None) for v in eqn.invars]
+def _scan_rule(eqn, wanted, analysis):
+    nc = eqn.params["num_carry"]
 
     def inner_box(i, b):
         if i < nc:  # a carry keeps its shape across iterations
-            stats.fallback(eqn)
+            analysis.stats.fallback(eqn, "a carry is needed whole by the next iteration")
             return None
-        stats.rule("scan")
+        analysis.stats.rule("scan")
         return tuple(b[1:])  # the stacked axis is sliced outside, if at all
 
-    body_needs = _body_needs(eqn, needs, body.jaxpr.outvars, inner_box, always_whole=range(nc))
-    if _unchanged(body_needs, body.jaxpr.outvars):
-        outs = bind(eqn, ops)
-    else:
-        new = rewrite(body, body_needs, stats)
-        consts = list(new.consts)
-        outs = P.scan_p.bind(*consts, *ops, **{
-            **p, "jaxpr": jex.ClosedJaxpr(consts_to_invars(new), []),
-            "num_consts": p["num_consts"] + len(consts)})
-    _store(ctx, eqn, body_needs, outs,
-           lambda i, b: b if i < nc else ((0, var_shape(eqn.outvars[i])[0]),) + tuple(b))
+    return BodyRewrite(_body_needs(eqn, wanted, inner_box, always_whole=range(nc)), _bind_scan,
+                       _scan_outer_box)
 
 
-def _remat_rule(ctx, eqn, needs, stats):
+def _scan_outer_box(eqn, i, b):
+    return b if i < eqn.params["num_carry"] else ((0, var_shape(eqn.outvars[i])[0]),) + tuple(b)
+
+
+def _bind_scan(eqn, ops, body_needs, stats):
     p = eqn.params
-    ops = [ctx.get(v, None) for v in eqn.invars]
-    body_needs = _body_needs(eqn, needs, p["jaxpr"].outvars)
-    if _unchanged(body_needs, p["jaxpr"].outvars):
-        outs = bind(eqn, ops)
-    else:
-        stats.rules["remat2"] += 1
-        new = rewrite(jex.ClosedJaxpr(p["jaxpr"], []), body_needs, stats)
-        # Bound directly (not through jax.checkpoint) to keep `differentiated`, which
-        # stops XLA from merging the recomputation with the forward pass.
-        outs = P.remat_p.bind(*new.consts, *ops, jaxpr=consts_to_invars(new),
-                              prevent_cse=p["prevent_cse"], differentiated=p["differentiated"],
-                              policy=p["policy"])
-    _store(ctx, eqn, body_needs, outs)
+    new = rewrite(p["jaxpr"], body_needs, stats)
+    consts = list(new.consts)
+    return P.scan_p.bind(*consts, *ops, **{
+        **p, "jaxpr": jex.ClosedJaxpr(consts_to_invars(new), []),
+        "num_consts": p["num_consts"] + len(consts)})
 
 
-def _cond_rule(ctx, eqn, needs, stats):
+RULES[P.scan_p] = _scan_rule
+
+
+def _remat_rule(eqn, wanted, analysis):
+    return BodyRewrite(_body_needs(eqn, wanted), _bind_remat)
+
+
+def _bind_remat(eqn, ops, body_needs, stats):
     p = eqn.params
-    branches = p["branches"]
-    ops = [ctx.get(v, None) for v in eqn.invars]
-    body_needs = _body_needs(eqn, needs, branches[0].jaxpr.outvars)
-    if _unchanged(body_needs, branches[0].jaxpr.outvars):
-        outs = bind(eqn, ops)
-    else:
-        stats.rules["cond"] += 1
-        new = [rewrite(br, body_needs, stats) for br in branches]
-        # Every branch takes the consts of all branches and uses its own.
-        all_consts = [c for b in new for c in b.consts]
-        const_avals = [jax.core.ShapedArray(np.shape(c), c.dtype) for c in all_consts]
-        fixed, offset = [], 0
-        for b in new:
-            j = consts_to_invars(b)
-            n = len(b.consts)
-            fresh = [jex.Var(a) for a in const_avals]
-            invars = fresh[:offset] + list(j.invars[:n]) + fresh[offset + n:] + list(j.invars[n:])
-            fixed.append(jex.ClosedJaxpr(j.replace(invars=invars), []))
-            offset += n
-        outs = P.cond_p.bind(ops[0], *all_consts, *ops[1:], **{**p, "branches": tuple(fixed)})
-    _store(ctx, eqn, body_needs, outs)
+    stats.rule(eqn.primitive.name)
+    new = rewrite(jex.ClosedJaxpr(p["jaxpr"], []), body_needs, stats)
+    # Bound directly (not through jax.checkpoint) to keep `differentiated`, which
+    # stops XLA from merging the recomputation with the forward pass.
+    return P.remat_p.bind(*new.consts, *ops, jaxpr=consts_to_invars(new),
+                          prevent_cse=p["prevent_cse"], differentiated=p["differentiated"],
+                          policy=p["policy"])
 
 
-_CALLS = {"scan", "remat2", "cond"}
-_CALL_RULES = {"scan": _scan_rule, "remat2": _remat_rule, "cond": _cond_rule}
+RULES[P.remat_p] = _remat_rule
 
 
-def _while_rule(ctx, eqn, stats):
-    """Rewrite the body and condition (slices inside them); the loop's outputs stay whole."""
+def _cond_rule(eqn, wanted, analysis):
+    return BodyRewrite(_body_needs(eqn, wanted), _bind_cond)
+
+
+def _bind_cond(eqn, ops, body_needs, stats):
+    p = eqn.params
+    stats.rule(eqn.primitive.name)
+    new = [rewrite(br, body_needs, stats) for br in p["branches"]]
+    # Every branch takes the consts of all branches and uses its own.
+    all_consts = [c for b in new for c in b.consts]
+    const_avals = [jax.core.ShapedArray(np.shape(c), c.dtype) for c in all_consts]
+    fixed, offset = [], 0
+    for b in new:
+        j = consts_to_invars(b)
+        n = len(b.consts)
+        fresh = [jex.Var(a) for a in const_avals]
+        invars = fresh[:offset] + list(j.invars[:n]) + fresh[offset + n:] + list(j.invars[n:])
+        fixed.append(jex.ClosedJaxpr(j.replace(invars=invars), []))
+        offset += n
+    return P.cond_p.bind(ops[0], *all_consts, *ops[1:], **{**p, "branches": tuple(fixed)})
+
+
+RULES[P.cond_p] = _cond_rule
+
+
+def _while_rule(eqn, wanted, analysis):
+    """The loop's outputs stay whole (a carry keeps its shape); its body and condition are
+    rewritten (slices inside them)."""
+    return Whole(wanted, _run_while, reason="a while loop's outputs are computed whole")
+
+
+def _run_while(ctx, eqn, stats):
     p = eqn.params
     ops = [ctx.get(v, None) for v in eqn.invars]
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
@@ -998,7 +1114,15 @@ def _while_rule(ctx, eqn, stats):
         "body_nconsts": bn + len(bc), "cond_nconsts": cn + len(cc)})
 
 
-_HIGHER_ORDER = {"while": _while_rule}
+RULES[P.while_p] = _while_rule
+
+
+def _custom_derivative_rule(eqn, wanted, analysis):
+    return Decline("its custom derivative needs the call as it is")
+
+
+RULES[P.custom_jvp_call_p] = _custom_derivative_rule
+RULES[P.custom_vjp_call_p] = _custom_derivative_rule
 
 
 def count_eqns(jaxpr) -> int:

@@ -18,7 +18,7 @@ import jax.extend.core as jex
 from jax import lax
 from jax.extend.core import primitives as P
 
-from pockjax._jaxpr import avals, inline_jit, interpret, is_var
+from pockjax._jaxpr import avals, inline_calls, interpret, is_var
 
 __all__ = ["split_scans"]
 
@@ -41,8 +41,8 @@ def _boundaries(eqn, producers):
 
 def split_scans(closed: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, int]:
     """`closed` with scans split at concatenation boundaries of their `xs`; and how many."""
-    # Nested jit calls can hide the concatenation from the scan: inline them first.
-    closed = inline_jit(closed.jaxpr, closed.consts)
+    # Nested calls can hide the concatenation from the scan: inline them first.
+    closed = inline_calls(closed.jaxpr, closed.consts)
     jaxpr = closed.jaxpr
     producers = {v: e for e in jaxpr.eqns for v in e.outvars if is_var(v)}
     todo = {id(e): _boundaries(e, producers) for e in jaxpr.eqns if e.primitive is P.scan_p}
