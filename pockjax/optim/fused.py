@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pockjax._jaxpr import interpret, is_var, producers
+from pockjax._jaxpr import dependencies, interpret, is_var, producers
 from pockjax.optim.perleaf import UpdatePlan
 from pockjax.scheme import Channels, Full
 
@@ -77,18 +77,9 @@ def place_updates(jaxpr: jex.Jaxpr, params: Sequence[Any], grads: Sequence[Any])
     eqn_bits: dict[int, int] = {}
     for (j, i), b in bit_of.items():
         eqn_bits[i] = eqn_bits.get(i, 0) | (1 << b)
-    anc: dict = {}
-    in_mask: list[int] = []
-    for i, e in enumerate(jaxpr.eqns):
-        m = 0
-        for v in e.invars:
-            if is_var(v):
-                m |= anc.get(v, 0)
-        in_mask.append(m)
-        out = m | eqn_bits.get(i, 0)
-        for v in e.outvars:
-            if is_var(v):
-                anc[v] = out
+    in_mask: list[int] = []  # per equation: the readers its inputs descend from
+    dependencies(jaxpr, [0] * len(jaxpr.invars), own=lambda i: eqn_bits.get(i, 0),
+                 seen=lambda i, m: in_mask.append(m))
 
     placements = []
     for j, (p, g) in enumerate(zip(params, grads)):

@@ -20,7 +20,7 @@ import jax
 import jax.extend.core as jex
 from jax.interpreters import partial_eval as pe
 
-from pockjax._jaxpr import call_body, consts_to_invars
+from pockjax._jaxpr import consts_to_invars, dependencies
 
 __all__ = ["LeafUpdate", "UpdatePlan", "plan_updates"]
 
@@ -52,29 +52,19 @@ class UpdatePlan:
     shared_out: tuple[int, ...] = ()
 
 
-def _deps(jaxpr: jex.Jaxpr, in_masks: Sequence[int]) -> list[int]:
-    """Bitmask of the inputs each output depends on (through nested jit bodies)."""
-    env: dict = {}
-    for v, m in zip(jaxpr.invars, in_masks):
-        env[v] = m
-    for v in jaxpr.constvars:
-        env[v] = 0
-    read = lambda v: 0 if isinstance(v, jex.Literal) else env.get(v, 0)
-    for e in jaxpr.eqns:
-        ins = [read(v) for v in e.invars]
-        sub = call_body(e)
-        if sub is not None:
-            outs = _deps(sub.jaxpr, ins)
-        else:
-            # Other higher-order primitives (scan, while, cond): every output depends
-            # on every input, which can only make a chain look global, never per-leaf.
-            m = 0
-            for x in ins:
-                m |= x
-            outs = [m] * len(e.outvars)
-        for v, m in zip(e.outvars, outs):
-            env[v] = m
-    return [read(v) for v in jaxpr.outvars]
+@dataclasses.dataclass(frozen=True)
+class _Bits:
+    """Bit positions of the flat inputs `grads (n) + state (m) + params (n)` in the
+    dependency masks: leaf i is its gradient's and its parameter's bit, state j one bit."""
+
+    n: int
+    m: int
+
+    def leaf(self, i: int) -> int:
+        return (1 << i) | (1 << (self.n + self.m + i))
+
+    def state(self, j: int) -> int:
+        return 1 << (self.n + j)
 
 
 class _UnionFind:
@@ -132,15 +122,13 @@ def plan_updates(optimizer, grads_view, state, params_view, names: Sequence[str]
         return [*u_leaves, *s2_leaves]
 
     closed = jax.make_jaxpr(flat_update)(*g_leaves, *s_leaves, *p_leaves)
-    n_in = 2 * n + m
-    masks = _deps(consts_to_invars(closed.jaxpr),
-                  [0] * len(closed.consts) + [1 << i for i in range(n_in)])
+    masks = dependencies(consts_to_invars(closed.jaxpr),
+                         [0] * len(closed.consts) + [1 << i for i in range(2 * n + m)])
     u_deps, s_deps = masks[:n], masks[n:]
-
+    bits = _Bits(n, m)
     leaf_bits = 0
     for i in range(n):
-        leaf_bits |= (1 << i) | (1 << (n + m + i))
-    state_bit = lambda j: 1 << (n + j)
+        leaf_bits |= bits.leaf(i)
 
     # Shared state: its new value depends on no gradient or parameter, and only on
     # other shared state (fixpoint from "all candidates").
@@ -149,13 +137,10 @@ def plan_updates(optimizer, grads_view, state, params_view, names: Sequence[str]
     while changed:
         changed = False
         for j in sorted(shared):
-            others = [k for k in range(m) if s_deps[j] & state_bit(k) and k not in shared]
+            others = [k for k in range(m) if s_deps[j] & bits.state(k) and k not in shared]
             if others:
                 shared.discard(j)
                 changed = True
-    shared_mask = 0
-    for j in shared:
-        shared_mask |= state_bit(j)
 
     # Components over leaves (0..n-1) and non-shared state (n..n+m-1).
     uf = _UnionFind(n + m)
@@ -163,10 +148,10 @@ def plan_updates(optimizer, grads_view, state, params_view, names: Sequence[str]
     def items(mask):
         out = []
         for i in range(n):
-            if mask & ((1 << i) | (1 << (n + m + i))):
+            if mask & bits.leaf(i):
                 out.append(i)
         for j in range(m):
-            if j not in shared and mask & state_bit(j):
+            if j not in shared and mask & bits.state(j):
                 out.append(n + j)
         return out
 
