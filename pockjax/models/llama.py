@@ -30,11 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["LlamaConfig", "Llama", "LlamaBlock", "Attention", "MLP", "RMSNorm", "generate",
-           "num_params"]
+__all__ = ["LlamaConfig", "Llama", "LlamaBlock", "Attention", "MLP", "RMSNorm", "Linear",
+           "upcast_matmul", "cast_frozen", "generate", "num_params"]
 
 # Hugging Face's `initializer_range` default for LLaMA.
 _INIT = nnx.initializers.normal(stddev=0.02)
+# LlamaConfig.remat choices.
+REMAT = (None, "block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,20 @@ class LlamaConfig:
     `num_kv_heads` below `num_heads` is grouped-query attention (None: one k/v head per
     query head). `head_dim` None is `hidden_size // num_heads`; after construction both
     hold their resolved values.
+
+    `param_dtype` is the dtype parameters are created in; `dtype` the one activations
+    are computed in (None: the parameters' dtypes as they promote). Mixed precision is
+    `dtype=jnp.float32` with some weights stored narrower (see `Linear`): each such
+    weight is upcast where it is used, and that float32 copy lives only while its
+    layer runs, forward and backward. The usual split for sparse fine-tuning keeps
+    frozen weights in bfloat16 and trained ones as float32 masters, whose optimizer
+    state is then float32 too (`pockjax.models.llama.cast_frozen`).
+
+    `remat="block"` recomputes each block's activations in the backward pass
+    (`jax.checkpoint` around the block, nothing saved inside it) instead of keeping
+    them: less memory for the trained blocks, one more forward pass through them.
+    Frozen blocks ahead of every trained one are not differentiated, so they keep
+    nothing either way.
     """
 
     vocab_size: int
@@ -58,6 +74,8 @@ class LlamaConfig:
     max_position_embeddings: int = 2048
     tie_embeddings: bool = False
     param_dtype: Any = jnp.float32
+    dtype: Any = None
+    remat: str | None = None
 
     def __post_init__(self):
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -96,6 +114,18 @@ class LlamaConfig:
         if not jnp.issubdtype(dtype, jnp.floating):
             raise ValueError(f"LlamaConfig.param_dtype must be a float type, got {dtype}")
         object.__setattr__(self, "param_dtype", dtype)
+        if self.dtype is not None:
+            try:
+                dtype = jnp.dtype(self.dtype)
+            except TypeError:
+                raise ValueError(f"LlamaConfig.dtype={self.dtype!r} is not a dtype") from None
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise ValueError(f"LlamaConfig.dtype (the compute dtype) must be a float "
+                                 f"type or None, got {dtype}")
+            object.__setattr__(self, "dtype", dtype)
+        if self.remat not in REMAT:
+            raise ValueError(f"LlamaConfig.remat={self.remat!r}: choose one of "
+                             f"{', '.join(map(repr, REMAT))}")
 
     @classmethod
     def llama2_7b(cls, **overrides) -> "LlamaConfig":
@@ -103,6 +133,14 @@ class LlamaConfig:
         return cls(**{**dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                              num_layers=32, num_heads=32, max_position_embeddings=4096),
                       **overrides})
+
+    @classmethod
+    def tinyllama_1b(cls, **overrides) -> "LlamaConfig":
+        """TinyLlama-1.1B's shape (1,100,048,384 parameters; grouped-query attention with
+        4 key/value heads)."""
+        return cls(**{**dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                             num_layers=22, num_heads=32, num_kv_heads=4,
+                             max_position_embeddings=2048), **overrides})
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":
@@ -210,9 +248,76 @@ class RMSNorm(nnx.Module):
         return (x32 * inv_rms * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def _linear(d_in: int, d_out: int, config: LlamaConfig, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(d_in, d_out, use_bias=False, param_dtype=config.param_dtype,
-                      kernel_init=_INIT, rngs=rngs)
+def _upcast_after(w: jax.Array, x: jax.Array) -> jax.Array:
+    """`w` upcast to `x`'s dtype, computed only once `x` exists.
+
+    XLA's CPU scheduler would convert every parameter at the top of the step (a convert
+    of a parameter depends on nothing else), keeping all the float32 copies alive at
+    once, and it drops `optimization_barrier`s before scheduling; so the copy is tied to
+    the layer's input by data: times `1 + 0 * x[0, ..., 0]`, exactly 1 for finite `x`,
+    fused into the conversion."""
+    first = jax.lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
+    return w.astype(x.dtype) * (1 + 0 * first)
+
+
+def _matmul(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
+    """`x @ w` over x's last axis (`x @ w.T` when `transposed`)."""
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1 if transposed else 0,)), ((), ())))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def upcast_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
+    """`x @ w` in `x`'s dtype for a narrower stored `w` (e.g. bfloat16 weights under
+    float32 activations), upcasting `w` just before the product, forward and backward.
+
+    The backward converts `w` again, after the layer's output gradient exists, rather
+    than keeping the forward's float32 copy from the forward pass to the backward; `w`'s
+    own gradient is returned in `w`'s dtype (and vanishes when `w` is frozen).
+    """
+    return _matmul(x, _upcast_after(w, x), transposed)
+
+
+def _upcast_matmul_fwd(x, w, transposed):
+    return upcast_matmul(x, w, transposed), (x, w)
+
+
+def _upcast_matmul_bwd(transposed, residuals, g):
+    x, w = residuals
+    w_up = _upcast_after(w, g)
+    dx = jax.lax.dot_general(g, w_up, (((g.ndim - 1,), (0 if transposed else 1,)), ((), ())))
+    lead = tuple(range(x.ndim - 1))
+    dw = (jax.lax.dot_general(g, x, ((lead, lead), ((), ()))) if transposed else
+          jax.lax.dot_general(x, g, ((lead, lead), ((), ()))))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+upcast_matmul.defvjp(_upcast_matmul_fwd, _upcast_matmul_bwd)
+
+
+def _narrower(a, b) -> bool:
+    return jnp.finfo(a).bits < jnp.finfo(b).bits
+
+
+def _project(x: jax.Array, w: jax.Array, dtype, transposed: bool = False) -> jax.Array:
+    """`x @ w` (or `x @ w.T`) computed in `dtype` (None: x's and w's promoted dtype)."""
+    dtype = jnp.result_type(x, w) if dtype is None else dtype
+    x = x.astype(dtype)
+    if _narrower(w.dtype, dtype):
+        return upcast_matmul(x, w, transposed)
+    return _matmul(x, w.astype(dtype), transposed)
+
+
+class Linear(nnx.Linear):
+    """A bias-free `nnx.Linear` computed in `dtype`; a kernel stored narrower than that
+    is upcast at its use only (`upcast_matmul`), never as a whole-model copy."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _project(x, self.kernel[...], self.dtype)
+
+
+def _linear(d_in: int, d_out: int, config: LlamaConfig, rngs: nnx.Rngs) -> Linear:
+    return Linear(d_in, d_out, use_bias=False, param_dtype=config.param_dtype,
+                  dtype=config.dtype, kernel_init=_INIT, rngs=rngs)
 
 
 def rope_tables(length: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -320,12 +425,28 @@ class Llama(nnx.Module):
         # without 8-bit storage (see pockjax.export), and this fuses into the softmax.
         positions = jnp.arange(length)
         mask = positions[:, None] >= positions[None, :]
-        h = self.embed(tokens)
+        # The looked-up rows only are cast (nnx.Embed would cast the whole table first).
+        h = jnp.take(self.embed.embedding[...], tokens, axis=0)
+        if cfg.dtype is not None:
+            h = h.astype(cfg.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = _remat_block(layer, h, cos, sin, mask) if cfg.remat == "block" else \
+                layer(h, cos, sin, mask)
         h = self.norm(h)
-        logits = self.embed.attend(h) if cfg.tie_embeddings else self.lm_head(h)
+        logits = (_project(h, self.embed.embedding[...], cfg.dtype, transposed=True)
+                  if cfg.tie_embeddings else self.lm_head(h))
         return logits.astype(jnp.float32)
+
+
+def _remat_block(layer: LlamaBlock, h, cos, sin, mask):
+    """`layer(h, ...)` under `jax.checkpoint`, saving nothing inside the block: the
+    backward pass recomputes the block from its input (and its weights' upcasts with it)."""
+    graphdef, state = nnx.split(layer)
+
+    def run(state, h, mask):
+        return nnx.merge(graphdef, state)(h, cos, sin, mask)
+
+    return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(state, h, mask)
 
 
 def num_params(config: LlamaConfig) -> int:
@@ -379,3 +500,30 @@ def _generate(graphdef, state, prompt, max_new_tokens, stop_token):
 
     buffer, _ = jax.lax.fori_loop(start, start + max_new_tokens, step, (buffer, done))
     return buffer
+
+
+def cast_frozen(params, scheme, dtype=jnp.bfloat16, trained_dtype=jnp.float32):
+    """`params` with the leaves `scheme` freezes stored in `dtype` and the rest in
+    `trained_dtype`: the mixed-precision layout for sparse fine-tuning (use it with a
+    `LlamaConfig(dtype=jnp.float32)` model). Trained leaves stay float32 masters, so the
+    optimizer state `SparseTrainer.init` makes for them is float32 too. Works on arrays
+    and on `jax.ShapeDtypeStruct`s (to lower or size a step without allocating it).
+
+    >>> import pockjax as pj
+    >>> model = Llama(LlamaConfig.tiny(dtype=jnp.float32), rngs=nnx.Rngs(0))
+    >>> _, params, _ = pj.nnx.split(model)
+    >>> mixed = cast_frozen(params, pj.schemes.last_blocks(params, 1))
+    >>> mixed["layers"][0]["mlp"]["up_proj"]["kernel"].dtype, mixed["layers"][1]["mlp"]["up_proj"]["kernel"].dtype
+    (dtype(bfloat16), dtype('float32'))
+    """
+    from pockjax.scheme import Frozen
+
+    decisions = scheme.resolve(params)
+
+    def cast(x, decision):
+        want = jnp.dtype(dtype if isinstance(decision, Frozen) else trained_dtype)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, want)
+        return x if x.dtype == want else x.astype(want)
+
+    return jax.tree.map(cast, params, decisions)
