@@ -546,7 +546,7 @@ class _Search:
     log: list[str] = dataclasses.field(default_factory=list)
     compiled: dict = dataclasses.field(default_factory=dict)
 
-    def measure(self, chosen: list[CandidateResult]) -> tuple[int, float]:
+    def cost(self, chosen: list[CandidateResult]) -> tuple[int, float]:
         """The set's compiled step peak memory and FLOPs."""
         key = frozenset(r.name for r in chosen)
         if key not in self.compiled:
@@ -577,7 +577,7 @@ def _solve(state: _Search, calibrate: int) -> _Selection | None:
             break
         seen.add(key)
         summed = sum(r.added_bytes for r in chosen)
-        measured, _ = state.measure(chosen)
+        measured, _ = state.cost(chosen)
         state.log.append(f"knapsack (capacity x{scale:.2f}): {len(chosen)} candidates, summed "
                          f"{format_bytes(state.ref.forward_bytes + summed)}, compiled "
                          f"{format_bytes(measured)}")
@@ -596,11 +596,11 @@ def _solve(state: _Search, calibrate: int) -> _Selection | None:
 
 def _repair(state: _Search, chosen: list[CandidateResult], predicted: int) -> _Selection:
     """Over the budget, drop the member that adds least per byte, until the set fits."""
-    measured, flops = state.measure(chosen)
+    measured, flops = state.cost(chosen)
     while chosen and not state.within(measured, flops):
         worst = min(chosen, key=lambda r: r.contribution / max(r.added_bytes, 1))
         chosen = [r for r in chosen if r is not worst]
-        measured, flops = state.measure(chosen)
+        measured, flops = state.cost(chosen)
         state.log.append(f"  over budget: dropped '{worst.name}' -> {format_bytes(measured)}")
     return _Selection(chosen, measured, flops, predicted)
 
@@ -614,7 +614,7 @@ def _fill(state: _Search, sel: _Selection, max_fill: int) -> _Selection:
             break
         if r.group in {x.group for x in sel.chosen} or r.peak_bytes > state.ref.budget_bytes:
             continue
-        m, f = state.measure(sel.chosen + [r])
+        m, f = state.cost(sel.chosen + [r])
         if state.within(m, f):
             sel = _Selection(sel.chosen + [r], m, f, sel.predicted)
             state.log.append(f"room left: added '{r.name}' -> {format_bytes(m)}")
