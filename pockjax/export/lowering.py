@@ -102,13 +102,19 @@ def _check_static(batch):
 
 
 def _module_body(text: str, prefix: str) -> tuple[str, str]:
-    """The functions of a JAX-lowered module with every symbol renamed `prefix + name`,
+    """The functions of a JAX-lowered module with its symbols renamed `prefix + name`,
     and the new name of its `main`."""
     start = text.index("\n", text.index("module @")) + 1  # after the header line
     end = text.rstrip().rindex("}")
     body = text[start:end]
     body = body.replace("func.func public @main(", "func.func private @main(", 1)
-    body = re.sub(r"@([A-Za-z_][\w$.]*)", lambda m: "@" + prefix + m.group(1), body)
+    # Rename only the symbols the module defines at its top level (functions, meshes...)
+    # and their uses, so no other `@` in the text changes.
+    defined = re.findall(r"^  [\w.]+ (?:(?:public|private|nested) )?@([A-Za-z_][\w$.]*)", body,
+                         flags=re.MULTILINE)
+    if defined:
+        names = "|".join(re.escape(n) for n in sorted(set(defined), key=len, reverse=True))
+        body = re.sub(rf"@({names})(?![\w$.])", lambda m: "@" + prefix + m.group(1), body)
     return body, prefix + "main"
 
 
