@@ -5,6 +5,7 @@ The public names below are imported when first used, so `import pockjax` is chea
 IREE's runtime: no JAX, Flax or optax.
 """
 import importlib
+import sys
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -34,6 +35,10 @@ def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module 'pockjax' has no attribute {name!r}")
     module = _WHERE[name]
+    if name in ("schemes", "search") and "flax" in sys.modules:
+        # Flax is loaded, so its modules may come in: pockjax.nnx registers their converter
+        # with the schemes (which take parameter trees and import no Flax themselves).
+        importlib.import_module("pockjax.nnx")
     value = (importlib.import_module(f"pockjax.{name}") if module is None else
              getattr(importlib.import_module(f"pockjax.{module}"), name))
     globals()[name] = value

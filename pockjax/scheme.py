@@ -114,7 +114,9 @@ class Channels:
         n = shape[self.axis]
         return (self.axis, n - self.count, n) if self.last else (self.axis, 0, self.count)
 
-    def _resolve(self, path: str, shape: tuple[int, ...], layout=None) -> "Channels":
+    def resolve(self, path: str, shape: tuple[int, ...], layout=None) -> "Channels":
+        """This decision for the leaf `path` of `shape`: an int axis and a count (a named
+        axis read through the leaf's `layout`, see `register_layouts`)."""
         ndim = len(shape)
         if ndim == 0:
             raise SchemeError(f"parameter '{path}' is a scalar; Channels needs an axis to slice. "
@@ -369,7 +371,7 @@ class Scheme:
                     raise SchemeError(f"parameter '{path}' has dtype {dtype} and cannot train ({d!r}); "
                                       f"only floating-point parameters train. Mark it Frozen()")
             if isinstance(d, Channels):
-                d = d._resolve(path, shape, layouts.get(path))
+                d = d.resolve(path, shape, layouts.get(path))
                 if d.count == shape[d.axis]:
                     d = Full()
             decisions.append(d)

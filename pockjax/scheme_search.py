@@ -149,7 +149,7 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
         layout = layouts.get(path)
         named_ok = len(shape) in (2, 4, 5) if layout is None else not isinstance(layout, str)
         for ratio in sorted(ratios) if isinstance(axis, int) or named_ok else ():
-            d = Channels(ratio=ratio, axis=axis)._resolve(path, shape, layout)
+            d = Channels(ratio=ratio, axis=axis).resolve(path, shape, layout)
             if d.count == shape[d.axis] or d.count in seen:
                 continue
             seen.add(d.count)

@@ -122,3 +122,10 @@ def test_models_reach_the_helpers_through_a_registered_converter():
             "assert schemes.blocks(Box({'h': [{'w': 0.0}] * 2})) == ['h/0', 'h/1']\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+    # Through the top level, with Flax loaded, the converter comes with `pj.schemes`.
+    code = ("from flax import nnx\n"
+            "import pockjax as pj\n"
+            "model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))\n"
+            "assert pj.schemes.bias_only(model).rules == (('**/bias', pj.Full()),)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
