@@ -1,0 +1,55 @@
+"""benchmarks/real_size.py's own machinery: the memory guard, the direct-dtype model
+builder and its noise."""
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pockjax as pj
+from benchmarks.real_size import PRESETS, _uniform, build_params, guarded, scheme_for
+
+HOG = ("import sys, time; print('STAGE init', flush=True); time.sleep(0.3); "
+       "print('STAGE step 1', flush=True); x = bytearray(400 * 2**20); "
+       "x[::4096] = b'1' * len(x[::4096]); time.sleep(30)")
+
+
+def test_guard_kills_a_row_over_the_limit_and_says_where(tmp_path):
+    script = tmp_path / "hog.py"
+    script.write_text(HOG)
+    r = guarded([str(script)], limit_gib=0.25, timeout=60)
+    assert r["error"].startswith("does not fit: ") and r["error"].endswith("GiB at step 1"), r
+    assert r["wall_s"] < 20
+
+
+def test_guard_times_out_and_reports_failures(tmp_path):
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time; print('STAGE compile', flush=True); time.sleep(30)")
+    assert guarded([str(slow)], limit_gib=8, timeout=1)["error"] == \
+        "timed out after 1 s at compile"
+    bad = tmp_path / "bad.py"
+    bad.write_text("raise ValueError('no such weight')")
+    assert "ValueError: no such weight" in guarded([str(bad)], limit_gib=8, timeout=30)["error"]
+    good = tmp_path / "good.py"
+    good.write_text('print(\'RESULT {"times": [1.0]}\')')
+    assert guarded([str(good)], limit_gib=8, timeout=30)["times"] == [1.0]
+
+
+def test_params_are_made_in_their_storage_dtypes():
+    s = PRESETS["smoke"]
+    row = "pockjax sparse last-k bf16-frozen"
+    _, abstract, scheme, arrays = build_params(s, scheme_for(row, s), jnp.bfloat16, jnp.float32)
+    params = arrays()
+    for x, a, d in zip(jax.tree.leaves(params), jax.tree.leaves(abstract),
+                       jax.tree.leaves(scheme.resolve(params))):
+        assert x.dtype == a.dtype == (jnp.bfloat16 if isinstance(d, pj.Frozen) else jnp.float32)
+    w = np.asarray(params["layers"][0]["mlp"]["up_proj"]["kernel"], np.float32)
+    assert abs(w.std() - 0.02) < 1e-3 and abs(w.mean()) < 1e-3
+    assert np.all(np.asarray(params["norm"]["scale"]) == 1)
+
+
+def test_uniform_noise_differs_by_seed():
+    a = np.asarray(_uniform(jnp.uint32(1), (64, 64), jnp.float32, 0.02))
+    b = np.asarray(_uniform(jnp.uint32(2), (64, 64), jnp.float32, 0.02))
+    assert np.abs(a).max() <= 0.02 * 3 ** 0.5 + 1e-6
+    assert abs(np.corrcoef(a.ravel(), b.ravel())[0, 1]) < 0.1
