@@ -37,7 +37,7 @@ def test_guard_times_out_and_reports_failures(tmp_path):
 
 def test_params_are_made_in_their_storage_dtypes():
     s = PRESETS["smoke"]
-    row = "pockjax sparse last-k bf16-frozen"
+    row = "pockjax sparse last-k bf16-frozen upcast"
     _, abstract, scheme, arrays = build_params(s, scheme_for(row, s), jnp.bfloat16, jnp.float32)
     params = arrays()
     for x, a, d in zip(jax.tree.leaves(params), jax.tree.leaves(abstract),

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import pockjax as pj
-from pockjax.models.llama import Llama, LlamaConfig, cast_frozen, upcast_matmul
+from pockjax.models.llama import Llama, LlamaConfig, cast_frozen, narrow_matmul, upcast_matmul
 from tests.helpers import assert_matches_dense, assert_trees_close, dense_view
 
 TOKENS = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, 12)), jnp.int32)
@@ -126,10 +126,11 @@ def _step_memory(config, scheme_fn, frozen_dtype):
     return pj.compiled_memory(compiled), frozen
 
 
-def test_compiled_step_holds_no_float32_copies_of_frozen_weights():
+@pytest.mark.parametrize("narrow", ["upcast", "native"])
+def test_compiled_step_holds_no_float32_copies_of_frozen_weights(narrow):
     # Weights dominate (short sequence): float32 copies of them would show in temp memory.
     config = LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=768, num_layers=6,
-                         num_heads=4, dtype=jnp.float32)
+                         num_heads=4, dtype=jnp.float32, narrow_matmul=narrow)
     scheme_fn = lambda p: pj.schemes.transformer(p, last=1)
     memory, frozen = _step_memory(config, scheme_fn, jnp.bfloat16)
     frozen_f32 = sum(4 * int(np.prod(x.shape)) for x in frozen)
@@ -168,10 +169,40 @@ def test_plain_float32_model_is_unchanged_by_compute_dtype():
     np.testing.assert_allclose(loss(params, TOKENS), want, rtol=1e-6)
 
 
+def test_native_bfloat16_matmuls_are_close_to_the_float32_reference():
+    loss, params = model_and_loss(narrow_matmul="native")
+    scheme = SCHEMES["transformer"](params)
+    mixed = cast_frozen(params, scheme)
+    want = dense_view(loss, scheme, upcast(mixed), TOKENS)
+    got = pj.sparse_grad(loss, scheme)(mixed, TOKENS)
+    # Activations are rounded to bfloat16 (8 bits of mantissa) on their way into frozen
+    # layers: close, not equal.
+    assert_trees_close(got, want, rtol=5e-2, atol=1e-4)
+    np.testing.assert_allclose(loss(mixed, TOKENS), loss(upcast(mixed), TOKENS), rtol=1e-3)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_narrow_matmul_gradients(transposed):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 5, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((6, 8) if transposed else (8, 6)), jnp.bfloat16)
+    low = lambda a: a.astype(jnp.bfloat16).astype(jnp.float32)
+    ref = lambda x, w: jnp.sum(jnp.sin(low(x) @ (w.astype(jnp.float32).T if transposed
+                                                  else w.astype(jnp.float32))))
+    mine = lambda x, w: jnp.sum(jnp.sin(narrow_matmul(x, w, transposed)))
+    np.testing.assert_allclose(mine(x, w), ref(x, w), rtol=1e-5)
+    gx, gw = jax.grad(mine, argnums=(0, 1))(x, w)
+    rx, rw = jax.grad(ref, argnums=(0, 1))(x, w)
+    assert gx.dtype == jnp.float32 and gw.dtype == jnp.bfloat16
+    np.testing.assert_allclose(gx, rx, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(gw.astype(jnp.float32), rw, rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(dtype=jnp.int32), "compute dtype"),
     (dict(dtype="nonsense"), "is not a dtype"),
     (dict(remat="layer"), "remat='layer'"),
+    (dict(narrow_matmul="fp8"), "narrow_matmul='fp8'"),
 ])
 def test_config_refuses_bad_precision_settings(overrides, match):
     with pytest.raises(ValueError, match=match):
