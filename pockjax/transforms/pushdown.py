@@ -975,9 +975,11 @@ def _same_box(eqn, i, box):
 class BodyRewrite:
     """A call on whole inputs whose body returns, for output j, the boxes `body_needs[j]`
     (boxes of the body's output; `outer_box(eqn, j, box)` is that box of the call's).
-    `bind(eqn, ops, body_needs, stats)` binds the call with its body rewritten."""
+    `bind(eqn, ops, body_needs, stats)` binds the call with its body rewritten; when
+    every output is needed whole (`unchanged`) the call is bound as it is."""
 
     body_needs: list
+    unchanged: bool
     bind: Callable
     outer_box: Callable = _same_box
 
@@ -986,9 +988,7 @@ class BodyRewrite:
 
     def emit(self, ctx, eqn, stats):
         ops = [ctx.get(v, None) for v in eqn.invars]
-        body_outvars = _body_outvars(eqn)
-        unchanged = all(bn == [full_box(var_shape(v))] for bn, v in zip(self.body_needs, body_outvars))
-        outs = bind(eqn, ops) if unchanged else self.bind(eqn, ops, self.body_needs, stats)
+        outs = bind(eqn, ops) if self.unchanged else self.bind(eqn, ops, self.body_needs, stats)
         it = iter(outs)
         for i, (boxes, v) in enumerate(zip(self.body_needs, eqn.outvars)):
             for b in boxes:
@@ -997,16 +997,16 @@ class BodyRewrite:
                     ctx.put(v, self.outer_box(eqn, i, b), val)
 
 
-def _body_outvars(eqn):
-    body = {P.scan_p: lambda p: p["jaxpr"].jaxpr, P.remat_p: lambda p: p["jaxpr"],
-            P.cond_p: lambda p: p["branches"][0].jaxpr}[eqn.primitive](eqn.params)
-    return body.outvars
+def _body_rewrite(eqn, wanted, body_outvars, bind_rewritten, inner_box=lambda i, b: b,
+                  always_whole=(), outer_box=_same_box) -> BodyRewrite:
+    """The plan of a call: per body output, the list of boxes the rewritten body returns.
 
-
-def _body_needs(eqn, wanted, inner_box=lambda i, b: b, always_whole=()):
-    """Per body output: the list of boxes the rewritten body returns."""
+    `inner_box(i, box)` is the box of body output `i` that gives box `box` of the call's
+    output (None: the body computes it whole, it is sliced outside); outputs in
+    `always_whole` are returned whole in any case.
+    """
     result = []
-    for i, (v, bv) in enumerate(zip(eqn.outvars, _body_outvars(eqn))):
+    for i, (v, bv) in enumerate(zip(eqn.outvars, body_outvars)):
         boxes = {b for j, b in wanted if j == i}
         fb = full_box(var_shape(v))
         bn = [full_box(var_shape(bv))] if (i in always_whole or fb in boxes) else []
@@ -1018,11 +1018,12 @@ def _body_needs(eqn, wanted, inner_box=lambda i, b: b, always_whole=()):
             elif ib not in bn:
                 bn.append(ib)
         result.append(bn)
-    return result
+    unchanged = all(bn == [full_box(var_shape(v))] for bn, v in zip(result, body_outvars))
+    return BodyRewrite(result, unchanged, bind_rewritten, outer_box)
 
 
 def _scan_rule(eqn, wanted, analysis):
-    nc = eqn.params["num_carry"]
+    nc, body = eqn.params["num_carry"], eqn.params["jaxpr"].jaxpr
 
     def inner_box(i, b):
         if i < nc:  # a carry keeps its shape across iterations
@@ -1031,8 +1032,8 @@ def _scan_rule(eqn, wanted, analysis):
         analysis.stats.rule("scan")
         return tuple(b[1:])  # the stacked axis is sliced outside, if at all
 
-    return BodyRewrite(_body_needs(eqn, wanted, inner_box, always_whole=range(nc)), _bind_scan,
-                       _scan_outer_box)
+    return _body_rewrite(eqn, wanted, body.outvars, _bind_scan, inner_box, always_whole=range(nc),
+                         outer_box=_scan_outer_box)
 
 
 def _scan_outer_box(eqn, i, b):
@@ -1052,7 +1053,7 @@ RULES[P.scan_p] = _scan_rule
 
 
 def _remat_rule(eqn, wanted, analysis):
-    return BodyRewrite(_body_needs(eqn, wanted), _bind_remat)
+    return _body_rewrite(eqn, wanted, eqn.params["jaxpr"].outvars, _bind_remat)
 
 
 def _bind_remat(eqn, ops, body_needs, stats):
@@ -1070,7 +1071,7 @@ RULES[P.remat_p] = _remat_rule
 
 
 def _cond_rule(eqn, wanted, analysis):
-    return BodyRewrite(_body_needs(eqn, wanted), _bind_cond)
+    return _body_rewrite(eqn, wanted, eqn.params["branches"][0].jaxpr.outvars, _bind_cond)
 
 
 def _bind_cond(eqn, ops, body_needs, stats):
