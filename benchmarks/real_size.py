@@ -41,6 +41,7 @@ benchmarks/results/real_size.md and real_size.png.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -179,6 +180,15 @@ def _fits(compiled, args, limit_gib: float) -> dict:
     return out
 
 
+def _trim() -> None:
+    """Hand the compiler's freed heap back to the OS (glibc keeps it otherwise), so the
+    row's peak RSS is the step's and not the step's plus compilation leftovers."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def scheme_for(row: str, s: dict):
     import pockjax as pj
 
@@ -220,6 +230,7 @@ def run_jax(row: str, s: dict, args) -> dict:
         stage("compile")
         compiled = trainer.lower(shapes, tokens).compile()
         memory = _fits(compiled, shapes, args.limit_gib)
+        _trim()
         stage("init")
         state = [trainer.init(arrays(), copy=False)]
 
@@ -246,6 +257,7 @@ def run_jax(row: str, s: dict, args) -> dict:
         stage("compile")
         compiled = jax.jit(train_step, donate_argnums=0).lower(shapes, tokens).compile()
         memory = _fits(compiled, shapes, args.limit_gib)
+        _trim()
         stage("init")
         trained, frozen = split(arrays())
         state = [(trained, frozen, jax.jit(opt.init)(trained))]
