@@ -116,6 +116,7 @@ class TransformInfo:
     rules: dict[str, int]
     fallbacks: dict[str, int]
     fallback_sources: dict[str, str]
+    fallback_reasons: dict[str, str]
     eqns_before: int
     eqns_after: int
     scans_split: int
@@ -136,8 +137,9 @@ class TransformInfo:
             "slice rules applied: " + (", ".join(f"{k} x{v}" for k, v in sorted(self.rules.items()))
                                        or "none"),
             "fallbacks (computed whole, then sliced): " + (
-                ", ".join(f"{k} x{v} (e.g. {self.fallback_sources.get(k, '?')})"
-                          for k, v in sorted(self.fallbacks.items())) or "none"),
+                ", ".join(f"{k} x{v} (e.g. {self.fallback_sources.get(k, '?')}"
+                          + (f": {self.fallback_reasons[k]}" if k in self.fallback_reasons else "")
+                          + ")" for k, v in sorted(self.fallbacks.items())) or "none"),
         ]
         return "\n".join(lines)
 
@@ -314,6 +316,7 @@ class SparseGradFn:
             full=[p for (p, _), d in zip(named, decisions) if isinstance(d, Full)],
             rules=dict(stats.rules), fallbacks=dict(stats.fallbacks),
             fallback_sources=dict(stats.fallback_sources),
+            fallback_reasons=dict(stats.fallback_reasons),
             eqns_before=stats.eqns_in, eqns_after=stats.eqns_out,
             scans_split=out_info.get("scans_split", 0))
         runner = jax.jit(jex.jaxpr_as_fun(final))
