@@ -3,8 +3,13 @@
 Names are imported when first used: `pockjax.export.manifest` and
 `pockjax.export.targets` need neither JAX nor the compiler, so the runtime can read
 artifacts on a device that has only IREE's runtime.
+
+The package itself is callable: `pockjax.export(trainer, state, batch, target=...)` is
+`pockjax.export.export(...)`.
 """
 import importlib
+import sys
+import types
 
 __all__ = ["export", "Artifact", "read_manifest", "TARGETS", "Target", "resolve_target",
            "ExportError"]
@@ -24,3 +29,15 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(__all__))
+
+
+class _CallableModule(types.ModuleType):
+    """`pockjax.export(...)` exports a trainer's step; the package's names stay reachable."""
+
+    def __call__(self, trainer, state, batch, target: str = "host-cpu", out_dir: str = "export",
+                 gpu: str | None = None, extra_flags=()):
+        return self.export(trainer, state, batch, target=target, out_dir=out_dir, gpu=gpu,
+                           extra_flags=extra_flags)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -16,7 +16,7 @@ STEPS = 3
 def exported(request, tmp_path_factory):
     trainer, params, batch = make(request.param)
     out = tmp_path_factory.mktemp(request.param) / "artifact"
-    art = trainer.export(trainer.init(params), batch, target="host-cpu", out_dir=out)
+    art = pj.export(trainer, trainer.init(params), batch, target="host-cpu", out_dir=out)
     return request.param, trainer, params, batch, art
 
 
