@@ -566,8 +566,8 @@ def cast_frozen(params, scheme, dtype=jnp.bfloat16, trained_dtype=jnp.float32):
     >>> import pockjax as pj
     >>> model = Llama(LlamaConfig.tiny(dtype=jnp.float32), rngs=nnx.Rngs(0))
     >>> _, params, _ = pj.nnx.split(model)
-    >>> mixed = cast_frozen(params, pj.schemes.last_blocks(params, 1))
-    >>> mixed["layers"][0]["mlp"]["up_proj"]["kernel"].dtype, mixed["layers"][1]["mlp"]["up_proj"]["kernel"].dtype
+    >>> layers = cast_frozen(params, pj.schemes.last_blocks(params, 1))["layers"]
+    >>> layers[0]["mlp"]["up_proj"]["kernel"].dtype, layers[1]["mlp"]["up_proj"]["kernel"].dtype
     (dtype(bfloat16), dtype('float32'))
     """
     from pockjax.scheme import Frozen
