@@ -37,6 +37,7 @@ benchmarks/results/real_size.md and real_size.png.
     python -m benchmarks real_size --llama tinyllama-1.1b [--rows ...] [--steps 3 --warmup 1]
     python -m benchmarks real_size --llama llama2-7b --rows "pockjax paper last-2 bf16-frozen bf16-matmul"
     python -m benchmarks real_size --llama smoke        # seconds: a tiny model, every row
+    python -m benchmarks real_size --compiled           # compiled memory only, both shapes
 """
 from __future__ import annotations
 
@@ -392,6 +393,70 @@ def guarded(cmd: list[str], limit_gib: float, timeout: float) -> dict:
             "rss_polled_gib": peak, "wall_s": wall}
 
 
+# --------------------------------------------------------------------------- compiled only
+
+VARIANTS = [("float32", None, "upcast"), ("bf16-frozen upcast", "bfloat16", "upcast"),
+            ("bf16-frozen bf16-matmul", "bfloat16", "native")]
+# The same step compiled before frozen weights were upcast per use (commit 1fbf42a: XLA
+# converted every bfloat16 weight to float32 at the top of the step).
+BEFORE = {("tinyllama-1.1b", "last-6", "bf16-frozen upcast"): (4.51, 3.01),
+          ("llama2-7b", "last-6", "bf16-frozen upcast"): (23.86, 20.55),
+          ("llama2-7b", "paper last-2", "bf16-frozen upcast"): (15.48, 23.74)}
+
+
+def compiled_memory_rows() -> list[dict]:
+    """XLA's memory for each preset, scheme and precision, compiled from shapes only (no
+    weight is allocated, so LLaMA-2-7B's step is sized on any machine)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import pockjax as pj
+    from pockjax.train import TrainState
+
+    lm_loss, opt = jax_loss("llama"), optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+    out = []
+    for name in ("tinyllama-1.1b", "llama2-7b"):
+        s = PRESETS[name]
+        for scheme_name, row in ((f"last-{s['last']}", "pockjax sparse last-k"),
+                                 ("paper last-2", "pockjax paper last-2")):
+            for variant, frozen, narrow in VARIANTS:
+                graphdef, abstract, scheme, _ = build_params(
+                    s, scheme_for(row, s), frozen and jnp.dtype(frozen),
+                    jnp.float32 if frozen else None, narrow=narrow)
+                trainer = pj.sparse_train(lambda p, t, g=graphdef: lm_loss(nnx.merge(g, p), t),
+                                          optimizer=opt, scheme=scheme)
+                shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract,
+                                    jax.eval_shape(opt.init, pj.trainable(abstract, scheme)),
+                                    scheme)
+                tokens = jax.ShapeDtypeStruct((s["batch"], s["seq"]), jnp.int32)
+                m = pj.compiled_memory(trainer.lower(shapes, tokens).compile())
+                out.append({"preset": name, "scheme": scheme_name, "variant": variant,
+                            "args_gib": m["argument"] / GIB, "temp_gib": m["temp"] / GIB})
+                print(f"[compiled] {name} {scheme_name} {variant}: arguments "
+                      f"{m['argument'] / GIB:.2f} GiB, temporaries {m['temp'] / GIB:.2f} GiB",
+                      file=sys.stderr, flush=True)
+    return out
+
+
+def compiled_table(rows: list[dict]) -> list[str]:
+    lines = ["## The compiled step's memory at both shapes (from shapes only)", "",
+             "XLA's `memory_analysis()` of pockjax's sparse step, sequence 128, batch 1: "
+             "arguments (weights, optimizer state) and temporaries. `before` is the same "
+             "step at commit 1fbf42a, when XLA converted every bfloat16 weight to float32 "
+             "at the top of the step and kept the copies.", "",
+             "| shape | scheme | precision | arguments GiB | temporaries GiB | total GiB "
+             "| before: arguments + temporaries |", "|---|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        before = BEFORE.get((r["preset"], r["scheme"], r["variant"]))
+        lines.append(f"| {r['preset']} | {r['scheme']} | {r['variant']} | {r['args_gib']:.2f} "
+                     f"| {r['temp_gib']:.2f} | {r['args_gib'] + r['temp_gib']:.2f} | "
+                     + (f"{before[0]:.2f} + {before[1]:.2f} = {sum(before):.2f}" if before
+                        else "") + " |")
+    return lines + [""]
+
+
 # --------------------------------------------------------------------------- report
 
 
@@ -478,6 +543,8 @@ def write(store: dict, args) -> None:
              f"is XLA's `memory_analysis()` (arguments + temporaries). A row stopped by the "
              f"memory guard ({args.limit_gib:g} GiB) says where. Produced by "
              f"`python -m benchmarks real_size`; see the script's docstring for the rows.", ""]
+    if store.get("compiled"):
+        lines += compiled_table(store["compiled"])
     for name in PRESETS:
         if name in store and name != "smoke" or (name == "smoke" and args.llama == "smoke"):
             entry = store.get(name)
@@ -490,7 +557,8 @@ def write(store: dict, args) -> None:
     out = args.out
     write_atomic(out, text.encode())
     charted = {n: {label(r, e["sizes"]): v for r, v in e["rows"].items()}
-               for n, e in store.items() if n != "smoke" or args.llama == "smoke"}
+               for n, e in store.items()
+               if n in PRESETS and (n != "smoke" or args.llama == "smoke")}
     rows = list(dict.fromkeys(label(r, store[n]["sizes"]) for n in charted for r in ROWS))
     for res in charted.values():  # the chart shows what ran; errors read "failed"
         for r, v in res.items():
@@ -512,6 +580,9 @@ def main(argv=None):
                     help="kill a row whose resident memory passes this")
     ap.add_argument("--out", default=RESULTS + ".md")
     ap.add_argument("--fresh", action="store_true", help="forget earlier rows of this preset")
+    ap.add_argument("--compiled", action="store_true",
+                    help="only compile the pockjax steps of both shapes from shapes (no "
+                         "weights allocated) and record their memory")
     ap.add_argument("--row", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     s = PRESETS[args.llama]
@@ -530,6 +601,11 @@ def main(argv=None):
     if os.path.exists(store_path):
         with open(store_path) as f:
             store = json.load(f)
+    from pockjax.checkpoint import write_atomic
+    if args.compiled:
+        store["compiled"] = compiled_memory_rows()
+        write_atomic(store_path, (json.dumps(store, indent=1) + "\n").encode())
+        return write(store, args)
     entry = store.get(args.llama) if not args.fresh else None
     if not entry or (entry["steps"], entry["warmup"]) != (args.steps, args.warmup):
         entry = {"rows": {}}
@@ -546,7 +622,6 @@ def main(argv=None):
         print(r.get("error") or f"{statistics.median(r['times']):.2f} s/step, peak "
               f"{r['rss_peak_mib'] / 1024:.2f} GiB, {r['wall_s']:.0f} s",
               file=sys.stderr, flush=True)
-        from pockjax.checkpoint import write_atomic
         write_atomic(store_path, (json.dumps(store, indent=1) + "\n").encode())
     write(store, args)
 
