@@ -9,7 +9,12 @@ Workloads (the same weights, data, Adam 1e-4 and steps for every row of a worklo
   Sparse: `schemes.transformer(last=num_layers // 2, extra=["lm_head/**"])`.
 - `mobilenetv2`: MobileNetV2 width 1.0, 128x128 random images, 10 classes, batch 16,
   batch norm in training mode. PyTorch runs a port written below over the same weights.
-  Sparse: `schemes.mobilenetv2(norms=True)`.
+  Sparse: `schemes.mobilenetv2(norms=True)`. Two more rows put the batch norms that
+  scheme freezes entirely (scale and bias) in inference mode, as fine-tuning commonly
+  does: `pockjax sparse (frozen BN folded)` (`pockjax.batchnorm.
+  frozen_norms_in_inference_mode`, folded into the convolutions) and `torch frozen
+  (frozen BN eval)`. Their loss differs from the training-mode rows by design; the
+  folded row's first loss is checked against plain JAX with those norms in eval mode.
 
 `--quick`: llama 4 layers, hidden 256, MLP 688, sequence 64, batch 4; mobilenetv2 width
 0.5, 64x64 images, batch 8. `--llama llama2-7b` (or `layers=32,hidden=4096,...`) and
@@ -48,9 +53,16 @@ from benchmarks.common import (ROOT, commit, report_result, rss_mib,  # noqa: E4
                                run_row as run_process, versions)
 
 WORKLOADS = ["llama", "mobilenetv2"]
-ROWS = ["torch full", "torch frozen", "torch lora r8", "torch.compile full", "jax+optax full",
-        "jax+optax multi_transform", "pockjax full", "pockjax sparse",
-        "pockjax sparse iree host-cpu", "pockjax.torch full", "pockjax.torch sparse"]
+FOLDED = "pockjax sparse (frozen BN folded)"
+TORCH_FROZEN_EVAL = "torch frozen (frozen BN eval)"
+ROWS = ["torch full", "torch frozen", TORCH_FROZEN_EVAL, "torch lora r8", "torch.compile full",
+        "jax+optax full", "jax+optax multi_transform", "pockjax full", "pockjax sparse", FOLDED,
+        "pockjax sparse iree host-cpu", f"{FOLDED} iree host-cpu", "pockjax.torch full",
+        "pockjax.torch sparse"]
+# MobileNetV2 with the batch norms the sparse scheme freezes entirely in inference mode
+# (running statistics), folded into their convolutions: a different function from the
+# training-mode rows by design, compared with a plain-JAX reference of the same semantics.
+FROZEN_BN_ROWS = (TORCH_FROZEN_EVAL, FOLDED, f"{FOLDED} iree host-cpu")
 # pockjax on the Hugging Face LlamaForCausalLM the torch rows run, brought in through
 # pockjax.torch (torchax), against the Flax LLaMA rows: the frontend's overhead.
 TORCH_FRONTEND_ROWS = ("pockjax.torch full", "pockjax.torch sparse")
@@ -99,7 +111,7 @@ def describe(workload: str, s: dict) -> str:
                 f"{s['heads']} heads ({s['kv_heads']} key/value), vocabulary {s['vocab']}; "
                 f"sequence {s['seq']}, batch {s['batch']}")
     return (f"MobileNetV2 width {s['width']}, {s['size']}x{s['size']} images, 10 classes, "
-            f"batch {s['batch']}, batch norm in training mode")
+            f"batch {s['batch']}, batch norm in training mode (but in the frozen-BN rows)")
 
 
 def items_per_step(workload: str, s: dict) -> tuple[int, str]:
@@ -217,8 +229,21 @@ def prepare(workload: str, s: dict, data_dir: str) -> dict:
     trained = trained_paths(workload, model)
     with open(os.path.join(data_dir, "trained.json"), "w") as f:
         json.dump(trained, f)
-    return {"jax_first_loss": float(loss), "trained_tensors": len(trained),
-            "tensors": len(pj.nnx.param_paths(model))}
+    out = {"jax_first_loss": float(loss), "trained_tensors": len(trained),
+           "tensors": len(pj.nnx.param_paths(model))}
+    if workload == "mobilenetv2":
+        # The same-semantics reference of the frozen-BN rows: flax's BatchNorm in eval
+        # mode where the scheme freezes it, not folded (on a new model: the call above
+        # moved this one's running statistics).
+        from pockjax.batchnorm import frozen_norms_in_inference_mode
+        model = make_model(workload, s)
+        eval_norms = frozen_norms_in_inference_mode(model, sparse_scheme(workload, model),
+                                                    fold=False)
+        out["jax_first_loss_frozen_bn"] = float(nnx.jit(jax_loss(workload))(model, batch))
+        out["frozen_bn"] = eval_norms
+        with open(os.path.join(data_dir, "frozen_bn.json"), "w") as f:
+            json.dump(eval_norms, f)
+    return out
 
 
 # --------------------------------------------------------------------------- timing
@@ -350,7 +375,11 @@ def run_torch(workload: str, row: str, s: dict, args) -> dict:
             return F.cross_entropy(net(x), y)
 
     names = {n for n, _ in net.named_parameters()}
-    if row == "torch frozen":
+    if row == TORCH_FROZEN_EVAL:
+        with open(os.path.join(args.data, "frozen_bn.json")) as f:
+            for path in json.load(f):
+                net.get_submodule(path.replace("/", ".")).eval()
+    if row in ("torch frozen", TORCH_FROZEN_EVAL):
         missing = trained - names
         if missing:
             raise RuntimeError(f"scheme paths with no torch parameter: {sorted(missing)[:4]}")
@@ -412,6 +441,9 @@ def jax_step(workload: str, row: str, model, batch):
     if row.startswith("pockjax"):
         scheme = pj.Scheme(default=pj.Full()) if row == "pockjax full" else \
             sparse_scheme(workload, model)
+        if row == FOLDED:
+            from pockjax.batchnorm import frozen_norms_in_inference_mode
+            frozen_norms_in_inference_mode(model, scheme, fold=True)
         trainer = pj.nnx.Trainer(model, loss_fn, optimizer=opt, scheme=scheme)
 
         def step():
@@ -599,11 +631,28 @@ def table(workload: str, s: dict, prep: dict, results: dict, rows: list[str], ar
     for row in rows:
         if ok(row) and row.startswith("torch"):
             first = results[row]["losses"][0]
-            rel = abs(first - prep["jax_first_loss"]) / abs(prep["jax_first_loss"])
+            want = prep["jax_first_loss_frozen_bn" if row in FROZEN_BN_ROWS else "jax_first_loss"]
+            rel = abs(first - want) / abs(want)
             lines.append(f"- port check, {row}: first-batch loss {first:.6f} vs JAX "
-                         f"{prep['jax_first_loss']:.6f} (relative difference {rel:.1e})"
+                         f"{want:.6f} (relative difference {rel:.1e})"
                          + ("; this process imported JAX" if results[row].get("imports_jax")
                             else ""))
+    for row in rows:
+        if not ok(row) or row.startswith("torch") or row in TORCH_FRONTEND_ROWS:
+            continue
+        frozen_bn = row in FROZEN_BN_ROWS
+        want = prep["jax_first_loss_frozen_bn" if frozen_bn else "jax_first_loss"]
+        first = results[row]["losses"][0]
+        rel = abs(first - want) / abs(want)
+        lines.append(f"- same-loss check, {row}: first-batch loss {first:.6f} vs plain JAX "
+                     f"{want:.6f}" + (" (flax eval-mode batch norm, not folded, in the "
+                                      f"{len(prep['frozen_bn'])} frozen ones)" if frozen_bn else "")
+                     + f": relative difference {rel:.1e} -> {'ok' if rel <= 1e-5 else 'DIFFERS'}")
+    if any(ok(r) for r in FROZEN_BN_ROWS):
+        lines.append(f"- the frozen-BN rows put {', '.join(prep['frozen_bn'])} (every batch norm "
+                     "whose scale and bias the scheme freezes) in inference mode: running "
+                     "statistics, not updated; their loss differs from the training-mode rows "
+                     "by design")
     for mine, flax in (("pockjax.torch sparse", "pockjax sparse"),
                        ("pockjax.torch full", "pockjax full")):
         if ok(mine) and ok(flax):
@@ -611,9 +660,10 @@ def table(workload: str, s: dict, prep: dict, results: dict, rows: list[str], ar
                          f"{flax} (Flax LLaMA): {med(mine) / med(flax):.2f}x the step time, "
                          f"first loss {results[mine]['losses'][0]:.6f} vs "
                          f"{results[flax]['losses'][0]:.6f}")
-    if ok("pockjax sparse iree host-cpu"):
-        lines.append(f"- IREE export and compilation took "
-                     f"{results['pockjax sparse iree host-cpu']['export_s']:.1f} s")
+    for row in ("pockjax sparse iree host-cpu", f"{FOLDED} iree host-cpu"):
+        if ok(row):
+            lines.append(f"- {row}: IREE export and compilation took "
+                         f"{results[row]['export_s']:.1f} s")
     lines += ["", "Targets:", ""] + targets(workload, results, med, ok) + [""]
     return lines
 
@@ -628,7 +678,22 @@ def targets(workload: str, results: dict, med, ok) -> list[str]:
         value, held = fmt(a, b)
         out.append(f"- {name}: {value} (target {want}) -> {'holds' if held else 'MISSED'}")
 
-    speed = {"llama": 4.4, "mobilenetv2": 3.0}[workload]
+    if workload == "mobilenetv2":  # issue #19's targets
+        ratio = lambda a, b: (f"{med(b) / med(a):.2f}x", med(b) / med(a))
+        for a, b, want in (("pockjax sparse", "torch full", 1.5),
+                           ("pockjax sparse", "torch frozen", 1.15),
+                           (FOLDED, "torch full", 1.5),
+                           (FOLDED, TORCH_FROZEN_EVAL, 1.15),
+                           ("pockjax full", "torch full", 1.0),
+                           ("pockjax full", "jax+optax full", 1.0)):
+            check(f"{a} vs {b}, speed", a, b, f">= {want}x",
+                  lambda a, b, want=want: (ratio(a, b)[0], ratio(a, b)[1] >= want))
+        for a in ("pockjax sparse", FOLDED):
+            check(f"{a} vs torch full, peak RSS", a, "torch full", "< 1",
+                  lambda a, b: (f"{results[a]['rss_peak_mib'] / results[b]['rss_peak_mib']:.2f}",
+                                results[a]["rss_peak_mib"] < results[b]["rss_peak_mib"]))
+        return out
+    speed = 4.4
     check("pockjax sparse vs torch full, speed", "pockjax sparse", "torch full", f">= {speed}x",
           lambda a, b: (f"{med(b) / med(a):.2f}x", med(b) / med(a) >= speed))
     check("pockjax sparse vs torch lora r8, speed", "pockjax sparse", "torch lora r8", "> 1x",
@@ -726,6 +791,9 @@ def main(argv=None):
             for row in rows:
                 if row in TORCH_FRONTEND_ROWS and w != "llama":
                     results[row] = {"error": "LLaMA only (the Hugging Face module)"}
+                    continue
+                if row in FROZEN_BN_ROWS and w != "mobilenetv2":
+                    results[row] = {"error": "MobileNetV2 only (batch norms)"}
                     continue
                 print(f"[{w}] {row} ...", file=sys.stderr, flush=True, end=" ")
                 results[row] = run_row(w, row, args)

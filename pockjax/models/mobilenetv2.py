@@ -26,6 +26,8 @@ definition and returns the running statistics as the "rest" state.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -105,8 +107,9 @@ class DepthwiseConv(nnx.Module):
     The result is the grouped convolution's (to float32 rounding). XLA's CPU backend runs
     grouped convolutions slowly: forward and backward of a 3x3 layer on 8 x 32 x 32 x 96
     took 41 ms as a convolution and 1.9 ms as shifted slices (29 vs 0.5 ms at stride 2,
-    2 cores), and the shifted form lowers to plain elementwise kernels for IREE too.
-    `method="conv"` uses `lax.conv_general_dilated` instead.
+    2 cores), and the shifted form lowers to plain elementwise kernels for IREE too. The
+    backward pass is hand-written (see `_depthwise`). `method="conv"` uses
+    `lax.conv_general_dilated` instead.
     """
 
     def __init__(self, channels: int, kernel_size: int = 3, *, stride: int = 1,
@@ -123,29 +126,124 @@ class DepthwiseConv(nnx.Module):
         self.padding = ((pad, pad), (pad, pad))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        k, s = self.kernel_size, self.strides[0]
-        w = self.kernel[...]
-        pad = (k - 1) // 2
+        return self.apply(x, self.kernel[...])
+
+    def apply(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
+        """The layer with `kernel` (HWIO `[k, k, 1, C]`) in place of its own (a folded one)."""
+        s = self.strides[0]
         if self.method == "conv":
+            pad = (self.kernel_size - 1) // 2
             return jax.lax.conv_general_dilated(
-                x, w.astype(x.dtype), self.strides, ((pad, pad), (pad, pad)),
+                x, kernel.astype(x.dtype), self.strides, ((pad, pad), (pad, pad)),
                 dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=x.shape[-1])
-        n, h, wd, c = x.shape
-        xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-        ho, wo = (h + 2 * pad - k) // s + 1, (wd + 2 * pad - k) // s + 1
-        out = None
-        for i in range(k):
-            for j in range(k):
-                window = jax.lax.slice(xp, (0, i, j, 0),
-                                       (n, i + (ho - 1) * s + 1, j + (wo - 1) * s + 1, c),
-                                       (1, s, s, 1))
-                term = window * w[i, j, 0].astype(x.dtype)
-                out = term if out is None else out + term
-        return out
+        return _depthwise(x, kernel[:, :, 0].astype(x.dtype), s)
+
+
+def _shifted_sum(xp: jax.Array, w: jax.Array, stride: int, out_h: int, out_w: int) -> jax.Array:
+    """sum over (i, j) of xp[:, i::stride, j::stride, :] (out_h x out_w of it) * w[i, j]."""
+    n, _, _, c = xp.shape
+    k = w.shape[0]
+    out = None
+    for i in range(k):
+        for j in range(k):
+            window = jax.lax.slice(xp, (0, i, j, 0),
+                                   (n, i + (out_h - 1) * stride + 1, j + (out_w - 1) * stride + 1, c),
+                                   (1, stride, stride, 1))
+            term = window * w[i, j]
+            out = term if out is None else out + term
+    return out
+
+
+def _depthwise_out(x: jax.Array, k: int, stride: int) -> tuple[int, int, int]:
+    pad = (k - 1) // 2
+    return pad, (x.shape[1] + 2 * pad - k) // stride + 1, (x.shape[2] + 2 * pad - k) // stride + 1
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _depthwise(x: jax.Array, w: jax.Array, stride: int) -> jax.Array:
+    """Depth-wise 3x3 (or k x k) convolution of NHWC `x` with `w` `[k, k, C]` as shifted slices.
+
+    Its gradients are written by hand: autodiff transposes each of the k * k slices into
+    a padded, zero-filled copy of the input and sums them (XLA's slice/select fusions,
+    the slowest operations of the step). Here the input gradient is a shifted-slice sum
+    over the output gradient with the kernel flipped, split by output phase when strided
+    (no zero-filled dilation), and the weight gradient is k * k products reduced over
+    batch and space. Same values as autodiff to float32 rounding
+    (benchmarks/depthwise.py measures each formulation).
+    """
+    pad, out_h, out_w = _depthwise_out(x, w.shape[0], stride)
+    xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    return _shifted_sum(xp, w, stride, out_h, out_w)
+
+
+def _depthwise_fwd(x, w, stride):
+    return _depthwise(x, w, stride), (x, w)
+
+
+def _phase_taps(size: int, k: int, stride: int) -> list[list[tuple[int, int]]]:
+    """For each output phase r of the input gradient along one axis (positions
+    stride * q + r), the (tap i, offset d) pairs: x[stride * q + r] reached out[q + d]
+    through w[i]."""
+    pad = (k - 1) // 2
+    return [[(i, (r + pad - i) // stride) for i in range(k) if (r + pad - i) % stride == 0]
+            for r in range(min(stride, size))]
+
+
+def _depthwise_bwd(stride, residuals, g):
+    x, w = residuals
+    k = w.shape[0]
+    pad, out_h, out_w = _depthwise_out(x, k, stride)
+    n, h, wd, c = x.shape
+    # Input gradient by phases: x[s * q + r] gets out[q + d] * w[i] for the taps i of phase
+    # r, so each of the s * s phases is a shifted-slice sum over g itself (no zero-filled
+    # dilation), and together they cost k * k products per output position, as forward.
+    rows, cols = _phase_taps(h, k, stride), _phase_taps(wd, k, stride)
+    hq, wq = -(-h // stride), -(-wd // stride)
+    offsets = [d for taps in rows + cols for _, d in taps]
+    low = max(0, -min(offsets))
+    high_h = max(0, hq + max(offsets) - out_h)
+    high_w = max(0, wq + max(offsets) - out_w)
+    gp = jnp.pad(g, ((0, 0), (low, high_h), (low, high_w), (0, 0)))
+    phases = []
+    for row_taps in rows:
+        line = []
+        for col_taps in cols:
+            out = None
+            for i, di in row_taps:
+                for j, dj in col_taps:
+                    term = jax.lax.slice(gp, (0, low + di, low + dj, 0),
+                                         (n, low + di + hq, low + dj + wq, c)) * w[i, j]
+                    out = term if out is None else out + term
+            line.append(out if out is not None else jnp.zeros((n, hq, wq, c), g.dtype))
+        phases.append(line)
+    if stride == 1:
+        gx = phases[0][0]
+    else:  # interleave: [n, hq, s, wq, s, c] -> [n, hq * s, wq * s, c], cropped
+        full = [line + [jnp.zeros_like(line[0])] * (stride - len(line)) for line in phases]
+        full += [[jnp.zeros_like(phases[0][0])] * stride] * (stride - len(full))
+        gx = jnp.stack([jnp.stack(line, axis=3) for line in full], axis=2)
+        gx = gx.reshape(n, hq * stride, wq * stride, c)[:, :h, :wd]
+    xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
+    sums = []
+    for i in range(k):
+        for j in range(k):
+            window = jax.lax.slice(xp, (0, i, j, 0),
+                                   (n, i + (out_h - 1) * stride + 1, j + (out_w - 1) * stride + 1, c),
+                                   (1, stride, stride, 1))
+            sums.append(jnp.sum(window * g, axis=(0, 1, 2)))
+    return gx, jnp.stack(sums).reshape(w.shape)
+
+
+_depthwise.defvjp(_depthwise_fwd, _depthwise_bwd)
 
 
 class ConvBN(nnx.Module):
     """A bias-free convolution, batch norm and optionally ReLU6.
+
+    In training mode the batch norm (with the ReLU6) runs as `_batch_norm`, flax's
+    forward with a closed-form backward; in inference mode it is `nnx.BatchNorm`'s, or,
+    with `fold_norm` (see `pockjax.batchnorm.frozen_norms_in_inference_mode`), folded
+    into the kernel: `conv(x, W * m) + c` for the affine map `x * m + c` it computes.
 
     3x3 convolutions pad by one on each side (as torchvision does, so a stride-2 layer
     keeps the top-left pixel); 1x1 convolutions do not pad. A depth-wise one
@@ -167,10 +265,86 @@ class ConvBN(nnx.Module):
         self.bn = nnx.BatchNorm(out_features, momentum=_BN_MOMENTUM, epsilon=_BN_EPSILON,
                                 rngs=rngs)
         self.relu6 = relu6
+        # In inference mode the batch norm is the affine map x * m + (bias - mean * m),
+        # m = scale / sqrt(var + eps): with `fold_norm` it is folded into the kernel.
+        self.fold_norm = False
+
+    def _folded(self, x: jax.Array) -> jax.Array:
+        """conv(x, W) * m + c as conv(x, W * m) + c (m, c per output channel)."""
+        bn, conv = self.bn, self.conv
+        m = jax.lax.rsqrt(bn.var[...] + bn.epsilon) * bn.scale[...]
+        shift = bn.bias[...] - bn.mean[...] * m
+        kernel = (conv.kernel[...] * m).astype(x.dtype)
+        if isinstance(conv, DepthwiseConv):
+            return conv.apply(x, kernel) + shift
+        return jax.lax.conv_general_dilated(
+            x, kernel, conv.strides, conv.padding, dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=conv.feature_group_count) + shift
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = self.bn(self.conv(x))
-        return jax.nn.relu6(y) if self.relu6 else y
+        bn = self.bn
+        if bn.use_running_average:
+            y = self._folded(x) if self.fold_norm else bn(self.conv(x))
+            return jax.nn.relu6(y) if self.relu6 else y
+        y, mean, var = _batch_norm(self.conv(x), bn.scale[...], bn.bias[...], bn.epsilon, self.relu6)
+        # flax's update of the running statistics (nnx.BatchNorm in training mode)
+        bn.mean[...] = jax.lax.stop_gradient(bn.momentum * bn.mean[...] + (1 - bn.momentum) * mean)
+        bn.var[...] = jax.lax.stop_gradient(bn.momentum * bn.var[...] + (1 - bn.momentum) * var)
+        return y
+
+
+def _batch_statistics(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """flax's: mean and biased variance over all axes but the last, E[x^2] - E[x]^2 clipped at 0."""
+    axes = tuple(range(x.ndim - 1))
+    mean, mean2 = jnp.mean(x, axes), jnp.mean(x * x, axes)
+    return mean, jnp.maximum(0.0, mean2 - mean * mean)
+
+
+def _normalized(x, mean, var, scale, bias, epsilon, relu6):
+    y = (x - mean) * (jax.lax.rsqrt(var + epsilon) * scale) + bias
+    return (jax.nn.relu6(y) if relu6 else y), y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _batch_norm(x, scale, bias, epsilon: float, relu6: bool):
+    """Training-mode batch norm (and ReLU6) over the last axis: `(y, batch mean, batch var)`,
+    as `nnx.BatchNorm` computes them.
+
+    The backward pass is the closed form (two per-channel sums of the output gradient,
+    then one elementwise pass), where autodiff of flax's formula differentiates the mean,
+    E[x^2], the clipping and the normalisation one by one.
+    """
+    mean, var = _batch_statistics(x)
+    return _normalized(x, mean, var, scale, bias, epsilon, relu6)[0], mean, var
+
+
+def _batch_norm_fwd(x, scale, bias, epsilon, relu6):
+    mean, var = _batch_statistics(x)
+    out, _ = _normalized(x, mean, var, scale, bias, epsilon, relu6)
+    return (out, mean, var), (x, mean, var, scale, bias)
+
+
+def _batch_norm_bwd(epsilon, relu6, residuals, cotangents):
+    x, mean, var, scale, bias = residuals
+    g, g_mean, g_var = cotangents
+    axes = tuple(range(x.ndim - 1))
+    n = x.size // x.shape[-1]
+    rstd = jax.lax.rsqrt(var + epsilon)
+    xhat = (x - mean) * rstd
+    if relu6:
+        y = xhat * scale + bias
+        g = jnp.where((y > 0) & (y < 6), g, 0.0)
+    g_bias = jnp.sum(g, axes)
+    g_scale = jnp.sum(g * xhat, axes)
+    gx = (scale * rstd / n) * (n * g - g_bias - xhat * g_scale)
+    # the statistics' own cotangents (zero unless something differentiates them); the
+    # variance is clipped at 0, where its gradient is 0
+    g_var = jnp.where(var > 0, g_var, 0.0)
+    gx = gx + (g_mean + 2 * g_var * (x - mean)) / n
+    return gx, g_scale, g_bias
+
+
+_batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)
 
 
 class InvertedResidual(nnx.Module):

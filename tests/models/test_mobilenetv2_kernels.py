@@ -1,0 +1,92 @@
+"""The MobileNetV2 model's hand-written backward passes (depth-wise convolution, batch
+norm) against JAX's autodiff of the reference formulas, in float64."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pockjax.models import mobilenetv2 as M
+from tests.helpers import assert_trees_close
+
+
+def grouped_conv(x, w, stride):
+    return jax.lax.conv_general_dilated(
+        x, w[:, :, None, :], (stride, stride), ((1, 1), (1, 1)),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=x.shape[-1],
+        precision="highest")
+
+
+def adversarial_images(shape, key=0):
+    """Random values with exact zeros, a zero first channel and a large last channel."""
+    x = np.array(jax.random.normal(jax.random.key(key), shape), np.float64)
+    x[..., 0] = 0.0
+    x[..., -1] *= 1e3
+    x[:, ::3, ::2] = 0.0
+    return jnp.asarray(x)
+
+
+@pytest.mark.parametrize("stride,h,w", [(1, 9, 7), (2, 9, 9), (2, 8, 8), (2, 8, 7), (1, 1, 1),
+                                        (2, 1, 2), (2, 2, 3)])
+def test_depthwise_gradients_equal_the_grouped_convolution(stride, h, w):
+    with jax.enable_x64(True):
+        x = adversarial_images((2, h, w, 5))
+        kernel = jax.random.normal(jax.random.key(1), (3, 3, 5), jnp.float64)
+        kernel = kernel.at[:, :, 0].set(0.0)  # a dead first channel
+
+        def loss(f):
+            return lambda x, k: jnp.sum(jnp.sin(f(x, k, stride)) * jnp.arange(5.0))
+
+        want = jax.value_and_grad(loss(grouped_conv), (0, 1))(x, kernel)
+        got = jax.value_and_grad(loss(M._depthwise), (0, 1))(x, kernel)
+        got_jit = jax.jit(jax.value_and_grad(loss(M._depthwise), (0, 1)))(x, kernel)
+        assert_trees_close(got, want, rtol=1e-10, atol=1e-10)
+        assert_trees_close(got_jit, want, rtol=1e-10, atol=1e-10)
+
+
+def flax_batch_norm(x, scale, bias, relu6):
+    """What nnx.BatchNorm computes in training mode (its own functions), then ReLU6:
+    `(y, batch mean, batch var)`."""
+    from flax.nnx.nn import normalization as flax_norm
+
+    mean, var = flax_norm._compute_stats(x, (0, 1, 2), dtype=None)
+    y = flax_norm._normalize(x, mean, var, scale, bias, (0, 1, 2), (3,), None, 1e-5)
+    return (jax.nn.relu6(y) if relu6 else y), mean, var
+
+
+@pytest.mark.parametrize("relu6", [True, False])
+def test_batch_norm_equals_flax_values_and_gradients(relu6):
+    with jax.enable_x64(True):
+        x = adversarial_images((4, 5, 3, 6), key=2)
+        x = x.at[..., 2].set(1.5)  # a constant channel: variance exactly 0, clipped
+        scale = jnp.asarray([1.0, 2.0, 0.0, -1.0, 0.5, 3.0])
+        bias = jnp.asarray([0.0, -50.0, 1.0, 7.0, 0.1, 0.2])  # a dead ReLU, a saturated one
+        weights = jax.random.normal(jax.random.key(3), (3,))
+
+        def loss(f):
+            def fn(x, scale, bias):
+                y, mean, var = f(x, scale, bias)
+                return (weights[0] * jnp.sum(jnp.sin(y)) + weights[1] * jnp.sum(mean ** 2)
+                        + weights[2] * jnp.sum(jnp.cos(var)))
+            return fn
+
+        want = jax.value_and_grad(loss(lambda *a: flax_batch_norm(*a, relu6)), (0, 1, 2))(
+            x, scale, bias)
+        got = jax.value_and_grad(loss(lambda *a: M._batch_norm(*a, 1e-5, relu6)), (0, 1, 2))(
+            x, scale, bias)
+        assert_trees_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_training_mode_updates_running_statistics_as_flax():
+    layer = M.ConvBN(3, 4, rngs=nnx.Rngs(0))
+    x = adversarial_images((2, 5, 5, 3)).astype(jnp.float32)
+    bn = nnx.BatchNorm(4, momentum=0.9, epsilon=1e-5, rngs=nnx.Rngs(0))
+    bn.mean[...], bn.var[...] = layer.bn.mean[...] + 0.3, layer.bn.var[...] * 2
+    layer.bn.mean[...], layer.bn.var[...] = bn.mean[...], bn.var[...]
+    want = jax.nn.relu6(bn(layer.conv(x)))
+    got = layer(x)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(layer.bn.mean[...], bn.mean[...], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(layer.bn.var[...], bn.var[...], rtol=1e-6, atol=1e-7)
