@@ -143,11 +143,14 @@ def _problems(expected: dict[str, _Tensor], found: dict, config: LlamaConfig) ->
     return problems
 
 
-def load_llama(path: str | os.PathLike, *, dtype=None) -> Llama:
+def load_llama(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
+               **overrides) -> Llama:
     """A `Llama` from a Hugging Face checkpoint directory.
 
     Weights are cast to `dtype`, or to the config's `param_dtype` (float32) when None;
-    bf16 and f16 checkpoints load either way. Every name and shape is checked before
+    bf16 and f16 checkpoints load either way. `compute_dtype` is `LlamaConfig.dtype`
+    (float32 with bfloat16 weights: mixed precision, see `cast_frozen`); `overrides`
+    set other `LlamaConfig` fields (`narrow_matmul`, `remat`). Every name and shape is checked before
     any weight is read: a checkpoint that does not fit its config raises
     `CheckpointError` listing all missing, unexpected and misshapen tensors. The model
     is built abstractly and filled tensor by tensor, so its weights exist once.
@@ -166,7 +169,9 @@ def load_llama(path: str | os.PathLike, *, dtype=None) -> Llama:
         raise CheckpointError(f"'{config_file}' is not valid JSON: {e}") from None
     try:
         config = LlamaConfig.from_hf(hf_config,
-                                     **({} if dtype is None else {"param_dtype": dtype}))
+                                     **({} if dtype is None else {"param_dtype": dtype}),
+                                     **({} if compute_dtype is None else {"dtype": compute_dtype}),
+                                     **overrides)
     except ValueError as e:
         raise CheckpointError(f"'{config_file}': {e}") from None
 

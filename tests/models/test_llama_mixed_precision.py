@@ -198,6 +198,21 @@ def test_narrow_matmul_gradients(transposed):
     np.testing.assert_allclose(gw.astype(jnp.float32), rw, rtol=2e-2, atol=2e-2)
 
 
+def test_checkpoint_loads_for_mixed_precision(tmp_path):
+    from pockjax.models.hf import load_llama, save_llama
+
+    save_llama(Llama(LlamaConfig.tiny(num_layers=3), rngs=nnx.Rngs(0)), tmp_path)
+    model = load_llama(tmp_path, dtype=jnp.bfloat16, compute_dtype=jnp.float32,
+                       narrow_matmul="native", remat="block")
+    assert (model.config.param_dtype, model.config.dtype) == (jnp.bfloat16, jnp.float32)
+    assert (model.config.narrow_matmul, model.config.remat) == ("native", "block")
+    graphdef, params, _ = pj.nnx.split(model)
+    scheme = pj.schemes.last_blocks(params, 1)
+    mixed = cast_frozen(params, scheme)
+    assert mixed["layers"][2]["attn"]["q_proj"]["kernel"].dtype == jnp.float32
+    assert nnx.merge(graphdef, mixed)(TOKENS).dtype == jnp.float32
+
+
 @pytest.mark.parametrize("overrides, match", [
     (dict(dtype=jnp.int32), "compute dtype"),
     (dict(dtype="nonsense"), "is not a dtype"),
