@@ -5,7 +5,7 @@ Depth-wise formulations (NHWC input, one 3x3 filter per channel, padding 1):
 
 - `shifts autodiff`: 9 shifted, strided slices times a per-channel weight, summed,
   differentiated by JAX (the slices transpose into zero-filled pads);
-- `shifts custom vjp`: the same forward with `pockjax.models.mobilenetv2._depthwise`'s
+- `shifts custom vjp`: the same forward with `pockjax.models.mobilenetv2.depthwise_conv`'s
   hand-written backward (input gradient as shifted slices of the output gradient, by
   output phase when strided; weight gradient as 9 reductions) — what the model runs;
 - `conv NHWC`: `lax.conv_general_dilated` with `feature_group_count = C`;
@@ -13,7 +13,7 @@ Depth-wise formulations (NHWC input, one 3x3 filter per channel, padding 1):
 
 Directions: forward, input gradient (VJP with respect to the input only), weight
 gradient (VJP with respect to the kernel only). Batch norm (training mode, with ReLU6):
-flax's `nnx.BatchNorm` differentiated by JAX against the model's `_batch_norm` (closed-form
+flax's `nnx.BatchNorm` differentiated by JAX against the model's `batch_norm` (closed-form
 backward), forward and forward + backward. Shapes are MobileNetV2's at the paper
 table's two sizes. Functions are timed interleaved, median of `--repeats`, in one
 process. Writes benchmarks/results/depthwise.md.
@@ -54,7 +54,7 @@ def formulations():
                                         dimension_numbers=("NCHW", "OIHW", "NCHW"),
                                         feature_group_count=x.shape[1])
 
-    return {"shifts autodiff": (M._depthwise.fun, False), "shifts custom vjp": (M._depthwise, False),
+    return {"shifts autodiff": (M.depthwise_conv.fun, False), "shifts custom vjp": (M.depthwise_conv, False),
             "conv NHWC": (conv_nhwc, False), "conv NCHW": (conv_nchw, True)}, jax
 
 
@@ -106,11 +106,11 @@ def batchnorm_rows(repeats: int) -> list[str]:
     from pockjax.models import mobilenetv2 as M
 
     def flax_bn(x, scale, bias):
-        mean, var = M._batch_statistics(x)
-        return M._normalized(x, mean, var, scale, bias, 1e-5, True)[0], mean, var
+        mean, var = M.batch_statistics(x)
+        return M.normalized(x, mean, var, scale, bias, 1e-5, True)[0], mean, var
 
     forms = {"flax formula, autodiff": flax_bn,
-             "closed-form backward": lambda x, s, b: M._batch_norm(x, s, b, 1e-5, True)}
+             "closed-form backward": lambda x, s, b: M.batch_norm(x, s, b, 1e-5, True)}
     lines = ["| shape N,H,W,C | batch norm + ReLU6 | forward ms | forward + backward ms |",
              "|---|---|---:|---:|"]
     for n, h, wd, c, _ in SHAPES:

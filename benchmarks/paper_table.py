@@ -11,7 +11,7 @@ Workloads (the same weights, data, Adam 1e-4 and steps for every row of a worklo
   batch norm in training mode. PyTorch runs a port written below over the same weights.
   Sparse: `schemes.mobilenetv2(norms=True)`. Two more rows put the batch norms that
   scheme freezes entirely (scale and bias) in inference mode, as fine-tuning commonly
-  does: `pockjax sparse (frozen BN folded)` (`pockjax.batchnorm.
+  does: `pockjax sparse (frozen BN folded)` (`pockjax.nnx.
   frozen_norms_in_inference_mode`, folded into the convolutions) and `torch frozen
   (frozen BN eval)`. Their loss differs from the training-mode rows by design; the
   folded row's first loss is checked against plain JAX with those norms in eval mode.
@@ -235,7 +235,7 @@ def prepare(workload: str, s: dict, data_dir: str) -> dict:
         # The same-semantics reference of the frozen-BN rows: flax's BatchNorm in eval
         # mode where the scheme freezes it, not folded (on a new model: the call above
         # moved this one's running statistics).
-        from pockjax.batchnorm import frozen_norms_in_inference_mode
+        from pockjax.nnx import frozen_norms_in_inference_mode
         model = make_model(workload, s)
         eval_norms = frozen_norms_in_inference_mode(model, sparse_scheme(workload, model),
                                                     fold=False)
@@ -442,7 +442,7 @@ def jax_step(workload: str, row: str, model, batch):
         scheme = pj.Scheme(default=pj.Full()) if row == "pockjax full" else \
             sparse_scheme(workload, model)
         if row == FOLDED:
-            from pockjax.batchnorm import frozen_norms_in_inference_mode
+            from pockjax.nnx import frozen_norms_in_inference_mode
             frozen_norms_in_inference_mode(model, scheme, fold=True)
         trainer = pj.nnx.Trainer(model, loss_fn, optimizer=opt, scheme=scheme)
 

@@ -30,7 +30,8 @@ from pockjax.scheme import Decision, Frozen, Full, Scheme, SchemeError, DECISION
 from pockjax.sharding import Layout
 from pockjax.train import History, SparseTrainer, TrainState, fit
 
-__all__ = ["split", "merge", "param_paths", "scheme", "Trainer", "search"]
+__all__ = ["split", "merge", "param_paths", "scheme", "Trainer", "search",
+           "frozen_norms_in_inference_mode"]
 
 Filter = Any
 
@@ -137,15 +138,23 @@ class Trainer:
     arrays to the trainer without a second copy of the model (what a 1B-7B model on one
     device needs): the first step donates them, so the module's parameters are gone until
     `trainer.update(model)` writes the trained ones back.
+
+    `frozen_norms="running"` puts the batch norms whose parameters the scheme freezes
+    into inference mode, folded into their convolutions where the model can (see
+    `frozen_norms_in_inference_mode`): the usual fine-tuning semantics, and a cheaper
+    step than `"batch"` (the default: batch norms as the model has them).
     """
 
     def __init__(self, model: nnx.Module, loss_fn: Callable, *, optimizer, scheme=None,
                  wrt: Filter = nnx.Param, has_aux: bool = False, donate: bool = True,
-                 copy: bool = True, mesh=None, data_axis="data", param_axis=None,
-                 param_specs=None):
+                 copy: bool = True, frozen_norms: str = "batch", mesh=None, data_axis="data",
+                 param_axis=None, param_specs=None):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"pockjax.nnx.Trainer needs an nnx.Module, got {type(model).__name__}; "
                             "for Linen or plain functions use pockjax.sparse_train")
+        if frozen_norms not in ("batch", "running"):
+            raise ValueError(f"frozen_norms must be 'batch' (batch norms as the model has them) "
+                             f"or 'running' (frozen ones in inference mode, folded), got {frozen_norms!r}")
         self.graphdef, params, self.rest = split(model, wrt)
         if not params:
             raise SchemeError(f"{type(model).__name__} has no {wrt!r} variables to train")
@@ -153,6 +162,8 @@ class Trainer:
             scheme = Scheme(default=Full())
         elif not isinstance(scheme, Scheme):
             scheme = _filter_scheme(model, scheme, wrt=wrt)
+        if frozen_norms == "running" and frozen_norms_in_inference_mode(model, scheme, wrt=wrt):
+            self.graphdef, params, self.rest = split(model, wrt)  # the new modes, in the graphdef
         self.wrt, self.has_aux, self.loss_fn = wrt, has_aux, loss_fn
         pure = _module_loss(self.graphdef, loss_fn, has_aux=has_aux, has_rest=bool(self.rest),
                             wrt=wrt)
@@ -253,3 +264,63 @@ def search(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%
     return scheme_search.search(
         lambda s: SparseTrainer(pure, optimizer, s, has_aux=has_aux or bool(rest)),
         params, (train, heldout), budget, **kwargs)
+
+
+def frozen_norms_in_inference_mode(model: nnx.Module, scheme: Scheme | Any, *, fold: bool = True,
+                                   wrt: Filter = nnx.Param) -> list[str]:
+    """Put every `nnx.BatchNorm` of `model` whose parameters `scheme` all freezes into
+    inference mode (`use_running_average=True`), in place; returns their paths, sorted.
+
+    `scheme` is a `pockjax.Scheme` or anything `pockjax.nnx.Trainer` accepts as one (an
+    NNX filter, `(filter, decision)` pairs). A batch norm with any trained parameter
+    (scale or bias, even a few channels of it) keeps its mode. With `fold=True`, a batch
+    norm that sits in a layer able to fold it (a module with a `fold_norm` attribute,
+    such as `pockjax.models.mobilenetv2.ConvBN`) is folded into the convolution's kernel.
+    The mode is static: `pockjax.nnx.split` keeps it in the graph definition, so a
+    `Trainer` built afterwards compiles the folded step (`Trainer(...,
+    frozen_norms="running")` does this for you). `model.train()` undoes it.
+
+    Why: a batch norm in training mode normalises with the batch's statistics, so even when its
+    scale and bias are frozen it costs two reductions forward and two backward, and its
+    backward pass runs through the whole activation. Fine-tuning usually keeps the frozen
+    layers' batch norms in inference mode instead: they normalise with their running
+    statistics, which stay as they are, and the layer becomes a fixed per-channel affine
+    map `y = x * m + c` with `m = scale / sqrt(var + eps)` and `c = bias - mean * m`. That map
+    folds into the convolution before it, `conv(x, W) * m + c = conv(x, W * m) + c`, and its
+    backward pass is the convolution's.
+
+    This changes what the model computes (the statistics of frozen layers are the running
+    ones, and they no longer move), so the loss differs from a training-mode step by design;
+    it is the same function as the model with those batch norms in eval mode, folded or not.
+
+    >>> import jax.numpy as jnp, pockjax as pj
+    >>> from flax import nnx
+    >>> from pockjax.models import MobileNetV2
+    >>> model = MobileNetV2(10, width_mult=0.35, input_size=32, rngs=nnx.Rngs(0))
+    >>> scheme = pj.schemes.mobilenetv2(model, norms=True)
+    >>> pj.nnx.frozen_norms_in_inference_mode(model, scheme)
+    ['blocks/0/depthwise/bn', 'blocks/0/project/bn', 'head/bn', 'stem/bn']
+    """
+    if not isinstance(scheme, Scheme):
+        scheme = _filter_scheme(model, scheme, wrt=wrt)
+    switched = []
+    for path, node in nnx.graph.iter_graph(model):
+        if not isinstance(node, nnx.BatchNorm):
+            continue
+        prefix = "/".join(map(str, path))
+        names = [n for n in ("scale", "bias") if getattr(node, n, None) is not None]
+        if not all(isinstance(scheme.match(f"{prefix}/{n}"), Frozen) for n in names):
+            continue
+        node.use_running_average = True
+        parent = _module_at(model, path[:-1])
+        if hasattr(parent, "fold_norm"):
+            parent.fold_norm = fold
+        switched.append(prefix)
+    return sorted(switched)
+
+
+def _module_at(model: nnx.Module, path) -> Any:
+    node = model
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    return node

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import pockjax as pj
-from pockjax.batchnorm import frozen_norms_in_inference_mode
+from pockjax.nnx import frozen_norms_in_inference_mode
 from pockjax.models import MobileNetV2
 from tests.helpers import assert_trees_close, dense_view
 
@@ -129,3 +129,25 @@ def test_trainer_keeps_frozen_statistics_and_matches_plain_jax():
     np.testing.assert_array_equal(after["head"]["bn"]["var"], before["head"]["bn"]["var"])
     assert not np.allclose(after["blocks"][3]["expand"]["bn"]["mean"],
                            before["blocks"][3]["expand"]["bn"]["mean"])
+
+
+def test_trainer_option_switches_the_frozen_norms():
+    scheme = pj.schemes.mobilenetv2(model_with_statistics(), norms=True)
+    by_hand = model_with_statistics()
+    frozen_norms_in_inference_mode(by_hand, scheme)
+
+    def loss_fn(model, batch):
+        return optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1]).mean()
+
+    batch = adversarial_batch()
+    m = model_with_statistics()
+    trainer = pj.nnx.Trainer(m, loss_fn, optimizer=optax.adam(1e-3), scheme=scheme,
+                             frozen_norms="running")
+    assert m.stem.bn.use_running_average and not m.blocks[3].expand.bn.use_running_average
+    np.testing.assert_allclose(trainer(batch)["loss"], loss_fn(by_hand, batch), rtol=1e-5)
+    default = pj.nnx.Trainer(model_with_statistics(), loss_fn, optimizer=optax.adam(1e-3),
+                             scheme=scheme)
+    assert not np.allclose(default(batch)["loss"], loss_fn(by_hand, batch))
+    with pytest.raises(ValueError, match="frozen_norms must be 'batch'.*or 'running'"):
+        pj.nnx.Trainer(model_with_statistics(), loss_fn, optimizer=optax.adam(1e-3),
+                       frozen_norms="eval")

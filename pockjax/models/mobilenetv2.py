@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 __all__ = ["MobileNetV2", "ConvBN", "DepthwiseConv", "InvertedResidual", "INVERTED_RESIDUAL_SETTINGS",
+           "depthwise_conv", "batch_norm", "batch_statistics", "normalized",
            "blocks_with_expansion", "make_divisible"]
 
 # (expansion t, output channels c, repeats n, stride s of the first repeat)
@@ -108,7 +109,7 @@ class DepthwiseConv(nnx.Module):
     grouped convolutions slowly: forward and backward of a 3x3 layer on 8 x 32 x 32 x 96
     took 41 ms as a convolution and 1.9 ms as shifted slices (29 vs 0.5 ms at stride 2,
     2 cores), and the shifted form lowers to plain elementwise kernels for IREE too. The
-    backward pass is hand-written (see `_depthwise`). `method="conv"` uses
+    backward pass is hand-written (see `depthwise_conv`). `method="conv"` uses
     `lax.conv_general_dilated` instead.
     """
 
@@ -136,7 +137,7 @@ class DepthwiseConv(nnx.Module):
             return jax.lax.conv_general_dilated(
                 x, kernel.astype(x.dtype), self.strides, ((pad, pad), (pad, pad)),
                 dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=x.shape[-1])
-        return _depthwise(x, kernel[:, :, 0].astype(x.dtype), s)
+        return depthwise_conv(x, kernel[:, :, 0].astype(x.dtype), s)
 
 
 def _shifted_sum(xp: jax.Array, w: jax.Array, stride: int, out_h: int, out_w: int) -> jax.Array:
@@ -160,7 +161,7 @@ def _depthwise_out(x: jax.Array, k: int, stride: int) -> tuple[int, int, int]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _depthwise(x: jax.Array, w: jax.Array, stride: int) -> jax.Array:
+def depthwise_conv(x: jax.Array, w: jax.Array, stride: int) -> jax.Array:
     """Depth-wise 3x3 (or k x k) convolution of NHWC `x` with `w` `[k, k, C]` as shifted slices.
 
     Its gradients are written by hand: autodiff transposes each of the k * k slices into
@@ -177,7 +178,7 @@ def _depthwise(x: jax.Array, w: jax.Array, stride: int) -> jax.Array:
 
 
 def _depthwise_fwd(x, w, stride):
-    return _depthwise(x, w, stride), (x, w)
+    return depthwise_conv(x, w, stride), (x, w)
 
 
 def _phase_taps(size: int, k: int, stride: int) -> list[list[tuple[int, int]]]:
@@ -234,15 +235,15 @@ def _depthwise_bwd(stride, residuals, g):
     return gx, jnp.stack(sums).reshape(w.shape)
 
 
-_depthwise.defvjp(_depthwise_fwd, _depthwise_bwd)
+depthwise_conv.defvjp(_depthwise_fwd, _depthwise_bwd)
 
 
 class ConvBN(nnx.Module):
     """A bias-free convolution, batch norm and optionally ReLU6.
 
-    In training mode the batch norm (with the ReLU6) runs as `_batch_norm`, flax's
+    In training mode the batch norm (with the ReLU6) runs as `batch_norm`, flax's
     forward with a closed-form backward; in inference mode it is `nnx.BatchNorm`'s, or,
-    with `fold_norm` (see `pockjax.batchnorm.frozen_norms_in_inference_mode`), folded
+    with `fold_norm` (see `pockjax.nnx.frozen_norms_in_inference_mode`), folded
     into the kernel: `conv(x, W * m) + c` for the affine map `x * m + c` it computes.
 
     3x3 convolutions pad by one on each side (as torchvision does, so a stride-2 layer
@@ -286,27 +287,28 @@ class ConvBN(nnx.Module):
         if bn.use_running_average:
             y = self._folded(x) if self.fold_norm else bn(self.conv(x))
             return jax.nn.relu6(y) if self.relu6 else y
-        y, mean, var = _batch_norm(self.conv(x), bn.scale[...], bn.bias[...], bn.epsilon, self.relu6)
+        y, mean, var = batch_norm(self.conv(x), bn.scale[...], bn.bias[...], bn.epsilon, self.relu6)
         # flax's update of the running statistics (nnx.BatchNorm in training mode)
         bn.mean[...] = jax.lax.stop_gradient(bn.momentum * bn.mean[...] + (1 - bn.momentum) * mean)
         bn.var[...] = jax.lax.stop_gradient(bn.momentum * bn.var[...] + (1 - bn.momentum) * var)
         return y
 
 
-def _batch_statistics(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+def batch_statistics(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """flax's: mean and biased variance over all axes but the last, E[x^2] - E[x]^2 clipped at 0."""
     axes = tuple(range(x.ndim - 1))
     mean, mean2 = jnp.mean(x, axes), jnp.mean(x * x, axes)
     return mean, jnp.maximum(0.0, mean2 - mean * mean)
 
 
-def _normalized(x, mean, var, scale, bias, epsilon, relu6):
+def normalized(x, mean, var, scale, bias, epsilon, relu6):
+    """`(ReLU6 of y if relu6 else y, y)` for `y` = `x` normalised with `mean` and `var`."""
     y = (x - mean) * (jax.lax.rsqrt(var + epsilon) * scale) + bias
     return (jax.nn.relu6(y) if relu6 else y), y
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _batch_norm(x, scale, bias, epsilon: float, relu6: bool):
+def batch_norm(x, scale, bias, epsilon: float, relu6: bool):
     """Training-mode batch norm (and ReLU6) over the last axis: `(y, batch mean, batch var)`,
     as `nnx.BatchNorm` computes them.
 
@@ -314,13 +316,13 @@ def _batch_norm(x, scale, bias, epsilon: float, relu6: bool):
     then one elementwise pass), where autodiff of flax's formula differentiates the mean,
     E[x^2], the clipping and the normalisation one by one.
     """
-    mean, var = _batch_statistics(x)
-    return _normalized(x, mean, var, scale, bias, epsilon, relu6)[0], mean, var
+    mean, var = batch_statistics(x)
+    return normalized(x, mean, var, scale, bias, epsilon, relu6)[0], mean, var
 
 
 def _batch_norm_fwd(x, scale, bias, epsilon, relu6):
-    mean, var = _batch_statistics(x)
-    out, _ = _normalized(x, mean, var, scale, bias, epsilon, relu6)
+    mean, var = batch_statistics(x)
+    out, _ = normalized(x, mean, var, scale, bias, epsilon, relu6)
     return (out, mean, var), (x, mean, var, scale, bias)
 
 
@@ -344,7 +346,7 @@ def _batch_norm_bwd(epsilon, relu6, residuals, cotangents):
     return gx, g_scale, g_bias
 
 
-_batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)
+batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)
 
 
 class InvertedResidual(nnx.Module):

@@ -40,8 +40,8 @@ def test_depthwise_gradients_equal_the_grouped_convolution(stride, h, w):
             return lambda x, k: jnp.sum(jnp.sin(f(x, k, stride)) * jnp.arange(5.0))
 
         want = jax.value_and_grad(loss(grouped_conv), (0, 1))(x, kernel)
-        got = jax.value_and_grad(loss(M._depthwise), (0, 1))(x, kernel)
-        got_jit = jax.jit(jax.value_and_grad(loss(M._depthwise), (0, 1)))(x, kernel)
+        got = jax.value_and_grad(loss(M.depthwise_conv), (0, 1))(x, kernel)
+        got_jit = jax.jit(jax.value_and_grad(loss(M.depthwise_conv), (0, 1)))(x, kernel)
         assert_trees_close(got, want, rtol=1e-10, atol=1e-10)
         assert_trees_close(got_jit, want, rtol=1e-10, atol=1e-10)
 
@@ -74,7 +74,7 @@ def test_batch_norm_equals_flax_values_and_gradients(relu6):
 
         want = jax.value_and_grad(loss(lambda *a: flax_batch_norm(*a, relu6)), (0, 1, 2))(
             x, scale, bias)
-        got = jax.value_and_grad(loss(lambda *a: M._batch_norm(*a, 1e-5, relu6)), (0, 1, 2))(
+        got = jax.value_and_grad(loss(lambda *a: M.batch_norm(*a, 1e-5, relu6)), (0, 1, 2))(
             x, scale, bias)
         assert_trees_close(got, want, rtol=1e-9, atol=1e-9)
 
