@@ -142,7 +142,8 @@ class Trainer:
     `frozen_norms="running"` puts the batch norms whose parameters the scheme freezes
     into inference mode, folded into their convolutions where the model can (see
     `frozen_norms_in_inference_mode`): the usual fine-tuning semantics, and a cheaper
-    step than `"batch"` (the default: batch norms as the model has them).
+    step than `"batch"` (the default: batch norms as the model has them). The modes are
+    set on `model` itself and stay (`model.train()` undoes them).
     """
 
     def __init__(self, model: nnx.Module, loss_fn: Callable, *, optimizer, scheme=None,

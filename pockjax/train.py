@@ -108,9 +108,9 @@ class SparseTrainer:
         (saves one copy of the model).
 
         Parameters given as `jax.ShapeDtypeStruct`s (e.g. from `nnx.eval_shape`) give an
-        abstract state, with nothing allocated: `report()`, `lower()` and `export()`
-        accept it, so a model's memory can be read before it is loaded; stepping needs
-        arrays.
+        abstract state, with nothing allocated: `report()`, `lower()` and `trace()`
+        accept it, so a model's memory can be read before it is loaded; stepping and
+        export need arrays.
         """
         scheme, optimizer = self.scheme, self.optimizer
         scheme.resolve(params)  # scheme errors surface here, outside any trace
@@ -228,7 +228,7 @@ class SparseTrainer:
         self._check_state(state)
         if _abstract(state, "state"):
             raise TypeError("this TrainState holds shapes (jax.ShapeDtypeStruct), not arrays: "
-                            "it can be reported, lowered or exported, not stepped; make it "
+                            "it can be reported or lowered, not stepped or exported; make it "
                             "from the model's arrays with trainer.init(params)")
         _check_not_donated(state, self.donate)
         if self.layout is not None:

@@ -284,7 +284,7 @@ def test_report_compares_with_full_training():
     trainer(state, _batches(1)[0])
 
 
-def test_report_breaks_memory_down_and_needs_no_arrays():
+def test_report_breaks_memory_down_and_needs_no_arrays(tmp_path):
     trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-3), scheme=MIXED)
     params, batch = _mlp_params(), _batches(1)[0]
     report = trainer.report(trainer.init(params), batch)
@@ -307,6 +307,9 @@ def test_report_breaks_memory_down_and_needs_no_arrays():
     assert from_shapes.flops == report.flops and from_shapes.trainable_params == report.trainable_params
     with pytest.raises(TypeError, match="holds shapes.*not stepped"):
         trainer(abstract, batch)
+    with pytest.raises(pj.ExportError, match="holds shapes.*export needs a state made from arrays"):
+        pj.export(trainer, abstract, shapes[1], out_dir=str(tmp_path / "never"))
+    assert not (tmp_path / "never").exists()
     mixed = dict(params, l0=dict(params["l0"], w=shapes[0]["l0"]["w"]))
     with pytest.raises(TypeError, match=r"params\['l0'\]\['w'\] is a ShapeDtypeStruct"):
         trainer.init(mixed)

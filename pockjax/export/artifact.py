@@ -10,6 +10,7 @@ import tempfile
 import time
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -128,6 +129,10 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     place, so a failed export leaves no half artifact (and keeps an older one).
     """
     tgt, flags = resolve_target(target, gpu, tuple(extra_flags))
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state)):
+        raise ExportError("this TrainState holds shapes (jax.ShapeDtypeStruct), not arrays; an "
+                          "artifact carries the parameters' values, so export needs a state made "
+                          "from arrays (trainer.init(params)); report() and lower() take shapes")
     started = time.perf_counter()
     lowered = lower_step(trainer, state, batch, backend=tgt.backend)
     mlir, device = lowered.mlir, None

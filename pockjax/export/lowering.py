@@ -112,9 +112,11 @@ def _module_body(text: str, prefix: str) -> tuple[str, str]:
     # and their uses, so no other `@` in the text changes.
     defined = re.findall(r"^  [\w.]+ (?:(?:public|private|nested) )?@([A-Za-z_][\w$.]*)", body,
                          flags=re.MULTILINE)
-    if defined:
-        names = "|".join(re.escape(n) for n in sorted(set(defined), key=len, reverse=True))
-        body = re.sub(rf"@({names})(?![\w$.])", lambda m: "@" + prefix + m.group(1), body)
+    if "main" not in defined:
+        raise ExportError("the lowered StableHLO module's layout was not recognised (no "
+                          "top-level @main found); please report this with your JAX version")
+    names = "|".join(re.escape(n) for n in sorted(set(defined), key=len, reverse=True))
+    body = re.sub(rf"@({names})(?![\w$.])", lambda m: "@" + prefix + m.group(1), body)
     return body, prefix + "main"
 
 

@@ -116,10 +116,10 @@ class TransformInfo:
     rules: dict[str, int]
     fallbacks: dict[str, int]
     fallback_sources: dict[str, str]
-    fallback_reasons: dict[str, str]
     eqns_before: int
     eqns_after: int
     scans_split: int
+    fallback_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         """Everything but the jaxpr, as plain data."""
