@@ -261,10 +261,11 @@ def _upcast_after(w: jax.Array, x: jax.Array) -> jax.Array:
     XLA's CPU scheduler would convert every parameter at the top of the step (a convert
     of a parameter depends on nothing else), keeping all the float32 copies alive at
     once, and it drops `optimization_barrier`s before scheduling; so the copy is tied to
-    the layer's input by data: times `1 + 0 * x[0, ..., 0]`, exactly 1 for finite `x`,
-    fused into the conversion."""
+    the layer's input by data: times `1 + 0 * x[0, ..., 0]` (that element replaced by 0
+    when it is not finite, so an inf or NaN there stays where it is), exactly 1, fused
+    into the conversion."""
     first = jax.lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
-    return w.astype(x.dtype) * (1 + 0 * first)
+    return w.astype(x.dtype) * (1 + 0 * jnp.where(jnp.isfinite(first), first, 0))
 
 
 def _matmul(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
@@ -361,7 +362,14 @@ class Linear(nnx.Linear):
     `narrow="native"`, multiplied as it is (`narrow_matmul`)."""
 
     def __init__(self, *args, narrow: str = "upcast", **kwargs):
-        super().__init__(*args, **kwargs)
+        if kwargs.get("use_bias"):
+            raise ValueError("pockjax.models.llama.Linear has no bias (LLaMA's projections have "
+                             "none); use nnx.Linear for a layer with one")
+        for name in ("precision", "dot_general", "dot_general_cls", "preferred_element_type"):
+            if kwargs.get(name) is not None:
+                raise ValueError(f"pockjax.models.llama.Linear does not take {name}=; it computes "
+                                 f"in `dtype` with upcast_matmul/narrow_matmul")
+        super().__init__(*args, **{"use_bias": False, **kwargs})
         self.narrow = narrow
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -222,3 +222,22 @@ def test_checkpoint_loads_for_mixed_precision(tmp_path):
 def test_config_refuses_bad_precision_settings(overrides, match):
     with pytest.raises(ValueError, match=match):
         LlamaConfig.tiny(**overrides)
+
+
+def test_an_inf_in_the_first_element_stays_where_it_is():
+    from pockjax.models.llama import upcast_matmul
+
+    x = jnp.ones((2, 3, 4)).at[0, 0, 0].set(jnp.inf)
+    w = jnp.ones((4, 5), jnp.bfloat16)
+    y = upcast_matmul(x, w)
+    np.testing.assert_array_equal(y[1], 4.0 * np.ones((3, 5)))
+    assert np.isinf(y[0, 0]).all() and np.isfinite(y[0, 1:]).all()
+    g = jax.grad(lambda x: upcast_matmul(x, w)[1].sum())(x)
+    assert np.isfinite(g).all()
+
+
+def test_llama_linear_refuses_a_bias():
+    from pockjax.models.llama import Linear
+
+    with pytest.raises(ValueError, match="has no bias"):
+        Linear(4, 5, use_bias=True, rngs=nnx.Rngs(0))
