@@ -39,8 +39,9 @@ These rewrites apply to every backend. One applies to `backend="vulkan"` only:
   legalize operation 'arith.constant'" on a `vector<32xf32>`; 256 x 56 with subgroups of
   8, as on lavapipe, and 256 x 16 for `valhall`). The barrier is the identity.
 
-Nested `jit` calls are inlined on the way; the bodies of scan, cond, while and remat
-are left as they are (the pattern there is not rewritten).
+Nested `jit` calls and the primal bodies of `custom_vjp` / `custom_jvp` functions are
+inlined on the way; the bodies of scan, cond, while and remat are left as they are (the
+pattern there is not rewritten).
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend.core import primitives as P
 
 from pockjax._jaxpr import bind, call_body, interpret
 
@@ -241,11 +243,18 @@ def _reduction(ctx, e, ins):
 for _p in (lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p):
     _RULES[_p] = _reduction
 
+_CUSTOM_CALLS = (P.custom_vjp_call_p, P.custom_jvp_call_p)
+
+
 def _rewrite(jaxpr: jex.Jaxpr, consts, args, stats, backend):
     producer = {v: e for e in jaxpr.eqns for v in e.outvars}
 
     def override(e, ins, read):
         sub = call_body(e)
+        if sub is None and e.primitive in _CUSTOM_CALLS:
+            # The step is final (nothing differentiates it again), so a custom-derivative
+            # function is its primal body: rewritten like any other code.
+            sub = e.params["call_jaxpr"]
         if sub is not None:
             return _rewrite(sub.jaxpr, sub.consts, ins, stats, backend)
         rule = _RULES.get(e.primitive)

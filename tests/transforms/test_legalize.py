@@ -198,3 +198,29 @@ def test_reductions_over_leading_axes_get_a_barrier_for_vulkan_only():
     _assert_same(jex.jaxpr_as_fun(fixed)(x)[0], f(x))
     for backend in (None, "cuda", "local"):
         assert legalize_for_iree(closed, backend)[1] == {"neg_sum": 1}
+
+
+def test_custom_derivative_bodies_are_rewritten_too():
+    """The primal body of a custom_vjp / custom_jvp function (MobileNetV2's batch norm has
+    a hand-written backward) gets the same rewrites; its value is unchanged."""
+    @jax.custom_vjp
+    def stats(x):
+        return jnp.sum(x, (0, 1)) / 64
+
+    stats.defvjp(lambda x: (stats(x), x.shape), lambda shape, g: (jnp.broadcast_to(g, shape) / 64,))
+
+    @jax.custom_jvp
+    def peak(x):
+        return jnp.max(x, 0)
+
+    peak.defjvp(lambda p, t: (peak(p[0]), jnp.max(t[0], 0)))
+
+    def f(x):
+        return (x - stats(x)) * peak(x)
+
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((4, 16, 8)), jnp.float32)
+    closed = jax.make_jaxpr(f)(x)
+    assert {e.primitive.name for e in closed.jaxpr.eqns} >= {"custom_vjp_call", "custom_jvp_call"}
+    fixed, stats_made = legalize_for_iree(closed, "vulkan")
+    assert stats_made == {"leading_axes_reduction": 2}
+    _assert_same(jex.jaxpr_as_fun(fixed)(x)[0], f(x))
