@@ -325,18 +325,19 @@ class SparseTrainer:
         mode, reason = self.update_mode(state, batch)
         info = self.explain(state, batch)
         full_state = jax.eval_shape(self.optimizer.init, abstract_arrays(state.params))
+        memory, memory_full = compiled_memory(sparse), compiled_memory(full)
         breakdown = breakdown_full = None
         if self.layout is None:  # on a mesh the per-device split is the layout's
             decisions = resolved_decisions(state.params, self.scheme)
-            breakdown = self._breakdown(state, batch, decisions, compiled_memory(sparse)["temp"])
+            breakdown = self._breakdown(state, batch, decisions, memory["temp"])
             everything = TrainState(state.step, state.params, full_state, None)
             breakdown_full = self._breakdown(everything, batch, [Full()] * len(decisions),
-                                             compiled_memory(full)["temp"])
+                                             memory_full["temp"])
         return TrainReport(
             trainable_params=info.trainable_params, total_params=info.total_params,
             mode=mode, mode_reason=reason,
             flops=count_flops(sparse_traced), flops_full=count_flops(full_traced),
-            memory=compiled_memory(sparse), memory_full=compiled_memory(full),
+            memory=memory, memory_full=memory_full,
             opt_state_bytes=tree_bytes(state.opt_state), opt_state_bytes_full=tree_bytes(full_state),
             transform=info,
             devices=1 if self.layout is None else self.layout.mesh.devices.size,
