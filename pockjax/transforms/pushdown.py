@@ -419,7 +419,21 @@ def _reshape_apply(ctx, eqn, i, box):
     return bind(eqn, [ctx.get(v, b)], new_sizes=box_shape(box))
 
 
-RULES[P.reshape_p] = BoxRule(_reshape_pull, _reshape_apply)
+def _reshape_widen(eqn, i, box):
+    """The box with each dimension group it cuts into a non-box of the operand made whole
+    (e.g. a spatial window of `[N*H*W, C] -> [N, H, W, C]` takes all of N, H, W and keeps
+    the channels narrowed)."""
+    in_shape, out_shape = var_shape(eqn.invars[0]), var_shape(eqn.outvars[0])
+    wide = list(box)
+    for ins, outs in _reshape_groups(in_shape, out_shape):
+        flat = _box_to_flat([box[d] for d in outs], [out_shape[d] for d in outs])
+        if flat is None or _flat_to_box(*flat, [in_shape[d] for d in ins]) is None:
+            for d in outs:
+                wide[d] = (0, out_shape[d])
+    return tuple(wide)
+
+
+RULES[P.reshape_p] = BoxRule(_reshape_pull, _reshape_apply, widen=_reshape_widen)
 
 
 def _broadcast_pull(eqn, i, box):

@@ -426,7 +426,7 @@ def test_sparse_gradient_matches_sliced_dense(training_loss, batch, name):
     assert info.trainable_params < info.total_params
     if "channels" in name:
         assert len(info.channels) == len(LAST_EXPANSIONS)
-        assert info.rules.get("conv_general_dilated", 0) >= len(LAST_EXPANSIONS)
+        assert info.rules.get("dot_general", 0) >= len(LAST_EXPANSIONS)
 
 
 # --------------------------------------------------------------------------- training

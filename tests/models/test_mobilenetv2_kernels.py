@@ -90,3 +90,54 @@ def test_training_mode_updates_running_statistics_as_flax():
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(layer.bn.mean[...], bn.mean[...], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(layer.bn.var[...], bn.var[...], rtol=1e-6, atol=1e-7)
+
+
+def test_pointwise_matmul_equals_the_convolution_values_and_gradients():
+    with jax.enable_x64(True):
+        x = adversarial_images((3, 5, 4, 6), key=4)
+        kernel = jax.random.normal(jax.random.key(5), (1, 1, 6, 7), jnp.float64)
+        kernel = kernel.at[:, :, :, 0].set(0.0).at[:, :, 1, :].set(0.0)  # dead out / in
+
+        def conv(x, k):
+            return jax.lax.conv_general_dilated(x, k, (1, 1), ((0, 0), (0, 0)),
+                                                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                                                precision="highest")
+
+        def loss(f):
+            return lambda x, k: jnp.sum(jnp.sin(f(x, k)) * jnp.arange(7.0))
+
+        want = jax.value_and_grad(loss(conv), (0, 1))(x, kernel)
+        assert_trees_close(jax.value_and_grad(loss(M.pointwise_conv), (0, 1))(x, kernel), want,
+                           rtol=1e-10, atol=1e-10)
+        assert_trees_close(jax.jit(jax.value_and_grad(loss(M.pointwise_conv), (0, 1)))(x, kernel),
+                           want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("frozen_norms", [False, True])
+def test_model_with_matmul_pointwise_equals_the_convolution_model(frozen_norms):
+    """The whole network, 1x1 layers as products vs as convolutions (float64): logits and
+    every parameter's gradient; with the frozen norms folded too."""
+    with jax.enable_x64(True):
+        x = adversarial_images((2, 32, 32, 3), key=6)
+        grads = []
+        for pointwise in ("matmul", "conv"):
+            m = M.MobileNetV2(5, width_mult=0.35, input_size=32, pointwise=pointwise,
+                              rngs=nnx.Rngs(0))
+            if frozen_norms:
+                for _, node in nnx.graph.iter_graph(m):
+                    if isinstance(node, M.ConvBN):
+                        node.bn.use_running_average, node.fold_norm = True, True
+            graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+            params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
+            rest = jax.tree.map(lambda a: a.astype(jnp.float64), rest)
+
+            def loss(params):
+                logits = nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))(x)
+                return jnp.sum(jnp.sin(logits))
+            grads.append(jax.value_and_grad(loss)(params))
+        assert_trees_close(grads[0], grads[1], rtol=1e-9, atol=1e-11)
+
+
+def test_an_unknown_pointwise_method_is_refused():
+    with pytest.raises(ValueError, match="point-wise method must be 'matmul' or 'conv'"):
+        M.ConvBN(3, 4, pointwise="gemm", rngs=nnx.Rngs(0))

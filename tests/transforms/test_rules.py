@@ -55,6 +55,24 @@ def test_reshape_keeping_the_axis():
     check(loss, pj.Scheme({"a": pj.Channels(count=3, axis="out")}), W, xs, rule="reshape")
 
 
+def test_reshape_widens_a_spatial_window_and_keeps_channels_narrowed():
+    # A 1x1 convolution as [N*H*W, C] @ [C, O] reshaped back to NHWC: a spatial window
+    # of the result with 3 channels is not one box of the [N*H*W, O] product, so the
+    # rule widens it to all positions and keeps the channels narrowed.
+    eqn, = jax.make_jaxpr(lambda y: y.reshape(2, 5, 5, 8))(jnp.zeros((50, 8))).jaxpr.eqns
+    rule = pushdown.RULES[lax.reshape_p]
+    window = ((0, 2), (1, 4), (1, 4), (0, 3))
+    assert isinstance(rule.pull(eqn, 0, window), pushdown.Decline)
+    plan = rule(eqn, [(0, window)], None)
+    assert isinstance(plan, pushdown.Narrowed), plan
+    (key, needs), = plan.pulled.items()
+    assert key == (0, ((0, 2), (0, 5), (0, 5), (0, 3)))
+    assert needs == [(eqn.invars[0], ((0, 50), (0, 3)))]
+    # a box the operand has is not widened
+    assert rule(eqn, [(0, ((1, 2), (0, 5), (0, 5), (2, 7)))], None).pulled == {
+        (0, ((1, 2), (0, 5), (0, 5), (2, 7))): [(eqn.invars[0], ((25, 50), (2, 7)))]}
+
+
 def test_add_any_from_weight_tying():
     loss = lambda p, x: jnp.sum(jnp.tanh(x @ p["a"]) @ p["a"].T)
     check(loss, pj.Scheme({"a": pj.Channels(count=2, axis="out")}), W, X, rule="add_any")
