@@ -17,21 +17,28 @@ and `pj.scheme_search.find_candidates(model)` take a module.
 ...                          scheme=nnx.PathContains("bias"))
 >>> metrics = trainer(jnp.ones((4, 3)))
 >>> trainer.update(model)          # the trained values back into the module
+
+`Trainer(..., remat="blocks")` checkpoints each block (each module held in a list such
+as LLaMA's `layers` or MobileNetV2's `blocks`; or name them, `remat="layers/*"`): the
+backward pass recomputes a block's activations from its input instead of keeping them.
 """
 from __future__ import annotations
 
+import difflib
 from typing import Any, Callable, Iterable, Sequence
 
+import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pockjax import scheme_search, schemes
-from pockjax.scheme import Decision, Frozen, Full, Scheme, SchemeError, DECISION_TYPES, exact_pattern
+from pockjax.scheme import (Decision, Frozen, Full, Scheme, SchemeError, DECISION_TYPES,
+                            exact_pattern, glob_to_regex)
 from pockjax.sharding import Layout
-from pockjax.train import History, SparseTrainer, TrainState, fit
+from pockjax.train import History, Remat, SparseTrainer, TrainState, checkpoint_call, fit
 
 __all__ = ["split", "merge", "param_paths", "scheme", "Trainer", "search",
-           "frozen_norms_in_inference_mode"]
+           "frozen_norms_in_inference_mode", "remat_blocks"]
 
 Filter = Any
 
@@ -102,15 +109,158 @@ def scheme(model: nnx.Module, rules: Filter | Sequence[tuple[Filter, Decision]],
 _filter_scheme = scheme
 
 
-def _module_loss(graphdef, loss_fn: Callable, *, has_aux: bool, has_rest: bool, wrt: Filter):
+# --------------------------------------------------------------------------- remat
+
+
+def _has_call(cls: type) -> bool:
+    return any("__call__" in vars(k) for k in cls.__mro__ if k is not object)
+
+
+def _callable_submodules(model: nnx.Module) -> dict[str, tuple]:
+    """"/"-joined path -> key path of every submodule with a `__call__` (lists and the
+    root excluded)."""
+    return {"/".join(map(str, path)): tuple(path) for path, node in nnx.graph.iter_graph(model)
+            if path and isinstance(node, nnx.Module) and _has_call(type(node))}
+
+
+def _block_lists(model: nnx.Module) -> dict[str, list[tuple]]:
+    """`{"layers/*": [key paths]}`: the callable modules held in lists (an index ends
+    their path), outermost only (a block's own lists of layers are inside it)."""
+    items = [path for path in _callable_submodules(model).values() if isinstance(path[-1], int)]
+    outer = [p for p in items if not any(q != p and p[:len(q)] == q for q in items)]
+    lists: dict[str, list[tuple]] = {}
+    for p in sorted(outer, key=lambda p: tuple(str(k) for k in p[:-1]) + (p[-1],)):
+        lists.setdefault("/".join(map(str, p[:-1] + ("*",))), []).append(p)
+    return lists
+
+
+def remat_blocks(model: nnx.Module, remat: str | Sequence[str]) -> tuple[list[tuple], str]:
+    """The key paths of the submodules `remat` names, and a description for reports.
+
+    `remat` is `"blocks"` (every module held in a list, outermost: LLaMA's `layers/*`,
+    MobileNetV2's `blocks/*`) or glob patterns over "/"-joined module paths (`"layers/*"`,
+    `["encoder/*", "decoder/*"]`; `*` stays within one path component, `**` spans). A
+    pattern matching no callable submodule is a `ValueError` listing the block lists and
+    submodules there are.
+
+    >>> from flax import nnx; import pockjax as pj
+    >>> from pockjax.models.llama import Llama, LlamaConfig
+    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    >>> paths, where = pj.nnx.remat_blocks(model, "blocks")
+    >>> paths, where
+    ([('layers', 0), ('layers', 1)], 'blocks = layers/* (2 LlamaBlock)')
+    """
+    name = type(model).__name__
+    lists = _block_lists(model)
+    modules = _callable_submodules(model)
+
+    def describe(lst):
+        kinds = sorted({type(_module_at(model, p)).__name__ for p in lists[lst]})
+        return f"{lst} ({len(lists[lst])} {'/'.join(kinds)})"
+
+    known = ", ".join(describe(k) for k in lists) or "none"
+    if isinstance(remat, str) and remat == "blocks":
+        if not lists:
+            raise ValueError(
+                f"remat='blocks' found no list of submodules in {name} (blocks are the "
+                f"modules of an nnx.List, e.g. self.layers = nnx.List([...])); name the modules "
+                f"to checkpoint with patterns over these paths: "
+                f"{', '.join(sorted(modules)[:8]) or 'none'}")
+        paths = [p for k in lists for p in lists[k]]
+        return paths, "blocks = " + ", ".join(describe(k) for k in lists)
+    patterns = [remat] if isinstance(remat, str) else \
+        list(remat) if isinstance(remat, (list, tuple)) else None
+    if not patterns or not all(isinstance(p, str) for p in patterns):
+        raise TypeError(f"remat must be None, 'blocks', 'full', a module path pattern or a list "
+                        f"of them, got {remat!r}")
+    paths: list[tuple] = []
+    for pattern in patterns:
+        regex = glob_to_regex(pattern)
+        hits = [path for text, path in modules.items() if regex.match(text)]
+        if not hits:
+            near = difflib.get_close_matches(pattern, list(lists) + sorted(modules), n=3)
+            raise ValueError(
+                f"remat pattern {pattern!r} matches no callable submodule of {name}"
+                + (f"; nearest: {', '.join(map(repr, near))}" if near else "")
+                + f". Lists of blocks there: {known}; submodules e.g. "
+                f"{', '.join(sorted(modules, key=lambda t: (t.count('/'), t))[:6])}. Give "
+                f"remat='blocks' (every list of blocks), patterns over these paths such as "
+                f"'layers/*', or 'full' (the whole loss); remat_policy= sets what a block saves"
+                + (" (a policy name goes there, not in remat=)"
+                   if pattern in ("full", "nothing_saveable") or hasattr(
+                       jax.checkpoint_policies, pattern) else ""))
+        paths += [p for p in hits if p not in paths]
+    where = ", ".join(patterns)
+    return paths, f"{where} ({len(paths)} module{'s' if len(paths) != 1 else ''})"
+
+
+_CHECKPOINTED: dict = {}
+
+
+def _checkpointed_class(cls: type, policy: Callable) -> type:
+    """A subclass of `cls` whose `__call__` runs under `jax.checkpoint` (one per class
+    and policy). The trainer gives it to the traced copies of the chosen blocks only."""
+    key = (cls, policy)
+    if key not in _CHECKPOINTED:
+        call = cls.__call__
+
+        def __call__(self, *args, **kwargs):
+            return _checkpoint_module_call(self, call, policy, args, kwargs)
+
+        _CHECKPOINTED[key] = type(cls)(cls.__name__, (cls,), {
+            "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
+    return _CHECKPOINTED[key]
+
+
+def _checkpoint_module_call(module: nnx.Module, call: Callable, policy: Callable, args, kwargs):
+    """`call(module, *args, **kwargs)` under `jax.checkpoint`, recomputed late: the
+    module's variables and the arrays among the arguments are the inputs; variables the
+    call changes (batch statistics, RNG counters) come out and are written back to
+    `module`."""
+    graphdef, state = nnx.split(module)
+    before, state_def = jax.tree_util.tree_flatten(state)
+    changed: list[int] = []
+
+    def run(state, *args, **kwargs):
+        # Read before the call: the merged module shares `state`'s variables and the
+        # call writes into them.
+        ins = jax.tree_util.tree_leaves(state)
+        inner = nnx.merge(graphdef, state)
+        out = call(inner, *args, **kwargs)
+        after = jax.tree_util.tree_leaves(nnx.state(inner))
+        changed[:] = [i for i, (x, y) in enumerate(zip(ins, after)) if x is not y]
+        return out, [after[i] for i in changed]
+
+    out, new = checkpoint_call(run, policy, state, *args, recompute_after_cotangent=True,
+                               untied=(0,), **kwargs)
+    if changed:
+        leaves = list(before)
+        for i, x in zip(changed, new):
+            leaves[i] = x
+        nnx.update(module, jax.tree_util.tree_unflatten(state_def, leaves))
+    return out
+
+
+def _checkpoint_blocks(model: nnx.Module, paths: Sequence[tuple], policy: Callable) -> None:
+    """Give the modules at `paths` of `model` (a traced copy) checkpointed calls."""
+    for path in paths:
+        block = _module_at(model, path)
+        block.__class__ = _checkpointed_class(type(block), policy)
+
+
+def _module_loss(graphdef, loss_fn: Callable, *, has_aux: bool, has_rest: bool, wrt: Filter,
+                 remat_paths: Sequence[tuple] = (), remat: Remat | None = None):
     """`loss_fn(model, batch)` as a function of the parameter dict: `(params, batch)`.
     A module with other state takes `{"batch": ..., "model_state": ...}` and returns
-    `(loss, {"aux": ..., "model_state": ...})`, so that state is carried step to step."""
+    `(loss, {"aux": ..., "model_state": ...})`, so that state is carried step to step.
+    The modules at `remat_paths` run under `jax.checkpoint` with `remat`'s policy."""
     others = nnx.Not(wrt)
 
     def pure(params, batch):
         m = nnx.merge(graphdef, params, batch["model_state"]) if has_rest else \
             nnx.merge(graphdef, params)
+        if remat_paths:
+            _checkpoint_blocks(m, remat_paths, remat.policy)
         out = loss_fn(m, batch["batch"] if has_rest else batch)
         if not has_rest:
             return out
@@ -144,12 +294,25 @@ class Trainer:
     `frozen_norms_in_inference_mode`): the usual fine-tuning semantics, and a cheaper
     step than `"batch"` (the default: batch norms as the model has them). The modes are
     set on `model` itself and stay (`model.train()` undoes them).
+
+    `remat` is activation checkpointing, per block: the backward pass recomputes each
+    chosen block's activations from the block's input instead of keeping them from the
+    forward pass (longer sequences in less memory, for one more forward pass through the
+    trained blocks). `remat="blocks"` takes every module held in a list, outermost
+    (LLaMA's `layers/*`, MobileNetV2's `blocks/*`, any `nnx.List` of blocks); glob
+    patterns over module paths name them instead (`"layers/*"`, `["layers/1[0-9]"]`, see
+    `remat_blocks`); `"full"` checkpoints the whole loss. `remat_policy` is what a
+    checkpointed block still saves: None saves nothing inside it, or a name from
+    `jax.checkpoint_policies` (`"dots_saveable"`, ...) or a policy function. Frozen blocks
+    ahead of every trained one are never differentiated, so they keep nothing with or
+    without remat and are not recomputed. `report()` names the setting. The module is not
+    changed: the trainer checkpoints the calls of its own traced copy.
     """
 
     def __init__(self, model: nnx.Module, loss_fn: Callable, *, optimizer, scheme=None,
                  wrt: Filter = nnx.Param, has_aux: bool = False, donate: bool = True,
                  copy: bool = True, frozen_norms: str = "batch", mesh=None, data_axis="data",
-                 param_axis=None, param_specs=None):
+                 param_axis=None, param_specs=None, remat=None, remat_policy=None):
         if not isinstance(model, nnx.Module):
             raise TypeError(f"pockjax.nnx.Trainer needs an nnx.Module, got {type(model).__name__}; "
                             "for Linen or plain functions use pockjax.sparse_train")
@@ -166,8 +329,20 @@ class Trainer:
         if frozen_norms == "running" and frozen_norms_in_inference_mode(model, scheme, wrt=wrt):
             self.graphdef, params, self.rest = split(model, wrt)  # the new modes, in the graphdef
         self.wrt, self.has_aux, self.loss_fn = wrt, has_aux, loss_fn
+        remat_paths, remat_spec = [], None
+        if remat is None:
+            if remat_policy is not None:
+                raise ValueError(f"remat_policy={remat_policy!r} needs remat=: say which calls "
+                                 f"to checkpoint, e.g. remat='blocks' or remat='layers/*'")
+        elif isinstance(remat, str) and remat == "full":
+            remat_spec = Remat.of("full" if remat_policy is None else remat_policy)
+        else:
+            remat_paths, where = remat_blocks(model, remat)
+            remat_spec = Remat.of("full" if remat_policy is None else remat_policy,
+                                  where=where, in_loss=True)
+        self.remat_paths = remat_paths
         pure = _module_loss(self.graphdef, loss_fn, has_aux=has_aux, has_rest=bool(self.rest),
-                            wrt=wrt)
+                            wrt=wrt, remat_paths=remat_paths, remat=remat_spec)
         layout = None
         if mesh is not None:  # the module's other state (batch statistics) is replicated
             layout = Layout(mesh, data_axis=data_axis, param_axis=param_axis,
@@ -178,7 +353,7 @@ class Trainer:
             raise TypeError("param_axis and param_specs need a mesh: Trainer(..., mesh=jax.make_mesh("
                             "(4,), ('data',)), param_axis='data')")
         self.sparse = SparseTrainer(pure, optimizer, scheme, has_aux=has_aux or bool(self.rest),
-                                    donate=donate, layout=layout)
+                                    donate=donate, layout=layout, remat=remat_spec)
         self.state: TrainState = self.sparse.init(params, copy=copy)
 
     @property

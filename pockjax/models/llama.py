@@ -62,7 +62,8 @@ class LlamaConfig:
     (`jax.checkpoint` around the block, nothing saved inside it) instead of keeping
     them: less memory for the trained blocks, one more forward pass through them.
     Frozen blocks ahead of every trained one are not differentiated, so they keep
-    nothing either way.
+    nothing either way. `pockjax.nnx.Trainer(model, ..., remat="layers/*")` does the
+    same for a model built without it (and for any NNX model with a list of blocks).
     """
 
     vocab_size: int
@@ -502,13 +503,20 @@ class Llama(nnx.Module):
 
 def _remat_block(layer: LlamaBlock, h, cos, sin, mask):
     """`layer(h, ...)` under `jax.checkpoint`, saving nothing inside the block: the
-    backward pass recomputes the block from its input (and its weights' upcasts with it)."""
+    backward pass recomputes the block from its input (and its weights' upcasts with it),
+    once the block output's cotangent exists (see `pockjax.train.checkpoint_call`; with
+    plain `jax.checkpoint` XLA's CPU scheduler moved the recomputation next to the
+    forward pass, and nothing was saved). The same mechanism as
+    `pockjax.nnx.Trainer(remat="layers/*")`."""
+    from pockjax.train import checkpoint_call
+
     graphdef, state = nnx.split(layer)
 
     def run(state, h, mask):
         return nnx.merge(graphdef, state)(h, cos, sin, mask)
 
-    return jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)(state, h, mask)
+    return checkpoint_call(run, jax.checkpoint_policies.nothing_saveable, state, h, mask,
+                           recompute_after_cotangent=True, untied=(0,))
 
 
 def num_params(config: LlamaConfig) -> int:
