@@ -26,6 +26,7 @@ _WHERE = {
     "format_flops": "_report",
     "schemes": None, "export": None, "runtime": None, "nnx": None, "models": None,
     "torch": None,  # PyTorch modules in through torchax (torch imported on first use)
+    "backend": None,  # host training on XLA or IREE's CPU backend, or the faster of the two
 }
 
 __all__ = [n for n in _WHERE if not n.startswith("_")]
@@ -50,7 +51,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
-    from pockjax import export, models, nnx, runtime, schemes  # noqa: F401
+    from pockjax import backend, export, models, nnx, runtime, schemes  # noqa: F401
     from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes  # noqa: F401
     from pockjax.checkpoint import CheckpointError, load, save  # noqa: F401
     from pockjax.export.targets import ExportError  # noqa: F401

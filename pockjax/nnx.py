@@ -24,6 +24,7 @@ backward pass recomputes a block's activations from its input instead of keeping
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import Any, Callable, Iterable, Sequence
 
@@ -307,12 +308,28 @@ class Trainer:
     ahead of every trained one are never differentiated, so they keep nothing with or
     without remat and are not recomputed. `report()` names the setting. The module is not
     changed: the trainer checkpoints the calls of its own traced copy.
+
+    `backend="iree"` runs the step on IREE's CPU backend in this process (an exported
+    host-cpu artifact, built on the first step); `"auto"` builds it, times a few steps on
+    each backend on the first batch (without advancing the training; XLA's on a copy of
+    the state) and keeps the faster (`pockjax.backend.Runner`). `trainer.choice` and
+    `report()` say what was measured and chosen. On IREE, `state` is read back from the
+    session when asked for.
     """
 
     def __init__(self, model: nnx.Module, loss_fn: Callable, *, optimizer, scheme=None,
                  wrt: Filter = nnx.Param, has_aux: bool = False, donate: bool = True,
                  copy: bool = True, frozen_norms: str = "batch", mesh=None, data_axis="data",
-                 param_axis=None, param_specs=None, remat=None, remat_policy=None):
+                 param_axis=None, param_specs=None, remat=None, remat_policy=None,
+                 backend: str = "xla"):
+        from pockjax.backend import BACKENDS
+
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got "
+                             f"{backend!r}")
+        if backend != "xla" and mesh is not None:
+            raise ValueError(f"backend={backend!r}: IREE runs one device; a trainer with a mesh "
+                             "runs on XLA only (backend='xla')")
         if not isinstance(model, nnx.Module):
             raise TypeError(f"pockjax.nnx.Trainer needs an nnx.Module, got {type(model).__name__}; "
                             "for Linen or plain functions use pockjax.sparse_train")
@@ -354,7 +371,9 @@ class Trainer:
                             "(4,), ('data',)), param_axis='data')")
         self.sparse = SparseTrainer(pure, optimizer, scheme, has_aux=has_aux or bool(self.rest),
                                     donate=donate, layout=layout, remat=remat_spec)
-        self.state: TrainState = self.sparse.init(params, copy=copy)
+        self._state: TrainState = self.sparse.init(params, copy=copy)
+        self.backend, self._runner, self._read_back = backend, None, None
+        self.choice = None  # a pockjax.backend.BackendChoice after the first step
 
     @property
     def scheme(self) -> Scheme:
@@ -373,20 +392,55 @@ class Trainer:
                 metrics["aux"] = inner["aux"]
         return metrics
 
+    @property
+    def state(self) -> TrainState:
+        """The `TrainState` (step, parameters, optimizer state); read back from IREE's
+        session when the step runs there (once per step at most)."""
+        if self._runner is None:
+            return self._state
+        if self._read_back is None:
+            self._read_back = self._runner.state
+        return self._read_back
+
+    @state.setter
+    def state(self, value: TrainState) -> None:
+        if self._runner is not None and value is not self._read_back:
+            raise ValueError("this trainer's step runs on IREE (backend chosen: "
+                             f"{self._runner.backend}); its state cannot be replaced. Build a "
+                             "new trainer, or use backend='xla', to start from another state")
+        if self._runner is None:
+            self._state = value
+
+    def _start_backend(self, batch) -> None:
+        """On the first step with backend 'iree' or 'auto': build the IREE artifact and,
+        for 'auto', measure both (`pockjax.backend.Runner`)."""
+        from pockjax.backend import Runner
+
+        runner = Runner(self.sparse, self._state, self.step_batch(batch), backend=self.backend)
+        self.choice = runner.choice
+        if runner.backend == "iree":
+            self._runner = runner
+
     def __call__(self, batch) -> dict:
         """One step; `{"loss": ..., "aux": ...}`. The trainer's state advances in place."""
-        self.state, metrics = self.sparse(self.state, self.step_batch(batch))
+        if self.backend != "xla" and self.choice is None:
+            self._start_backend(batch)
+        if self._runner is not None:
+            self._read_back = None
+            return self._metrics(self._runner.step(self.step_batch(batch)))
+        self._state, metrics = self.sparse(self._state, self.step_batch(batch))
         return self._metrics(metrics)
 
     def fit(self, batches: Iterable, steps: int | None = None, **kwargs) -> History:
         """`pockjax.fit` over `batches` (progress bar, losses); the state advances."""
+        # The carry holds the XLA state so that fit's timing waits for the last step; an
+        # IREE step is synchronous and its state is read back only when asked for.
         def step(carry, batch):
-            self.state, self.rest = carry
+            self.rest = carry[1]
             metrics = self(batch)
-            return (self.state, self.rest), metrics
+            return (self._state if self._runner is None else None, self.rest), metrics
 
-        (self.state, self.rest), history = fit(step, (self.state, self.rest), batches, steps,
-                                                **kwargs)
+        (_, self.rest), history = fit(step, (self._state, self.rest), batches, steps, **kwargs)
         return history
 
     def params(self) -> dict:
@@ -403,8 +457,11 @@ class Trainer:
         nnx.update(model, self.state.params, *([self.rest] if self.rest else []))
 
     def report(self, batch):
-        """`SparseTrainer.report` for this step: FLOPs and memory against full training."""
-        return self.sparse.report(self.state, self.step_batch(batch))
+        """`SparseTrainer.report` for this step: FLOPs and memory against full training,
+        and the backend that runs it."""
+        report = self.sparse.report(self.state, self.step_batch(batch))
+        return report if self.choice is None else dataclasses.replace(report,
+                                                                       backend=str(self.choice))
 
     def explain(self, batch):
         return self.sparse.explain(self.state, self.step_batch(batch))

@@ -636,6 +636,7 @@ class TrainReport:
     breakdown: dict[str, int] | None = None
     breakdown_full: dict[str, int] | None = None
     remat: str = "none"
+    backend: str = "xla"  # what runs the step; `pockjax.backend.Runner` fills in its choice
 
     def as_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -691,7 +692,7 @@ class TrainReport:
         if self.layout is not None:
             lines += ["", f"layout: {self.layout}"]
         lines += ["", f"update mode: {self.mode} ({self.mode_reason})",
-                  f"activation checkpointing: {self.remat}",
+                  f"activation checkpointing: {self.remat}", f"backend: {self.backend}",
                   *str(self.transform).splitlines()[1:]]
         return "\n".join(lines)
 
