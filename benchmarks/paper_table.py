@@ -54,10 +54,11 @@ from benchmarks.common import (ROOT, commit, report_result, rss_mib,  # noqa: E4
 
 WORKLOADS = ["llama", "mobilenetv2"]
 FOLDED = "pockjax sparse (frozen BN folded)"
+AUTO = "pockjax sparse (backend auto)"  # pj.nnx.Trainer(backend="auto"): XLA or IREE, faster
 TORCH_FROZEN_EVAL = "torch frozen (frozen BN eval)"
 ROWS = ["torch full", "torch frozen", TORCH_FROZEN_EVAL, "torch lora r8", "torch.compile full",
         "jax+optax full", "jax+optax multi_transform", "pockjax full", "pockjax sparse", FOLDED,
-        "pockjax sparse iree host-cpu", f"{FOLDED} iree host-cpu", "pockjax.torch full",
+        AUTO, "pockjax sparse iree host-cpu", f"{FOLDED} iree host-cpu", "pockjax.torch full",
         "pockjax.torch sparse"]
 # MobileNetV2 with the batch norms the sparse scheme freezes entirely in inference mode
 # (running statistics), folded into their convolutions: a different function from the
@@ -444,7 +445,8 @@ def jax_step(workload: str, row: str, model, batch):
         if row == FOLDED:
             from pockjax.nnx import frozen_norms_in_inference_mode
             frozen_norms_in_inference_mode(model, scheme, fold=True)
-        trainer = pj.nnx.Trainer(model, loss_fn, optimizer=opt, scheme=scheme)
+        trainer = pj.nnx.Trainer(model, loss_fn, optimizer=opt, scheme=scheme,
+                                 backend="auto" if row == AUTO else "xla")
 
         def step():
             return float(jax.block_until_ready(trainer(batch)["loss"]))
@@ -497,6 +499,8 @@ def run_jax(workload: str, row: str, s: dict, args) -> dict:
     if iree:
         return {**extra, **run_iree(workload, trainer, batch, args)}
     losses, times = _timed(step, args.steps, args.warmup)
+    if trainer is not None and trainer.choice is not None:
+        extra["backend"] = str(trainer.choice)
     return {"losses": losses, "times": times, **extra, **_memory(compiled())}
 
 
@@ -660,6 +664,9 @@ def table(workload: str, s: dict, prep: dict, results: dict, rows: list[str], ar
                          f"{flax} (Flax LLaMA): {med(mine) / med(flax):.2f}x the step time, "
                          f"first loss {results[mine]['losses'][0]:.6f} vs "
                          f"{results[flax]['losses'][0]:.6f}")
+    if ok(AUTO) and "backend" in results[AUTO]:
+        lines.append(f"- {AUTO}: {results[AUTO]['backend']} (the measurement and the IREE "
+                     "export are in the warm-up steps)")
     for row in ("pockjax sparse iree host-cpu", f"{FOLDED} iree host-cpu"):
         if ok(row):
             lines.append(f"- {row}: IREE export and compilation took "

@@ -114,7 +114,7 @@ class Runner:
             copy = [_copy(state)]
 
             def xla_step():
-                copy[0], metrics = trainer.step(copy[0], batch)
+                copy[0], metrics = trainer(copy[0], batch)
                 jax.block_until_ready(metrics)
             measured["xla"] = _median_ms(xla_step, steps)
             session = self._load()
@@ -159,7 +159,7 @@ class Runner:
     def step(self, batch) -> dict:
         """One training step on the chosen backend; the metrics (`{"loss": ...}`)."""
         if self._session is None:
-            self._state, metrics = self.trainer.step(self._state, batch)
+            self._state, metrics = self.trainer(self._state, batch)
             return metrics
         out = self._session.step(batch)
         treedef, names = self._outputs
