@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 
 import numpy as np
 
@@ -202,9 +203,17 @@ class Session(_Artifact):
                               "path, pockjax.runtime.qemu_arm64(dir)) or `pockjax run DIR "
                               "--qemu-arm64 DIR`")
         self.instance = ir.VmInstance()
-        index = ir.ParameterIndex()
-        index.load(os.path.join(self.path, PARAMS))
-        provider = index.create_provider(scope=self.manifest["parameter_scope"])
+        # The archive is memory-mapped (read-only, private). On a CPU device IREE imports
+        # each parameter from the mapping without a copy: the frozen weights are
+        # file-backed pages the kernel can share and drop, not a copy in the heap.
+        archive = os.path.join(self.path, PARAMS)
+        self._index = ir.ParameterIndex()
+        try:
+            self._index.load(archive, mmap=True)
+        except (RuntimeError, ValueError, OSError) as e:
+            raise ExportError(f"cannot read the parameter archive '{archive}': {e}; export "
+                              "the artifact again (pockjax export ... --out DIR)") from None
+        provider = self._index.create_provider(scope=self.manifest["parameter_scope"])
         with open(os.path.join(self.path, VMFB), "rb") as f:
             vmfb = f.read()
         self._modules = [ir.create_hal_module(self.instance, self.device),
@@ -220,11 +229,13 @@ class Session(_Artifact):
         self._fn = {name: ir.FunctionInvoker(self.context, self.device, main.lookup_function(name))
                     for name in fns}
         self._state_names = fns["train_step"]["state"]
-        # The initial state comes from the parameter archive. It is copied into fresh
-        # device buffers once: the step updates its arguments in place, and the
-        # archive's own storage must stay untouched.
-        self._state = [ir.asdevicearray(self.device, self._host(x))
-                       for x in _as_list(self._fn["init"]())]
+        # Every page of the mapping read so far is one the step does not read again:
+        # with data tiling (host-cpu) the initializer packed the frozen matmul weights
+        # into buffers of its own. Hand them back; the kernel reads a page from the file
+        # again if the step touches it (unpacked weights, the embedding rows a batch
+        # gathers).
+        _release(view for _, view in self._views())
+        self._state = self._initial_state()
 
     def __repr__(self) -> str:
         return f"Session({self.path!r}, device={self.device_name!r})"
@@ -270,8 +281,73 @@ class Session(_Artifact):
     def _state_value(self, i):
         return self._host(self._state[i])
 
+    def _views(self) -> list[tuple[str, memoryview]]:
+        """`(name, bytes)` of every parameter, as views of the mapped archive."""
+        return [(key, e.file_view) for key, e in self._index.items() if e.is_file]
+
+    def _archive_arrays(self, names) -> list[np.ndarray] | None:
+        """Read-only numpy views of the mapped archive for these parameters (no copy),
+        or None if one is not stored as mapped bytes."""
+        spec = {p["name"]: p for p in self.manifest["parameters"]}
+        views = dict(self._views())
+        if not all(n in views for n in names):
+            return None
+        return [np.frombuffer(views[n], dtype=_np_dtype(spec[n]["dtype"]))
+                .reshape(spec[n]["shape"]) for n in names]
+
+    def _initial_state(self) -> list:
+        """The state's device buffers, filled from the archive one tensor at a time.
+
+        The step updates them in place; the archive itself is mapped read-only and never
+        written. Each tensor is copied straight from its mapped pages, which are handed
+        back at once, so loading holds the state once plus one tensor's pages (`init()`
+        would return the whole initial state in new buffers after reading every page of
+        it: the state twice at the peak, half of it as file pages)."""
+        arrays = self._archive_arrays(self._state_names)
+        if arrays is None:
+            return _as_list(self._fn["init"]())
+        state = []
+        for x in arrays:
+            state.append(self._ir.asdevicearray(self.device, x))
+            _release([x])
+        return state
+
     def _frozen_values(self):
-        return [self._host(x) for x in _as_list(self._fn["frozen"]())]
+        """The frozen weights, copied from the mapped archive (they never change), not
+        through `frozen()`, which would first copy every one into a device buffer."""
+        names = self.manifest["functions"]["frozen"]["outputs"]
+        arrays = self._archive_arrays(names)
+        if arrays is None:
+            return [self._host(x) for x in _as_list(self._fn["frozen"]())]
+        out = [x.copy() for x in arrays]
+        _release(arrays)
+        return out
+
+
+def _release(buffers) -> None:
+    """Drop this process's resident pages of these views of the mapped archive
+    (`madvise(MADV_DONTNEED)`, Linux). The mapping is read-only and file-backed, so this
+    frees no data: a page touched again is read back from the file."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+    MADV_DONTNEED = 4
+    for buffer in buffers:
+        x = np.frombuffer(buffer, np.uint8) if isinstance(buffer, memoryview) else buffer
+        if x.nbytes == 0:
+            continue
+        start = x.ctypes.data
+        lo, hi = start - start % page, -(-(start + x.nbytes) // page) * page
+        madvise(lo, hi - lo, MADV_DONTNEED)  # advisory: a failure only leaves pages resident
+
 
 class ToolSession(_Artifact):
     """An artifact run by IREE's `iree-run-module` tool, one process per call.
