@@ -9,6 +9,11 @@
 The trainable parameters and the optimizer state stay on the device between steps:
 each step takes them as donated buffers, updates them in place and hands them back for
 the next step. Only the batch goes in and the metrics come out.
+
+The parameter archive is memory-mapped, never written and never read into the heap:
+the state is copied from it once into its device buffers, and the frozen weights are
+used from the mapping (or from the packed copies the compiled module makes of them), so
+a session holds the parameters once.
 """
 from __future__ import annotations
 
