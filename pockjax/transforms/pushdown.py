@@ -192,6 +192,25 @@ def compute_whole(eqn, wanted, analysis) -> Whole:
     return Whole(wanted, reason="no push-down rule")
 
 
+def _merged(wanted):
+    """The wanted boxes, with those of an output that together hold at least as many
+    elements as their bounding box replaced by that box (computed once, each wanted box
+    sliced from it)."""
+    by_output: dict[int, list] = collections.defaultdict(list)
+    for i, box in wanted:
+        by_output[i].append(box)
+    out = []
+    for i, boxes in by_output.items():
+        hull = tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes))
+                     for d in range(len(boxes[0])))
+        if len(boxes) > 1 and sum(math.prod(box_shape(b)) for b in boxes) >= \
+                math.prod(box_shape(hull)):
+            out.append((i, hull))
+        else:
+            out += [(i, b) for b in boxes]
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class BoxRule:
     """A rule from per-box pieces: `pull(eqn, i, box)` -> [(var, box)] | Decline,
@@ -210,6 +229,12 @@ class BoxRule:
             return Decline("the equation has effects")
         if not self.slicing and any(box == full_box(var_shape(eqn.outvars[i])) for i, box in wanted):
             return Whole(wanted)  # needed whole anyway: narrowing saves nothing
+        if not self.slicing:
+            # e.g. the 9 shifted windows of a padded image: computed box by box they
+            # would redo most elements several times, each box an op of its own
+            wanted = _merged(wanted)
+            if any(box == full_box(var_shape(eqn.outvars[i])) for i, box in wanted):
+                return Whole(wanted)
         pulled = {}
         for i, box in wanted:
             needs = self._pull(eqn, i, box)

@@ -73,6 +73,30 @@ def test_reshape_widens_a_spatial_window_and_keeps_channels_narrowed():
         (0, ((1, 2), (0, 5), (0, 5), (2, 7))): [(eqn.invars[0], ((25, 50), (2, 7)))]}
 
 
+def _shifted_windows(p, x):
+    """relu, pad, then the 9 shifted windows of a 3x3 depth-wise filter, summed."""
+    h = jax.nn.relu(x @ p["a"])
+    hp = jnp.pad(h.reshape(2, 4, 4, 8), ((0, 0), (1, 1), (1, 1), (0, 0)))
+    y = sum(lax.slice(hp, (0, i, j, 0), (2, i + 4, j + 4, 8)) * p["dw"][i, j]
+            for i in range(3) for j in range(3))
+    return jnp.sum(jnp.tanh(y) ** 2)
+
+
+def test_boxes_covering_an_output_compute_it_whole():
+    # The 9 windows together want 9 x 16 of the padded image's 36 positions per channel:
+    # computed box by box they would pad and recompute most of it 4 times over.
+    params = {"a": W["a"], "dw": jax.random.normal(K[3], (3, 3, 8)) / 3}
+    x = jax.random.normal(K[4], (32, 8)).at[0].set(0.0)
+    info = assert_matches_dense(_shifted_windows, pj.Scheme(default=pj.Full()), params, x)
+    assert not info.rules, str(info)  # nothing to narrow: the windows cover the image
+    assert_matches_dense(_shifted_windows, pj.Scheme({"a": pj.Channels(count=3, axis="out")},
+                                                     default=pj.Full()), params, x)
+    # one window alone is narrowed as before
+    one = lambda p, x: jnp.sum(jnp.tanh(lax.slice(jnp.pad(jax.nn.relu(x @ p["a"]), 1),
+                                                  (1, 1), (3, 9))) ** 2)
+    check(one, pj.Scheme({"a": pj.Full()}), {"a": W["a"]}, x, rule="pad")
+
+
 def test_add_any_from_weight_tying():
     loss = lambda p, x: jnp.sum(jnp.tanh(x @ p["a"]) @ p["a"].T)
     check(loss, pj.Scheme({"a": pj.Channels(count=2, axis="out")}), W, X, rule="add_any")
