@@ -1,5 +1,5 @@
-"""Depth-wise 3x3 convolutions and batch norm on XLA's CPU backend: which formulation is
-fastest, per direction.
+"""Depth-wise 3x3 convolutions, 1x1 convolutions and batch norm on XLA's CPU backend:
+which formulation is fastest, per direction.
 
 Depth-wise formulations (NHWC input, one 3x3 filter per channel, padding 1):
 
@@ -10,6 +10,10 @@ Depth-wise formulations (NHWC input, one 3x3 filter per channel, padding 1):
   output phase when strided; weight gradient as 9 reductions) — what the model runs;
 - `conv NHWC`: `lax.conv_general_dilated` with `feature_group_count = C`;
 - `conv NCHW`: the same on NCHW data (the transposes are outside the timed function).
+
+Point-wise (1x1, stride 1) formulations: `conv` (`lax.conv_general_dilated`), `product`
+(`pockjax.models.mobilenetv2.pointwise_conv`: `[N*H*W, I] @ [I, O]`, what the model runs)
+and `dot_general` (contracting the channel axis of the NHWC array in place).
 
 Directions: forward, input gradient (VJP with respect to the input only), weight
 gradient (VJP with respect to the kernel only). Batch norm (training mode, with ReLU6):
@@ -99,6 +103,45 @@ def depthwise_rows(repeats: int) -> list[str]:
     return lines
 
 
+# (batch, height, width, in channels, out channels): MobileNetV2 width 1.0 at 128x128
+# (batch 16): expansions of blocks 1, 2, 6 and 13, a projection of block 12
+POINTWISE = [(16, 64, 64, 16, 96), (16, 32, 32, 24, 144), (16, 16, 16, 32, 192),
+             (16, 8, 8, 64, 384), (16, 8, 8, 576, 96)]
+
+
+def pointwise_rows(repeats: int) -> list[str]:
+    import jax
+    from jax import lax
+
+    from pockjax.models import mobilenetv2 as M
+
+    forms = {
+        "conv": lambda x, k: lax.conv_general_dilated(
+            x, k, (1, 1), ((0, 0), (0, 0)), dimension_numbers=("NHWC", "HWIO", "NHWC")),
+        "product": M.pointwise_conv,
+        "dot_general": lambda x, k: lax.dot_general(x, k[0, 0], (((3,), (0,)), ((), ()))),
+    }
+    lines = ["| shape N,H,W,I -> O | 1x1 formulation | forward ms | input grad ms | "
+             "weight grad ms |", "|---|---|---:|---:|---:|"]
+    for n, h, wd, ci, co in POINTWISE:
+        x = jax.random.normal(jax.random.key(0), (n, h, wd, ci))
+        k = jax.random.normal(jax.random.key(1), (1, 1, ci, co))
+        g = jax.random.normal(jax.random.key(2), (n, h, wd, co))
+        fns = {}
+        for name, f in forms.items():
+            fns[(name, "fwd")] = (jax.jit(f), (x, k))
+            fns[(name, "dx")] = (jax.jit(lambda a, b, g, f=f: jax.vjp(
+                lambda a: f(a, b), a)[1](g)[0]), (x, k, g))
+            fns[(name, "dw")] = (jax.jit(lambda a, b, g, f=f: jax.vjp(
+                lambda b: f(a, b), b)[1](g)[0]), (x, k, g))
+        t = timed(fns, repeats)
+        for name in forms:
+            lines.append(f"| {n},{h},{wd},{ci} -> {co} | {name} | {t[(name, 'fwd')]:.2f} | "
+                         f"{t[(name, 'dx')]:.2f} | {t[(name, 'dw')]:.2f} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    return lines
+
+
 def batchnorm_rows(repeats: int) -> list[str]:
     import jax
     import jax.numpy as jnp
@@ -133,11 +176,12 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "depthwise.md"))
     args = ap.parse_args(argv)
-    lines = ["# Depth-wise convolution and batch norm formulations on XLA CPU", "",
+    lines = ["# Depth-wise and 1x1 convolution and batch norm formulations on XLA CPU", "",
              f"{os.cpu_count()} cores. {versions(('jax', 'jaxlib', 'flax'))}. Commit {commit()}. "
              f"Median of {args.repeats} interleaved runs per function, one process "
              "(`python benchmarks/depthwise.py`).", ""]
-    lines += depthwise_rows(args.repeats) + [""] + batchnorm_rows(args.repeats) + [""]
+    lines += (depthwise_rows(args.repeats) + [""] + pointwise_rows(args.repeats) + [""]
+              + batchnorm_rows(args.repeats) + [""])
     text = "\n".join(lines)
     print(text)
     from pockjax.checkpoint import write_atomic
