@@ -358,6 +358,25 @@ def iree_run(row: str, s: dict, args) -> dict:
             "imports_jax": "jax" in sys.modules}
 
 
+def _machine_cpu() -> tuple[float, float, float]:
+    """(wall s, CPU-s busy on the whole machine, CPU-s of this process's finished
+    children), to tell how much of the machine other jobs took while a row ran."""
+    import resource
+
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:9]]
+    busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.perf_counter(), busy, kids.ru_utime + kids.ru_stime
+
+
+def _others_share(before, after) -> float:
+    """The share of the machine's CPU time that other jobs used between two readings."""
+    wall = after[0] - before[0]
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    return max(0.0, others) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
+
+
 def run_iree_row(row: str, args) -> dict:
     """Export in one guarded process, train in another; the artifact is deleted after."""
     import shutil
@@ -599,16 +618,16 @@ def table(name: str, s: dict, results: dict) -> list[str]:
 
 # The IREE row before this round (commit a79edb5): the runtime copied `init()`'s state
 # through numpy into second device buffers and kept every page of the mapped archive it
-# had read; the host-cpu target used IREE's default matmul tiles. Measured on the same
-# artifact in one process per figure, 2026-11-24 02:40-03:15 UTC, while other jobs kept
-# the 2 cores busy (load 3-5), so wall times of that period are not comparable with the
-# table above; CPU seconds per step are steadier.
+# had read, and the host-cpu target used IREE's default matmul tiles. Measured on the
+# same artifact with `pockjax.runtime` (1 warm-up + 3 steps, one process each) at
+# 2026-11-24 04:00 UTC, a minute after the rows above, with the machine otherwise idle.
 IREE_BEFORE = {"tinyllama-1.1b": {"text": (
-    "Before (commit a79edb5, same artifact, 02:40-03:15 UTC on a busy machine): RSS after "
-    "loading 11.98 GiB (5.84 file-backed + 6.13 anonymous), peak RSS 14.97 GiB, same "
-    "losses; with IREE's default matmul tiles the step needed 8.4 CPU-s against 6.1 with "
-    "`--iree-llvmcpu-matmul-tile-bytes=4194304` (interleaved runs; the JAX step took 4.8 "
-    "CPU-s there). real_size_iree.md has the dispatch profile and the flags tried.")}}
+    "Before (commit a79edb5): 3.81 s/step (7.5 CPU-s), RSS after loading 11.98 GiB (5.84 "
+    "file-backed + 6.13 anonymous), peak RSS 14.97 GiB, the same losses. The runtime of "
+    "this commit with IREE's default matmul tiles: 4.03 s/step, peak 8.27 GiB; with "
+    "`--iree-llvmcpu-matmul-tile-bytes=4194304` as well (the flags of the row above), in the "
+    "same minutes: 3.10 s/step (6.0 CPU-s), peak 8.13 GiB. real_size_iree.md has the dispatch "
+    "profile and the flags tried.")}}
 
 
 def iree_table(name: str, s: dict, row: str, results: dict) -> list[str]:
@@ -639,6 +658,10 @@ def iree_table(name: str, s: dict, row: str, results: dict) -> list[str]:
         diff = max(abs(a - b) for a, b in zip(j["losses"][:n], r["losses"][:n]))
         lines.append(f"| losses | {' '.join(f'{x:.4f}' for x in j['losses'])} | "
                      f"{' '.join(f'{x:.4f}' for x in r['losses'])} | max diff {diff:.1e} |")
+    if j and "others_cpu" in j and "others_cpu" in r:
+        lines += ["", f"Other jobs on the machine used {100 * j['others_cpu']:.0f}% of its CPU "
+                      f"time while the JAX row ran and {100 * r['others_cpu']:.0f}% during the "
+                      f"IREE row (both slow down when they do)."]
     before = IREE_BEFORE.get(name)
     if before:
         lines += ["", before["text"]]
@@ -782,6 +805,7 @@ def main(argv=None):
     store[args.llama] = entry
     for row in rows:
         print(f"[{args.llama}] {row} ...", file=sys.stderr, flush=True, end=" ")
+        before = _machine_cpu()
         if row in IREE_ROWS:
             r = run_iree_row(row, args)
         else:
@@ -789,7 +813,7 @@ def main(argv=None):
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--limit-gib", str(args.limit_gib)]
             r = guarded(cmd, args.limit_gib, args.timeout)
-        r["when"] = now
+        r["when"], r["others_cpu"] = now, _others_share(before, _machine_cpu())
         entry["rows"][row] = r
         print(r.get("error") or f"{statistics.median(r['times']):.2f} s/step, peak "
               f"{r['rss_peak_mib'] / 1024:.2f} GiB, {r['wall_s']:.0f} s",
