@@ -144,11 +144,13 @@ class Runner:
         return runtime.load(self._artifact, device="local-task")
 
     def _output_structure(self):
-        """The metrics' tree structure and leaf names, as the artifact names its outputs."""
-        from pockjax.runtime import named_leaves
+        """The metrics' tree structure and leaf names, as the artifact names its outputs
+        (jax key paths: `loss`, `aux/...`, any pytree as the aux)."""
+        from pockjax.scheme import leaves_with_paths
 
         shapes = jax.eval_shape(lambda s, b: self.trainer.step(s, b)[1], self._state, self._batch)
-        return jax.tree_util.tree_structure(shapes), [n for n, _ in named_leaves(shapes)]
+        leaves, treedef = leaves_with_paths(shapes)
+        return treedef, [n for n, _ in leaves]
 
     # -- training ----------------------------------------------------------------
 

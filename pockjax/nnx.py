@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -433,6 +434,14 @@ class Trainer:
 
     def fit(self, batches: Iterable, steps: int | None = None, **kwargs) -> History:
         """`pockjax.fit` over `batches` (progress bar, losses); the state advances."""
+        if self.backend != "xla" and self.choice is None:
+            # export and measure before fit's clock starts (History.seconds is training)
+            batches = iter(batches)
+            first = next(batches, None)
+            if first is not None:
+                self._start_backend(first)
+                batches = itertools.chain([first], batches)
+
         # The carry holds the XLA state so that fit's timing waits for the last step; an
         # IREE step is synchronous and its state is read back only when asked for.
         def step(carry, batch):

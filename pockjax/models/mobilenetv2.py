@@ -262,8 +262,9 @@ class ConvBN(nnx.Module):
     into the kernel: `conv(x, W * m) + c` for the affine map `x * m + c` it computes.
 
     3x3 convolutions pad by one on each side (as torchvision does, so a stride-2 layer
-    keeps the top-left pixel); 1x1 convolutions do not pad. A depth-wise one
-    (`groups == in_features == out_features`) is a `DepthwiseConv`.
+    keeps the top-left pixel); 1x1 convolutions do not pad, and with `pointwise="matmul"`
+    (the default) a 1x1, stride-1 one runs as a matrix product (`pointwise_conv`). A
+    depth-wise one (`groups == in_features == out_features`) is a `DepthwiseConv`.
     """
 
     def __init__(self, in_features: int, out_features: int, kernel_size: int = 1, *,
@@ -290,9 +291,10 @@ class ConvBN(nnx.Module):
     def _conv(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
         """The convolution with `kernel` (its own, or a folded one)."""
         conv = self.conv
-        kernel = kernel.astype(x.dtype)
         if isinstance(conv, DepthwiseConv):
             return conv.apply(x, kernel)
+        dtype = jnp.result_type(x, kernel)  # as nnx.Conv promotes
+        x, kernel = x.astype(dtype), kernel.astype(dtype)
         if self.pointwise == "matmul" and conv.kernel_size == (1, 1) and conv.strides == (1, 1) \
                 and conv.feature_group_count == 1:
             return pointwise_conv(x, kernel)

@@ -217,7 +217,9 @@ class BoxRule:
     `apply(ctx, eqn, i, box)` -> value. A `slicing` rule also runs for the whole output
     (slice-like primitives need only part of their input). `widen(eqn, i, box)` gives a
     larger box `pull` takes, for a box it declines; `box` is then sliced from it (a conv
-    narrows channels, not spatial dims)."""
+    narrows channels, not spatial dims). Boxes of one output that together hold at least
+    as many elements as their bounding box are computed once as that box (see `_merged`),
+    unless the rule cannot pull it."""
 
     pull: Callable
     apply: Callable
@@ -229,12 +231,23 @@ class BoxRule:
             return Decline("the equation has effects")
         if not self.slicing and any(box == full_box(var_shape(eqn.outvars[i])) for i, box in wanted):
             return Whole(wanted)  # needed whole anyway: narrowing saves nothing
+        merged = wanted
         if not self.slicing:
             # e.g. the 9 shifted windows of a padded image: computed box by box they
             # would redo most elements several times, each box an op of its own
-            wanted = _merged(wanted)
-            if any(box == full_box(var_shape(eqn.outvars[i])) for i, box in wanted):
+            merged = _merged(wanted)
+            if any(box == full_box(var_shape(eqn.outvars[i])) for i, box in merged):
                 return Whole(wanted)
+        pulled = self._pull_all(eqn, merged)
+        if isinstance(pulled, Decline) and merged != wanted:
+            # a bounding box the operand cannot give (a reshape's box across rows): the
+            # boxes one by one, as wanted
+            pulled = self._pull_all(eqn, wanted)
+        if isinstance(pulled, Decline):
+            return pulled
+        return Narrowed(pulled, self.apply)
+
+    def _pull_all(self, eqn, wanted) -> dict | Decline:
         pulled = {}
         for i, box in wanted:
             needs = self._pull(eqn, i, box)
@@ -245,7 +258,7 @@ class BoxRule:
             if isinstance(needs, Decline):
                 return needs
             pulled[(i, box)] = needs
-        return Narrowed(pulled, self.apply)
+        return pulled
 
     def _pull(self, eqn, i, box):
         needs = self.pull(eqn, i, box)

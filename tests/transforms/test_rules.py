@@ -97,6 +97,16 @@ def test_boxes_covering_an_output_compute_it_whole():
     check(one, pj.Scheme({"a": pj.Full()}), {"a": W["a"]}, x, rule="pad")
 
 
+def test_merged_boxes_the_rule_cannot_pull_are_pulled_one_by_one():
+    # [2, 6] -> [12], wanted [3:6] and [6:9]: each is one row's box of the operand and
+    # together they fill their bounding box [3:9], which crosses a row (no box of [2, 6]).
+    eqn, = jax.make_jaxpr(lambda y: y.reshape(12))(jnp.zeros((2, 6))).jaxpr.eqns
+    plan = pushdown.RULES[lax.reshape_p](eqn, [(0, ((3, 6),)), (0, ((6, 9),))], None)
+    assert isinstance(plan, pushdown.Narrowed), plan
+    assert plan.pulled == {(0, ((3, 6),)): [(eqn.invars[0], ((0, 1), (3, 6)))],
+                           (0, ((6, 9),)): [(eqn.invars[0], ((1, 2), (0, 3)))]}
+
+
 def test_add_any_from_weight_tying():
     loss = lambda p, x: jnp.sum(jnp.tanh(x @ p["a"]) @ p["a"].T)
     check(loss, pj.Scheme({"a": pj.Channels(count=2, axis="out")}), W, X, rule="add_any")
