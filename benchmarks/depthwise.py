@@ -76,6 +76,18 @@ def timed(fns: dict, repeats: int) -> dict:
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
+def directions(name: str, f, x, w, g) -> dict:
+    """`{(name, "fwd" | "dx" | "dw"): (jitted function, args)}` for `f(x, w)`: forward,
+    input gradient and weight gradient (VJPs with output gradient `g`)."""
+    import jax
+
+    return {(name, "fwd"): (jax.jit(f), (x, w)),
+            (name, "dx"): (jax.jit(lambda a, b, g: jax.vjp(lambda a: f(a, b), a)[1](g)[0]),
+                           (x, w, g)),
+            (name, "dw"): (jax.jit(lambda a, b, g: jax.vjp(lambda b: f(a, b), b)[1](g)[0]),
+                           (x, w, g))}
+
+
 def depthwise_rows(repeats: int) -> list[str]:
     import jax.numpy as jnp
 
@@ -90,11 +102,7 @@ def depthwise_rows(repeats: int) -> list[str]:
             xi = x.transpose(0, 3, 1, 2) if nchw else x
             y = jax.eval_shape(lambda a, b, f=f: f(a, b, s), xi, w)
             g = jnp.ones(y.shape, y.dtype)
-            fns[(name, "fwd")] = (jax.jit(lambda a, b, f=f: f(a, b, s)), (xi, w))
-            fns[(name, "dx")] = (jax.jit(lambda a, b, g, f=f: jax.vjp(
-                lambda a: f(a, b, s), a)[1](g)[0]), (xi, w, g))
-            fns[(name, "dw")] = (jax.jit(lambda a, b, g, f=f: jax.vjp(
-                lambda b: f(a, b, s), b)[1](g)[0]), (xi, w, g))
+            fns.update(directions(name, lambda a, b, f=f: f(a, b, s), xi, w, g))
         t = timed(fns, repeats)
         for name in forms:
             lines.append(f"| {n},{h},{wd},{c} s{s} | {name} | {t[(name, 'fwd')]:.2f} | "
@@ -129,11 +137,7 @@ def pointwise_rows(repeats: int) -> list[str]:
         g = jax.random.normal(jax.random.key(2), (n, h, wd, co))
         fns = {}
         for name, f in forms.items():
-            fns[(name, "fwd")] = (jax.jit(f), (x, k))
-            fns[(name, "dx")] = (jax.jit(lambda a, b, g, f=f: jax.vjp(
-                lambda a: f(a, b), a)[1](g)[0]), (x, k, g))
-            fns[(name, "dw")] = (jax.jit(lambda a, b, g, f=f: jax.vjp(
-                lambda b: f(a, b), b)[1](g)[0]), (x, k, g))
+            fns.update(directions(name, f, x, k, g))
         t = timed(fns, repeats)
         for name in forms:
             lines.append(f"| {n},{h},{wd},{ci} -> {co} | {name} | {t[(name, 'fwd')]:.2f} | "
