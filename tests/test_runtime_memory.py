@@ -16,7 +16,7 @@ from pockjax import runtime
 from pockjax.export.manifest import PARAMS
 
 STEPS = 3
-WIDTH = 256  # 256 KiB per matrix: many pages, so resident-page counts mean something
+WIDTH = 512  # 1 MiB per matrix: many pages, so resident-page counts mean something
 LAYERS = 4
 NAMES = [f"l{i}" for i in range(LAYERS)]
 
@@ -119,12 +119,18 @@ def test_initial_state_pages_are_released(exported):
     sess = runtime.load(art.path)
     frozen = sum(np.asarray(params["l0"][n]).nbytes for n in ("w", "b")) // 1024
     mutable = os.path.getsize(archive) // 1024 - frozen
-    assert mutable > 4 * frozen  # the check below would mean little otherwise
     entries = len(art.manifest["parameters"])
     page_kib = os.sysconf("SC_PAGE_SIZE") // 1024
-    assert _mapped_kib(archive) <= frozen + 2 * entries * page_kib
+    # Reading a page of a file mapping also maps neighbours already in the page cache
+    # (the kernel's fault-around, 64 KiB by default, more with large folios), so pages
+    # around the frozen weights may count too: allow as much again as the frozen bytes.
+    # If the trained state were still resident the count would exceed the bound by most
+    # of `mutable`.
+    bound = 2 * frozen + 2 * entries * page_kib
+    assert mutable > 2 * bound  # the check below would mean little otherwise
+    assert _mapped_kib(archive) <= bound
     sess.step(batch)  # the step reads the frozen weights from the mapping
-    assert _mapped_kib(archive) <= frozen + 2 * entries * page_kib
+    assert _mapped_kib(archive) <= bound
 
 
 def test_unreadable_archive_names_the_file_and_the_fix(exported, tmp_path):
