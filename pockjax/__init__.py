@@ -17,7 +17,7 @@ _WHERE = {
     "sparse_grad": "transforms", "sparse_value_and_grad": "transforms", "trainable": "transforms",
     "apply_updates": "transforms", "TransformInfo": "transforms",
     "sparse_train": "train", "SparseTrainer": "train", "TrainState": "train",
-    "TrainReport": "train", "fit": "train", "History": "train",
+    "TrainReport": "train", "fit": "train", "History": "train", "checkpoint_block": "train",
     "save": "checkpoint", "load": "checkpoint", "CheckpointError": "checkpoint",
     "ExportError": "export.targets",
     "search": "scheme_search", "SearchReport": "scheme_search",
@@ -58,7 +58,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from pockjax.flops import count_flops, flops_of  # noqa: F401
     from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError  # noqa: F401
     from pockjax.scheme_search import SearchReport, search  # noqa: F401
-    from pockjax.train import (History, SparseTrainer, TrainReport, TrainState, fit,  # noqa: F401
-                               sparse_train)
+    from pockjax.train import (History, SparseTrainer, TrainReport, TrainState,  # noqa: F401
+                               checkpoint_block, fit, sparse_train)
     from pockjax.transforms import (TransformInfo, apply_updates, sparse_grad,  # noqa: F401
                                     sparse_value_and_grad, trainable)

@@ -14,7 +14,8 @@ last read (`pockjax.optim.fused`); otherwise after the whole backward pass. The 
 is donated, so parameters and optimizer state are updated in place.
 
 `remat=` puts the loss under `jax.checkpoint` (activation checkpointing, see `Remat`);
-`pockjax.nnx.Trainer(remat="blocks")` checkpoints each block of a module instead.
+`pockjax.nnx.Trainer(remat="blocks")` checkpoints each block of a module instead, and
+`checkpoint_block` each block of a plain loss function.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from pockjax.transforms.sparse_grad import (SparseGradFn, TransformInfo, is_dyna
                                             resolved_decisions, trainable)
 
 __all__ = ["TrainState", "SparseTrainer", "sparse_train", "fit", "History", "TrainReport",
-           "Remat"]
+           "Remat", "checkpoint_block"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +99,12 @@ class Remat:
     in_loss: bool = False
 
     @classmethod
-    def of(cls, remat: Any, where: str = "the whole loss", in_loss: bool = False) -> "Remat":
+    def of(cls, remat: Any, where: str = "the whole loss", in_loss: bool = False,
+           arg: str = "remat") -> "Remat":
         """`remat=` as given: `"full"` (nothing saved: the backward recomputes everything
         it reads), a policy name of `jax.checkpoint_policies` (`"dots_saveable"`, ...),
         a policy function (`jax.checkpoint_policies.save_only_these_names("block")`), or
-        a `Remat`."""
+        a `Remat`. `arg` is the parameter's name in error messages."""
         if isinstance(remat, Remat):
             return remat
         if isinstance(remat, str):
@@ -110,16 +112,16 @@ class Remat:
             if name not in POLICY_NAMES:
                 factories = sorted(n for n in dir(jax.checkpoint_policies)
                                    if not n.startswith("_") and n not in POLICY_NAMES)
-                hint = (f"; {remat!r} takes arguments: pass its result, e.g. remat=jax."
+                hint = (f"; {remat!r} takes arguments: pass its result, e.g. {arg}=jax."
                         f"checkpoint_policies.{remat}(...)" if remat in factories else "")
                 raise ValueError(
-                    f"remat={remat!r} is not a checkpoint policy; give 'full' (nothing saved), "
+                    f"{arg}={remat!r} is not a checkpoint policy; give 'full' (nothing saved), "
                     f"one of {', '.join(map(repr, POLICY_NAMES))}, or a policy function such "
                     f"as jax.checkpoint_policies.save_only_these_names('block'){hint}")
             return cls(getattr(jax.checkpoint_policies, name), name, where, in_loss)
         if callable(remat):
             return cls(remat, _policy_name(remat), where, in_loss)
-        raise TypeError(f"remat must be None, 'full', a policy name ({', '.join(POLICY_NAMES)}) "
+        raise TypeError(f"{arg} must be None, 'full', a policy name ({', '.join(POLICY_NAMES)}) "
                         f"or a jax.checkpoint policy function, got {type(remat).__name__}")
 
     def __str__(self) -> str:
@@ -154,7 +156,7 @@ def checkpointed(loss_fn: Callable, remat: Remat | None) -> Callable:
 
 
 def checkpoint_call(fn: Callable, policy: Callable, *args, recompute_after_cotangent: bool = False,
-                    untied: Sequence[int] = (), **kwargs):
+                    untied: Sequence[int] = (), hoist_closure: bool = False, **kwargs):
     """`fn(*args, **kwargs)` under `jax.checkpoint(policy=policy)`. The array leaves of
     the arguments are the checkpoint's inputs; the other leaves (Python numbers, strings,
     NumPy constants) stay static, as `fn` expects them.
@@ -167,7 +169,11 @@ def checkpoint_call(fn: Callable, policy: Callable, *args, recompute_after_cotan
     temporaries, LLaMA 4 x 128 at sequence 512). Here the saved values are tied to the
     cotangent by data (times `1 + 0 * g[0]`, exactly 1), except the positional
     arguments numbered in `untied` (the block's weights: tying would copy them).
-    Tying the block's input is enough for a policy that saves nothing inside it."""
+    Tying the block's input is enough for a policy that saves nothing inside it.
+
+    `hoist_closure=True` makes the arrays `fn` closes over that may be differentiated
+    (a block's weights captured by a lambda) inputs too, untied: a `jax.custom_vjp`
+    cannot differentiate a value it closes over."""
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     dyn = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, jax.core.Tracer))]
     owner = [n for n, a in enumerate(args) for _ in jax.tree_util.tree_leaves(a)]
@@ -181,10 +187,90 @@ def checkpoint_call(fn: Callable, policy: Callable, *args, recompute_after_cotan
         return fn(*a, **k)
 
     inputs = [leaves[i] for i in dyn]
+    plain = [owner[i] in untied for i in dyn]
+    if hoist_closure:
+        converted, consts = jax.closure_convert(run, inputs)
+        n = len(inputs)
+        run = lambda both: converted(both[:n], *both[n:])  # noqa: E731
+        inputs, plain = inputs + list(consts), plain + [True] * len(consts)
     checkpointed_run = jax.checkpoint(run, policy=policy)
     if not recompute_after_cotangent:
         return checkpointed_run(inputs)
-    return _late(checkpointed_run, [owner[i] in untied for i in dyn])(inputs)
+    return _late(checkpointed_run, plain)(inputs)
+
+
+def checkpoint_block(fn: Callable | None = None, *, policy: Any = "full",
+                     weights: int | Sequence[int] = 0) -> Callable:
+    """Activation checkpointing for one block of a plain loss function: `fn` as it is in
+    the forward pass, but its backward pass recomputes the block's activations from its
+    inputs instead of keeping them, as `pockjax.nnx.Trainer(remat="blocks")` does for the
+    blocks of a module. Use it bare or with arguments, as a decorator or a wrapper:
+
+    >>> import jax, jax.numpy as jnp, pockjax as pj
+    >>> @pj.checkpoint_block
+    ... def block(p, h):
+    ...     return h + jax.nn.relu(h @ p["up"]) @ p["down"]
+    >>> def loss(params, x):
+    ...     h = x
+    ...     for name in ("b0", "b1"):
+    ...         h = block(params[name], h)
+    ...     return jnp.mean(h ** 2)
+    >>> p = {"up": jnp.ones((4, 8)) / 8, "down": jnp.ones((8, 4)) / 8}
+    >>> g = jax.grad(loss)({"b0": p, "b1": p}, jnp.ones((2, 4)))
+    >>> g["b1"]["up"].shape
+    (4, 8)
+    >>> def loss2(p, x):  # weights closed over, the matmuls' outputs saved
+    ...     up = pj.checkpoint_block(lambda h: jax.nn.relu(h @ p["up"]), weights=(),
+    ...                              policy="dots_saveable")
+    ...     return jnp.sum(up(x))
+    >>> jax.grad(loss2)(p, jnp.ones((2, 4)))["up"].shape
+    (4, 8)
+
+    `policy` takes what `remat=` takes: `"full"` (nothing saved inside the block), a
+    name from `jax.checkpoint_policies` (`"dots_saveable"`, ...) or a policy function;
+    None returns `fn` unchanged. `weights` numbers the positional arguments that hold the
+    block's weights (the first by default, as in `block(params, h)`; `()` when they are
+    closed over): the recomputation waits for the block output's cotangent, tied to it by
+    data through every other input (see `checkpoint_call`), while the weights are used as
+    they are (tying them would copy them). The tie is what makes it save memory on XLA's
+    CPU backend, where a plain `jax.checkpoint` around each block saves nothing: its
+    recomputation is scheduled beside the forward pass. Values are those of `fn` itself.
+    """
+    if fn is None:
+        return functools.partial(checkpoint_block, policy=policy, weights=weights)
+    if isinstance(fn, str):
+        raise TypeError(f"checkpoint_block takes the block function first and the policy by "
+                        f"keyword: pj.checkpoint_block(block, policy={fn!r}) or "
+                        f"@pj.checkpoint_block(policy={fn!r})")
+    if not callable(fn):
+        raise TypeError(f"checkpoint_block wraps a block function, e.g. h = pj.checkpoint_block("
+                        f"block)(params, h) or @pj.checkpoint_block above its def; got "
+                        f"{type(fn).__name__}")
+    untied = (weights,) if isinstance(weights, int) else tuple(weights)
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in untied):
+        raise TypeError(f"checkpoint_block(weights={weights!r}): give the positions of the "
+                        f"arguments holding the block's weights, e.g. weights=0 for "
+                        f"block(params, h), or weights=() when the block closes over them")
+    if policy is None:
+        return fn
+    spec = Remat.of(policy, where=getattr(fn, "__name__", "a block"), in_loss=True,
+                    arg="policy")
+
+    @functools.wraps(fn)
+    def block(*args, **kwargs):
+        tied = [a for n, a in enumerate(args) if n not in untied] + list(kwargs.values())
+        if not any(isinstance(x, (jax.Array, jax.core.Tracer))
+                   for x in jax.tree_util.tree_leaves(tied)):
+            raise ValueError(
+                f"checkpoint_block({spec.where}, weights={weights!r}): no array input is "
+                f"left to tie the recomputation to (the block's activations), so it would be "
+                f"recomputed in the forward pass and save nothing; weights= names only the "
+                f"arguments holding the weights, e.g. weights=0 for block(params, h) or "
+                f"weights=() for block(h) with the weights closed over")
+        return checkpoint_call(fn, spec.policy, *args, recompute_after_cotangent=True,
+                               untied=untied, hoist_closure=True, **kwargs)
+
+    return block
 
 
 def _late(f: Callable, untied: list[bool]) -> Callable:
@@ -716,12 +802,11 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
     activations the policy does not save instead of keeping them from the forward pass,
     for longer sequences in less memory at the cost of recomputation. `"full"` saves
     nothing; a name from `jax.checkpoint_policies` (`"dots_saveable"`, ...) or a policy
-    function chooses what is saved. Per block in a plain function: mark each block's
-    output with `jax.ad_checkpoint.checkpoint_name(h, "block")` and pass
-    `remat=jax.checkpoint_policies.save_only_these_names("block")`, so only the block
-    boundaries are kept (or put `jax.checkpoint` around each block yourself). Frozen blocks
-    ahead of every trained one are never differentiated and keep nothing either way.
-    The full-training column of `report()` is checkpointed the same way.
+    function chooses what is saved. Per block in a plain function: wrap each block in
+    `checkpoint_block` (`h = pj.checkpoint_block(block)(params["b3"], h)`), which saves
+    memory on XLA's CPU backend too, where a checkpoint over the whole loss does not.
+    Frozen blocks ahead of every trained one are never differentiated and keep nothing
+    either way. The full-training column of `report()` is checkpointed the same way.
 
     >>> import jax.numpy as jnp, optax, pockjax as pj
     >>> @pj.sparse_train(optimizer=optax.sgd(0.1))

@@ -1,5 +1,6 @@
 """Activation checkpointing as a trainer option: `pj.nnx.Trainer(remat=...)` per block,
-`pj.sparse_train(remat=...)` on the whole loss.
+`pj.sparse_train(remat=...)` on the whole loss, `pj.checkpoint_block` per block of a plain
+loss function.
 
 Checked against independent references: plain `jax.grad` + the same optax chain on the
 kept slices (tests/test_differential.py's reference), the same trainer without remat,
@@ -257,6 +258,166 @@ def test_sparse_train_remat_policy_on_the_whole_loss():
     assert "remat='nothing_saveable'" in repr(full_trainer)
     assert full_trainer.replace(remat=None).remat is None
     assert full_trainer.replace(remat="dots_saveable").remat.policy_name == "dots_saveable"
+
+
+# --------------------------------------------------------------------------- checkpoint_block
+
+
+def dense(p, x):
+    return x @ p["kernel"] + p["bias"]
+
+
+def mlp_block(p, h, mask, *, scale: float = 1.0):
+    """A residual block of a plain loss: RMS norm, a ReLU MLP, a padding mask."""
+    assert isinstance(scale, float)  # static: it must reach the block as a Python float
+    n = h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * p["scale"]
+    return h + scale * mask[..., None] * dense(p["down"], jax.nn.relu(dense(p["up"], n)))
+
+
+BLOCK_NAMES = ("b0", "b1", "b2", "b3", "b4")
+
+
+def mlp_params(d: int = 8, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+
+    def linear(i, o):
+        return {"kernel": (rng.normal(size=(i, o)) / np.sqrt(i)).astype(np.float32),
+                "bias": (0.1 * rng.normal(size=(o,))).astype(np.float32)}
+
+    params = {"embed": linear(6, d), "head": linear(d, 3)}
+    for name in BLOCK_NAMES:
+        params[name] = {"scale": np.ones(d, np.float32), "up": linear(d, 2 * d),
+                        "down": linear(2 * d, d)}
+    # A dead ReLU unit in a trained block: its pre-activation is always below 0.
+    params["b4"]["up"]["bias"][0] = -50.0
+    return jax.tree_util.tree_map(jnp.asarray, params)
+
+
+def mlp_loss(wrap=None):
+    """The masked MSE of embed -> blocks -> head, each block called through
+    `wrap(block_fn, block_params)` (the plain call for None)."""
+    def loss(params, batch):
+        h = dense(params["embed"], batch["x"])
+        for name in BLOCK_NAMES:
+            call = mlp_block if wrap is None else wrap(mlp_block, params[name])
+            h = call(params[name], h, batch["mask"], scale=0.5)
+        err = (dense(params["head"], h) - batch["y"]) ** 2
+        w = batch["mask"][..., None]
+        return jnp.sum(err * w) / jnp.maximum(jnp.sum(w) * err.shape[-1], 1.0)
+
+    return loss
+
+
+# Frozen: the embedding, a frozen prefix (b0, b1) and b3 between trained blocks, which
+# the backward pass still crosses; b2 trains some channels, b4 (the dead unit) all.
+MLP_RULES = {
+    "b2/up/kernel": pj.Channels(ratio=0.5, axis="out"),
+    "b2/down/kernel": pj.Channels(count=8, axis="in", last=True),
+    **{f"b4/{leaf}": pj.Full() for leaf in ("scale", "up/kernel", "up/bias", "down/kernel",
+                                            "down/bias")},
+    "head/kernel": pj.Full(), "head/bias": pj.Full(),
+}
+
+
+def mlp_scheme() -> pj.Scheme:
+    return pj.Scheme([(exact_pattern(p), d) for p, d in MLP_RULES.items()], default=pj.Frozen())
+
+
+def _closed_over(fn, p):
+    """The block with its weights closed over: `weights=()`, and the weights argument
+    the loss passes is dropped."""
+    inner = pj.checkpoint_block(lambda h, mask, **kw: fn(p, h, mask, **kw), weights=())
+    return lambda _, h, mask, **kw: inner(h, mask, **kw)
+
+
+WRAPS = {
+    "bare": lambda fn, p: pj.checkpoint_block(fn),
+    "dots_saveable": lambda fn, p: pj.checkpoint_block(policy="dots_saveable")(fn),
+    "policy function": lambda fn, p: pj.checkpoint_block(
+        fn, policy=jax.checkpoint_policies.everything_saveable),
+    "closed over": _closed_over,
+}
+
+
+@pytest.mark.parametrize("how", list(WRAPS))
+def test_checkpoint_block_trains_like_plain_jax_grad(how):
+    """`sparse_train` of a plain loss whose blocks go through `pj.checkpoint_block`:
+    losses, parameters and optimizer state equal `jax.grad` of the same loss without it
+    + the same optax chain, frozen leaves and untrained channels unchanged, on padded
+    batches (exact zeros) with a dead ReLU unit."""
+    data = batches()
+    params = mlp_params()
+    # Outside differentiation the wrapped block is the block.
+    args = params["b4"], jnp.ones((4, 5, 8)), data[0]["mask"]
+    np.testing.assert_array_equal(WRAPS[how](mlp_block, params["b4"])(*args, scale=0.5),
+                                  mlp_block(*args, scale=0.5))
+    trainer = pj.sparse_train(mlp_loss(WRAPS[how]), optimizer=optax.adam(1e-2),
+                              scheme=mlp_scheme())
+    state = trainer.init(params)
+    losses = []
+    for b in data:
+        state, metrics = trainer(state, b)
+        losses.append(float(metrics["loss"]))
+    start = jax.tree_util.tree_map(np.asarray, params)
+    want_losses, want_params, want_state = reference_run(mlp_loss(), optax.adam(1e-2), MLP_RULES,
+                                                         pj.Frozen(), start, data)
+    got_params = jax.device_get(state.params)
+    assert_like_reference(start, MLP_RULES, pj.Frozen(), losses, got_params,
+                          jax.device_get(state.opt_state), want_losses, want_params, want_state)
+    # The dead unit gets exactly no gradient, so Adam leaves its weights as they were.
+    np.testing.assert_array_equal(got_params["b4"]["up"]["kernel"][:, 0],
+                                  start["b4"]["up"]["kernel"][:, 0])
+    assert not np.array_equal(got_params["b4"]["up"]["kernel"], start["b4"]["up"]["kernel"])
+
+
+def test_checkpoint_block_cuts_compiled_temporaries():
+    """Where activations dominate (positions x features far above the weights), the
+    compiled step's temporaries shrink with every block checkpointed."""
+    params = mlp_params(d=64)
+    rng = np.random.default_rng(0)
+    batch = {"x": jnp.asarray(rng.normal(size=(8, 256, 6)), jnp.float32),
+             "y": jnp.asarray(rng.normal(size=(8, 256, 3)), jnp.float32),
+             "mask": jnp.ones((8, 256), jnp.float32)}
+    # Every block trains.
+    scheme = pj.Scheme({"b*/**": pj.Full(), "head/**": pj.Full()}, default=pj.Frozen())
+    temp = {}
+    for how, wrap in (("plain", None), ("bare", WRAPS["bare"]),
+                      ("closed over", WRAPS["closed over"])):
+        trainer = pj.sparse_train(mlp_loss(wrap), optimizer=optax.adam(1e-3), scheme=scheme)
+        state = trainer.init(params)
+        temp[how] = trainer.lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+    assert temp["bare"] < 0.6 * temp["plain"], temp
+    assert temp["closed over"] < 0.6 * temp["plain"], temp
+
+
+def test_checkpoint_block_errors_name_what_was_expected():
+    x = jnp.ones((2, 4))
+    with pytest.raises(ValueError, match=r"policy='nothing' is not a checkpoint policy; give "
+                                         r"'full' \(nothing saved\), one of 'nothing_saveable', "
+                                         r"'dots_saveable'"):
+        pj.checkpoint_block(mlp_block, policy="nothing")
+    with pytest.raises(ValueError, match=r"'save_only_these_names' takes arguments: pass its "
+                                         r"result, e.g. policy=jax.checkpoint_policies"):
+        pj.checkpoint_block(policy="save_only_these_names")(mlp_block)
+    with pytest.raises(TypeError, match=r"policy must be None, 'full', a policy name "
+                                        r"\(nothing_saveable, .*got int"):
+        pj.checkpoint_block(mlp_block, policy=3)
+    with pytest.raises(TypeError, match=r"checkpoint_block wraps a block function, e.g. h = "
+                                        r"pj.checkpoint_block\(block\)\(params, h\).*got int"):
+        pj.checkpoint_block(3)
+    with pytest.raises(TypeError, match=r"the policy by keyword: "
+                                        r"pj.checkpoint_block\(block, policy='dots_saveable'\)"):
+        pj.checkpoint_block("dots_saveable")
+    with pytest.raises(TypeError, match=r"weights='0'.*positions of the arguments holding the "
+                                        r"block's weights, e.g. weights=0"):
+        pj.checkpoint_block(mlp_block, weights="0")
+    # Weights that cover every array input leave nothing to tie the recomputation to.
+    with pytest.raises(ValueError, match=r"checkpoint_block\(<lambda>, weights=0\): no array "
+                                         r"input is left.*weights=\(\) for block\(h\)"):
+        pj.checkpoint_block(lambda h: h * 2)(x)
+    # None is remat=None: no checkpoint, the function itself.
+    assert pj.checkpoint_block(mlp_block, policy=None) is mlp_block
+    assert pj.checkpoint_block(mlp_block).__name__ == "mlp_block"
 
 
 # --------------------------------------------------------------------------- MobileNetV2
