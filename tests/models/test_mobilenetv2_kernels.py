@@ -46,6 +46,27 @@ def test_depthwise_gradients_equal_the_grouped_convolution(stride, h, w):
         assert_trees_close(got_jit, want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("images_per_chunk", [1, 2, 3])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_depthwise_weight_gradient_in_chunks_of_images(monkeypatch, stride, images_per_chunk):
+    """Large inputs take the weight gradient over chunks of images in a loop; made to
+    happen here by shrinking the chunk size (6 images: 6, 3 or 2 loop iterations)."""
+    with jax.enable_x64(True):
+        x = adversarial_images((6, 9, 8, 5), key=2)
+        kernel = jax.random.normal(jax.random.key(3), (3, 3, 5), jnp.float64)
+        kernel = kernel.at[:, :, -1].set(0.0)
+        per_image = (x[0].size + M.depthwise_conv(x[:1], kernel, stride)[0].size) * 8
+        monkeypatch.setattr(M, "_WEIGHT_GRAD_CHUNK_BYTES", images_per_chunk * per_image)
+
+        def loss(f):
+            return lambda x, k: jnp.sum(jnp.tanh(f(x, k, stride)) * jnp.arange(5.0))
+
+        want = jax.value_and_grad(loss(grouped_conv), (0, 1))(x, kernel)
+        grad = jax.value_and_grad(loss(M.depthwise_conv), (0, 1))
+        assert "scan" in str(jax.make_jaxpr(grad)(x, kernel))  # the chunked path ran
+        assert_trees_close(jax.jit(grad)(x, kernel), want, rtol=1e-10, atol=1e-10)
+
+
 def flax_batch_norm(x, scale, bias, relu6):
     """What nnx.BatchNorm computes in training mode (its own functions), then ReLU6:
     `(y, batch mean, batch var)`."""
