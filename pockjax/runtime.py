@@ -17,6 +17,7 @@ a session holds the parameters once.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import platform
@@ -24,7 +25,7 @@ import sys
 
 import numpy as np
 
-from pockjax.export.manifest import PARAMS, VMFB, read_manifest
+from pockjax.export.manifest import PARAMS, VMFB, check_hashes, read_manifest
 from pockjax.export.targets import ExportError
 
 __all__ = ["load", "Session", "ToolSession", "qemu_arm64", "DEVICES", "IncompatibleDevice"]
@@ -183,7 +184,7 @@ class Session(_Artifact):
         import iree.runtime as ir
 
         self.path = os.fspath(path)
-        self.manifest = read_manifest(self.path)
+        self.manifest = read_manifest(self.path, hashes=False)  # hashed below, meanwhile
         backend = self.manifest["target"]["backend"]
         if device not in DEVICES:
             raise ExportError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
@@ -207,6 +208,20 @@ class Session(_Artifact):
                               "iree-run-module, or here under QEMU: pockjax.runtime.ToolSession("
                               "path, pockjax.runtime.qemu_arm64(dir)) or `pockjax run DIR "
                               "--qemu-arm64 DIR`")
+        # The files' hashes are checked on a second thread while IREE maps and loads them
+        # (hashlib releases the GIL): at TinyLlama-1.1B's size that hides seconds of
+        # reading. A damaged file is reported before any error its damage caused.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            hashed = pool.submit(check_hashes, self.path, self.manifest)
+            try:
+                self._open(ir, target, device)
+            except BaseException:
+                hashed.result()
+                raise
+            hashed.result()
+
+    def _open(self, ir, target: str, device: str) -> None:
+        """Map the parameter archive, load the modules and read the initial state."""
         self.instance = ir.VmInstance()
         # The archive is memory-mapped (read-only, private). On a CPU device IREE imports
         # each parameter from the mapping without a copy: the frozen weights are
@@ -369,7 +384,7 @@ class ToolSession(_Artifact):
         import tempfile
 
         self.path = os.fspath(path)
-        self.manifest = read_manifest(self.path)
+        self.manifest = read_manifest(self.path, hashes=False)  # hashed below, meanwhile
         self.command = [str(c) for c in ([command] if isinstance(command, str) else command)]
         self.device_name = device
         self.workdir = workdir or tempfile.mkdtemp(prefix="pockjax-run-")

@@ -151,3 +151,18 @@ def test_unreadable_archive_names_the_file_and_the_fix(exported, tmp_path):
     message = r"parameter archive '.*broken/params\.irpa'.*export the artifact again"
     with pytest.raises(pj.export.ExportError, match=message):
         runtime.load(str(broken))
+
+
+def test_a_damaged_archive_is_reported_as_damaged(exported, tmp_path):
+    """The hashes are checked while IREE loads; when the damage also makes IREE fail, the
+    error still names the damaged file and the hash, not IREE's parse error."""
+    trainer, params, batch, art = exported
+    broken = tmp_path / "damaged"
+    os.makedirs(broken)
+    for name in os.listdir(art.path):
+        (broken / name).write_bytes(open(os.path.join(art.path, name), "rb").read())
+    size = os.path.getsize(broken / PARAMS)
+    (broken / PARAMS).write_bytes((b"not a parameter archive" * (size // 23 + 1))[:size])
+    message = r"damaged/params\.irpa' does not match the manifest's hash"
+    with pytest.raises(pj.export.ExportError, match=message):
+        runtime.load(str(broken))
