@@ -429,6 +429,40 @@ def test_sparse_gradient_matches_sliced_dense(training_loss, batch, name):
         assert info.rules.get("dot_general", 0) >= len(LAST_EXPANSIONS)
 
 
+def test_sparse_gradient_through_the_chunked_depthwise_weight_gradient(model, batch, monkeypatch):
+    """Large layers take the depth-wise weight gradient over chunks of images in a loop
+    (forced here for every layer, one image per chunk): sparse_grad through that loop,
+    with depth-wise kernels trained whole and by channels, equals the sliced dense
+    gradient."""
+    from pockjax.models import mobilenetv2 as M
+
+    monkeypatch.setattr(M, "_WEIGHT_GRAD_CHUNK_BYTES", 1)
+    monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
+    last = blocks_with_expansion()[-1]
+    scheme = pj.Scheme({"blocks/1/depthwise/conv/kernel": pj.Channels(ratio=0.5, axis="out"),
+                        f"blocks/{last}/depthwise/conv/kernel": pj.Full(),
+                        "blocks/2/depthwise/bn/scale": pj.Full()}, default=pj.Frozen())
+    graphdef, params, rest = pj.nnx.split(model)
+
+    def loss(params, batch):  # traced anew: the chunk settings above apply
+        x, y = batch
+        logits = pj.nnx.merge(graphdef, params, rest)(x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    with jax.enable_x64(True):
+        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
+        x = np.array(batch[0], np.float64)
+        x[0] = 0.0  # an all-zero image (first slice), and zeros in the last one
+        x[-1, ::2] = 0.0
+        batch = (jnp.asarray(x), batch[1])
+        assert "scan" in str(jax.make_jaxpr(jax.grad(loss))(params, batch))
+        info = assert_matches_dense(loss, scheme, params, batch, rtol=1e-9, atol=1e-12)
+    assert len(info.channels) == 1
+    # No rule narrows the loop: the channel-trained kernel's gradient is computed whole
+    # there and then sliced (correct; at most one depth-wise weight gradient's work).
+    assert info.fallbacks == {"scan": 1}, str(info)
+
+
 # --------------------------------------------------------------------------- training
 
 
