@@ -239,7 +239,8 @@ def _depthwise_weight_grad(x, g, k: int, stride: int, pad: int) -> jax.Array:
     arrays; when they are larger than the cache, the sums run over chunks of images in a
     loop, so that the passes after the first read the chunk from the cache
     (2-2.7x faster on the large layers of MobileNetV2 at 128x128, batch 16;
-    `benchmarks/depthwise.py`)."""
+    `benchmarks/depthwise.py`). `sparse_grad` does not narrow the loop: a kernel trained
+    by `Channels` gets its whole gradient there, then sliced."""
     n = x.shape[0]
     per_image = (x[0].size + g[0].size) * x.dtype.itemsize
     chunk = max([d for d in range(1, n + 1)
