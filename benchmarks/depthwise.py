@@ -7,7 +7,8 @@ Depth-wise formulations (NHWC input, one 3x3 filter per channel, padding 1):
   differentiated by JAX (the slices transpose into zero-filled pads);
 - `shifts custom vjp`: the same forward with `pockjax.models.mobilenetv2.depthwise_conv`'s
   hand-written backward (input gradient as shifted slices of the output gradient, by
-  output phase when strided; weight gradient as 9 reductions) — what the model runs;
+  output phase when strided; weight gradient as 9 reductions, over chunks of images in
+  a loop when the arrays are large) — what the model runs;
 - `conv NHWC`: `lax.conv_general_dilated` with `feature_group_count = C`;
 - `conv NCHW`: the same on NCHW data (the transposes are outside the timed function).
 
