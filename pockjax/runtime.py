@@ -208,11 +208,14 @@ class Session(_Artifact):
                               "iree-run-module, or here under QEMU: pockjax.runtime.ToolSession("
                               "path, pockjax.runtime.qemu_arm64(dir)) or `pockjax run DIR "
                               "--qemu-arm64 DIR`")
-        # The files' hashes are checked on a second thread while IREE maps and loads them
+        # The compiled module is hashed first: its initialisers run when IREE loads it.
+        # The parameter archive is hashed on a second thread while IREE maps and loads it
         # (hashlib releases the GIL): at TinyLlama-1.1B's size that hides seconds of
-        # reading. A damaged file is reported before any error its damage caused.
+        # reading. A damaged archive is reported before any error its damage caused.
+        check_hashes(self.path, self.manifest, names=[VMFB])
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            hashed = pool.submit(check_hashes, self.path, self.manifest)
+            hashed = pool.submit(check_hashes, self.path, self.manifest,
+                                 [n for n in self.manifest.get("files", {}) if n != VMFB])
             try:
                 self._open(ir, target, device)
             except BaseException:
@@ -384,7 +387,7 @@ class ToolSession(_Artifact):
         import tempfile
 
         self.path = os.fspath(path)
-        self.manifest = read_manifest(self.path, hashes=False)  # hashed below, meanwhile
+        self.manifest = read_manifest(self.path)
         self.command = [str(c) for c in ([command] if isinstance(command, str) else command)]
         self.device_name = device
         self.workdir = workdir or tempfile.mkdtemp(prefix="pockjax-run-")

@@ -189,10 +189,25 @@ def checkpoint_call(fn: Callable, policy: Callable, *args, recompute_after_cotan
     inputs = [leaves[i] for i in dyn]
     plain = [owner[i] in untied for i in dyn]
     if hoist_closure:
-        converted, consts = jax.closure_convert(run, inputs)
+        # The tracers `fn` closes over become inputs, as `jax.closure_convert` does, but
+        # without its cache (keyed by this new closure each call, it would keep every
+        # call's arguments and weights alive).
+        import jax.extend as jex
+
+        closed, out_shape = jax.make_jaxpr(run, return_shape=True)(inputs)
+        traced = [i for i, c in enumerate(closed.consts) if isinstance(c, jax.core.Tracer)]
+        out_tree = jax.tree_util.tree_structure(out_shape)
         n = len(inputs)
-        run = lambda both: converted(both[:n], *both[n:])  # noqa: E731
-        inputs, plain = inputs + list(consts), plain + [True] * len(consts)
+
+        def run(both):
+            consts = list(closed.consts)
+            for i, c in zip(traced, both[n:]):
+                consts[i] = c
+            call = jex.core.jaxpr_as_fun(jex.core.ClosedJaxpr(closed.jaxpr, consts))
+            return jax.tree_util.tree_unflatten(out_tree, call(*both[:n]))
+
+        inputs = inputs + [closed.consts[i] for i in traced]
+        plain = plain + [True] * len(traced)
     checkpointed_run = jax.checkpoint(run, policy=policy)
     if not recompute_after_cotangent:
         return checkpointed_run(inputs)
@@ -258,6 +273,11 @@ def checkpoint_block(fn: Callable | None = None, *, policy: Any = "full",
 
     @functools.wraps(fn)
     def block(*args, **kwargs):
+        if any(i >= len(args) for i in untied):
+            raise TypeError(f"checkpoint_block({spec.where}, weights={weights!r}): the block "
+                            f"was called with {len(args)} positional arguments; weights= "
+                            f"numbers positional arguments (weights passed by keyword would "
+                            f"be copied in the backward pass: pass them positionally)")
         tied = [a for n, a in enumerate(args) if n not in untied] + list(kwargs.values())
         if not any(isinstance(x, (jax.Array, jax.core.Tracer))
                    for x in jax.tree_util.tree_leaves(tied)):

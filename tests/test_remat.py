@@ -415,6 +415,10 @@ def test_checkpoint_block_errors_name_what_was_expected():
     with pytest.raises(ValueError, match=r"checkpoint_block\(<lambda>, weights=0\): no array "
                                          r"input is left.*weights=\(\) for block\(h\)"):
         pj.checkpoint_block(lambda h: h * 2)(x)
+    # weights= past the positional arguments (weights passed by keyword would be tied).
+    with pytest.raises(TypeError, match=r"weights=1\): the block was called with 1 positional "
+                                        r"arguments.*pass them positionally"):
+        pj.checkpoint_block(lambda h, p=None: h * 2, weights=1)(x, p=x)
     # None is remat=None: no checkpoint, the function itself.
     assert pj.checkpoint_block(mlp_block, policy=None) is mlp_block
     assert pj.checkpoint_block(mlp_block).__name__ == "mlp_block"

@@ -52,10 +52,12 @@ def read_manifest(path: str, hashes: bool = True) -> dict:
     return manifest
 
 
-def check_hashes(path: str, manifest: dict) -> None:
-    """Raise `ExportError` naming the first file of the artifact whose SHA-256 is not the
-    manifest's."""
+def check_hashes(path: str, manifest: dict, names=None) -> None:
+    """Raise `ExportError` naming the first file of the artifact (of `names`, default
+    all) whose SHA-256 is not the manifest's."""
     for name, info in manifest.get("files", {}).items():
+        if names is not None and name not in names:
+            continue
         fpath = os.path.join(os.fspath(path), name)
         if sha256(fpath) != info["sha256"]:
             raise _damaged(fpath)

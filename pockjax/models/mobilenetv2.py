@@ -239,30 +239,37 @@ def _depthwise_weight_grad(x, g, k: int, stride: int, pad: int) -> jax.Array:
     arrays; when they are larger than the cache, the sums run over chunks of images in a
     loop, so that the passes after the first read the chunk from the cache
     (2-2.7x faster on the large layers of MobileNetV2 at 128x128, batch 16;
-    `benchmarks/depthwise.py`). `sparse_grad` does not narrow the loop: a kernel trained
-    by `Channels` gets its whole gradient there, then sliced."""
+    `benchmarks/depthwise.py`). Iteration i takes images i, i + m, i + 2m, ... (m
+    iterations), so a batch split over D devices stays split when a chunk's image count
+    is a multiple of D (no gather; one sum across devices at the end), as with 2 images
+    of 128x128 on 2 devices. The chunks' sums are added in float32 at least. `sparse_grad`
+    does not narrow the loop: a kernel trained by `Channels` gets its whole gradient
+    there, then sliced."""
     n = x.shape[0]
     per_image = (x[0].size + g[0].size) * x.dtype.itemsize
     chunk = max([d for d in range(1, n + 1)
                  if n % d == 0 and d * per_image <= _WEIGHT_GRAD_CHUNK_BYTES], default=1)
+    dtype = jnp.result_type(x, g)
 
-    def sums(x, g):
+    def sums(x, g, acc_dtype=None):
         _, out_h, out_w, c = g.shape
         xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
         return jnp.stack([
             jnp.sum(jax.lax.slice(xp, (0, i, j, 0),
                                   (x.shape[0], i + (out_h - 1) * stride + 1,
                                    j + (out_w - 1) * stride + 1, c),
-                                  (1, stride, stride, 1)) * g, axis=(0, 1, 2))
+                                  (1, stride, stride, 1)) * g, axis=(0, 1, 2), dtype=acc_dtype)
             for i in range(k) for j in range(k)])
 
-    if n // chunk < _WEIGHT_GRAD_MIN_CHUNKS:  # small enough: the loop would not pay
+    steps = n // chunk
+    if steps < _WEIGHT_GRAD_MIN_CHUNKS:  # small enough: the loop would not pay
         return sums(x, g)
-    split = lambda a: a.reshape(n // chunk, chunk, *a.shape[1:])
-    total, _ = jax.lax.scan(lambda acc, xg: (acc + sums(*xg), None),
-                            jnp.zeros((k * k, x.shape[-1]), jnp.result_type(x, g)),
-                            (split(x), split(g)))
-    return total
+    acc_dtype = jnp.promote_types(dtype, jnp.float32)
+    xs, gs = (a.reshape(chunk, steps, *a.shape[1:]) for a in (x, g))
+    take = lambda a, i: jax.lax.dynamic_index_in_dim(a, i, 1, keepdims=False)
+    body = lambda i, acc: acc + sums(take(xs, i), take(gs, i), acc_dtype)
+    total = jax.lax.fori_loop(0, steps, body, jnp.zeros((k * k, x.shape[-1]), acc_dtype))
+    return total.astype(dtype)
 
 
 depthwise_conv.defvjp(_depthwise_fwd, _depthwise_bwd)

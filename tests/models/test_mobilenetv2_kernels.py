@@ -57,6 +57,7 @@ def test_depthwise_weight_gradient_in_chunks_of_images(monkeypatch, stride, imag
         kernel = kernel.at[:, :, -1].set(0.0)
         per_image = (x[0].size + M.depthwise_conv(x[:1], kernel, stride)[0].size) * 8
         monkeypatch.setattr(M, "_WEIGHT_GRAD_CHUNK_BYTES", images_per_chunk * per_image)
+        monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
 
         def loss(f):
             return lambda x, k: jnp.sum(jnp.tanh(f(x, k, stride)) * jnp.arange(5.0))
@@ -65,6 +66,36 @@ def test_depthwise_weight_gradient_in_chunks_of_images(monkeypatch, stride, imag
         grad = jax.value_and_grad(loss(M.depthwise_conv), (0, 1))
         assert "scan" in str(jax.make_jaxpr(grad)(x, kernel))  # the chunked path ran
         assert_trees_close(jax.jit(grad)(x, kernel), want, rtol=1e-10, atol=1e-10)
+
+
+def test_chunked_depthwise_weight_gradient_keeps_a_split_batch_split(monkeypatch):
+    """With the batch split over two devices and chunks of two images, the chunked
+    weight gradient reads each device's own images (no all-gather, one all-reduce of the
+    [9, C] sums) and equals the unchunked one; bfloat16 inputs are summed in float32
+    across chunks."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    monkeypatch.setattr(M, "_WEIGHT_GRAD_CHUNK_BYTES", 2 * (6 * 6 * 4 * 2) * 4)
+    monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
+    x = adversarial_images((8, 6, 6, 4), key=4).astype(jnp.float32)
+    g = jax.random.normal(jax.random.key(5), (8, 6, 6, 4))
+    split = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), PartitionSpec("data"))
+    grad = jax.jit(lambda x, g: M._depthwise_weight_grad(x, g, 3, 1, 1))
+    hlo = grad.lower(jax.device_put(x, split), jax.device_put(g, split)).compile().as_text()
+    assert "all-gather" not in hlo and "all-reduce" in hlo and "while" in hlo
+    monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 10**6)  # the unchunked reference
+    want = jax.jit(lambda x, g: M._depthwise_weight_grad(x, g, 3, 1, 1))(x, g)
+    monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
+    got = grad(jax.device_put(x, split), jax.device_put(g, split))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
+    xb, gb = x.astype(jnp.bfloat16), g.astype(jnp.bfloat16)
+    low = grad(xb, gb)
+    assert low.dtype == jnp.bfloat16
+    with jax.enable_x64(True):  # the same bfloat16 inputs, summed exactly
+        exact = M._depthwise_weight_grad(xb.astype(jnp.float64), gb.astype(jnp.float64), 3, 1, 1)
+    # one bfloat16 rounding of each product and of the result, none per chunk
+    np.testing.assert_allclose(np.asarray(low, np.float64), exact, rtol=2e-2,
+                               atol=1e-2 * float(jnp.max(jnp.abs(exact))))
 
 
 def flax_batch_norm(x, scale, bias, relu6):
