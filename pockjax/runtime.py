@@ -209,9 +209,15 @@ class Session(_Artifact):
                               "path, pockjax.runtime.qemu_arm64(dir)) or `pockjax run DIR "
                               "--qemu-arm64 DIR`")
         # The compiled module is hashed first: its initialisers run when IREE loads it.
-        # The parameter archive is hashed on a second thread while IREE maps and loads it
-        # (hashlib releases the GIL): at TinyLlama-1.1B's size that hides seconds of
-        # reading. A damaged archive is reported before any error its damage caused.
+        # On a CPU device the parameter archive is hashed on a second thread while IREE
+        # maps and loads it (hashlib releases the GIL): at TinyLlama-1.1B's size that
+        # hides seconds of reading. A damaged archive is reported before any error its
+        # damage caused. Other devices hash everything first (a Vulkan load beside the
+        # hashing once lost lavapipe's device under a full test run).
+        if device not in _CPU_DEVICES:
+            check_hashes(self.path, self.manifest)
+            self._open(ir, target, device)
+            return
         check_hashes(self.path, self.manifest, names=[VMFB])
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             hashed = pool.submit(check_hashes, self.path, self.manifest,
