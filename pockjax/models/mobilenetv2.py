@@ -140,17 +140,21 @@ class DepthwiseConv(nnx.Module):
         return depthwise_conv(x, kernel[:, :, 0].astype(x.dtype), s)
 
 
+def _window(xp: jax.Array, i: int, j: int, stride: int, out_h: int, out_w: int) -> jax.Array:
+    """xp[:, i::stride, j::stride, :], out_h x out_w of it: what tap (i, j) reads."""
+    n, _, _, c = xp.shape
+    return jax.lax.slice(xp, (0, i, j, 0),
+                         (n, i + (out_h - 1) * stride + 1, j + (out_w - 1) * stride + 1, c),
+                         (1, stride, stride, 1))
+
+
 def _shifted_sum(xp: jax.Array, w: jax.Array, stride: int, out_h: int, out_w: int) -> jax.Array:
     """sum over (i, j) of xp[:, i::stride, j::stride, :] (out_h x out_w of it) * w[i, j]."""
-    n, _, _, c = xp.shape
     k = w.shape[0]
     out = None
     for i in range(k):
         for j in range(k):
-            window = jax.lax.slice(xp, (0, i, j, 0),
-                                   (n, i + (out_h - 1) * stride + 1, j + (out_w - 1) * stride + 1, c),
-                                   (1, stride, stride, 1))
-            term = window * w[i, j]
+            term = _window(xp, i, j, stride, out_h, out_w) * w[i, j]
             out = term if out is None else out + term
     return out
 
@@ -252,14 +256,10 @@ def _depthwise_weight_grad(x, g, k: int, stride: int, pad: int) -> jax.Array:
     dtype = jnp.result_type(x, g)
 
     def sums(x, g, acc_dtype=None):
-        _, out_h, out_w, c = g.shape
+        out_h, out_w = g.shape[1:3]
         xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-        return jnp.stack([
-            jnp.sum(jax.lax.slice(xp, (0, i, j, 0),
-                                  (x.shape[0], i + (out_h - 1) * stride + 1,
-                                   j + (out_w - 1) * stride + 1, c),
-                                  (1, stride, stride, 1)) * g, axis=(0, 1, 2), dtype=acc_dtype)
-            for i in range(k) for j in range(k)])
+        return jnp.stack([jnp.sum(_window(xp, i, j, stride, out_h, out_w) * g, axis=(0, 1, 2),
+                                  dtype=acc_dtype) for i in range(k) for j in range(k)])
 
     steps = n // chunk
     if steps < _WEIGHT_GRAD_MIN_CHUNKS:  # small enough: the loop would not pay
