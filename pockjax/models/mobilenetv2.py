@@ -397,22 +397,27 @@ def _batch_norm_bwd(epsilon, relu6, residuals, cotangents):
     axes = tuple(range(x.ndim - 1))
     n = x.size // x.shape[-1]
     rstd = jax.lax.rsqrt(var + epsilon)
-    a = scale * rstd  # y = (x - mean) * a + bias
-    centered = x - mean
+    a = scale * rstd  # y = x * a + shift
+    shift = bias - mean * a
     if relu6:
-        y = centered * a + bias
+        y = x * a + shift
         g = jnp.where((y > 0) & (y < 6), g, 0.0)
     g_bias = jnp.sum(g, axes)
-    g_scale = rstd * jnp.sum(g * centered, axes)  # sum(g * xhat)
+    # sum(g * xhat) = rstd * (sum(g * x) - mean * sum(g)). Written with `x - mean`, XLA's
+    # CPU backend wrote the centred copy of x to memory for the per-channel sum (its
+    # library reductions take no broadcast operand), once per batch norm: the sparse
+    # MobileNetV2 step (1.0, 128^2, batch 16) took 154 ms with the copy, 118.5 ms
+    # without. The difference cancels like flax's variance E[x^2] - E[x]^2 does in the
+    # forward, linearly in |mean| / std where the variance's error grows with its square.
+    g_scale = rstd * (jnp.sum(g * x, axes) - mean * g_bias)
     # gx = (a / n) * (n * g - g_bias - xhat * g_scale), plus the statistics' own
     # cotangents (zero unless something differentiates them; the variance is clipped at
     # 0, where its gradient is 0) (g_mean + 2 * g_var * (x - mean)) / n, written as
-    # a * g + c1 * (x - mean) + c0 with per-channel c1, c0: one elementwise pass over x
-    # and g, with no normalised copy of x kept between the sums and the result.
+    # a * g + c1 * x + c0 with per-channel c1, c0: one elementwise pass over x and g.
     g_var = jnp.where(var > 0, g_var, 0.0)
     c1 = 2 * g_var / n - (a / n) * rstd * g_scale
-    c0 = g_mean / n - (a / n) * g_bias
-    return a * g + c1 * centered + c0, g_scale, g_bias
+    c0 = g_mean / n - (a / n) * g_bias - c1 * mean
+    return a * g + c1 * x + c0, g_scale, g_bias
 
 
 batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)
