@@ -32,13 +32,14 @@ def report_result(result: dict) -> None:
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def run_row(cmd: list[str], timeout: float) -> dict:
-    """Run one row in its own process; its `report_result` dict plus `wall_s`, or
-    `{"error": reason}` (a timeout, or the last error line of a failed process)."""
+def run_row(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    """Run one row in its own process (with environment `env`, or this one's); its
+    `report_result` dict plus `wall_s`, or `{"error": reason}` (a timeout, or the last
+    error line of a failed process)."""
     t0 = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True,
-                              timeout=timeout)
+                              timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     wall = time.perf_counter() - t0

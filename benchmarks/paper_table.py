@@ -28,8 +28,9 @@ freezes), LoRA r=8 (peft), torch.compile full; JAX + optax full and multi_transf
 sparse (`pj.nnx.Trainer`); the sparse step exported to IREE host-cpu and run with
 `pj.runtime`; pockjax full and sparse on the PyTorch rows' `LlamaForCausalLM` brought in
 through `pockjax.torch` (LLaMA only), beside the Flax rows: the frontend's overhead. The JAX
-rows call `jax.clear_caches()` once the model is built, dropping the programs JAX
-compiled for its initialisers. Each row runs in its own process (peak resident memory
+rows on Flax models call `jax.clear_caches()` once the model is built, dropping the
+programs JAX compiled for its initialisers, and every row returns the C heap's freed
+pages to the OS after its first step. Each row runs in its own process (peak resident memory
 from the OS is that row's alone) with a timeout; a row that fails says why in its cell. Prints markdown
 tables and writes benchmarks/results/paper_table.md and paper_table.png.
 
@@ -253,7 +254,11 @@ def prepare(workload: str, s: dict, data_dir: str) -> dict:
 
 
 def _timed(step, steps: int, warmup: int) -> tuple[list[float], list[float]]:
-    """`step()` returns the loss as a float (synchronised); warm-up includes compilation."""
+    """`step()` returns the loss as a float (synchronised); warm-up includes compilation.
+    After the first step, every row hands the C heap's freed pages back to the OS
+    (pockjax's trainer does so itself after compiling; this gives the other rows the same)."""
+    from pockjax._host import release_freed_heap  # imports no JAX
+
     losses, times = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -262,6 +267,8 @@ def _timed(step, steps: int, warmup: int) -> tuple[list[float], list[float]]:
         if i >= warmup:
             times.append(dt)
         losses.append(loss)
+        if i == 0:
+            release_freed_heap()
     return losses, times
 
 
@@ -599,7 +606,8 @@ def run_row(workload: str, row: str, args) -> dict:
     for w in WORKLOADS:
         if getattr(args, w):
             cmd += [f"--{w}", getattr(args, w)]
-    return run_process(cmd + (["--quick"] if args.quick else []), args.timeout)
+    return run_process(cmd + (["--quick"] if args.quick else []), args.timeout,
+                       env=getattr(args, "env", None))
 
 
 PACKAGES = ("pockjax", "jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft",
@@ -754,6 +762,28 @@ def chart(all_results: dict, rows: list[str], path: str) -> None:
     write_atomic(path, buf.getvalue())
 
 
+def malloc_env(mode: str) -> tuple[dict, str]:
+    """The row processes' environment for glibc's allocator, and its description. A
+    training step's buffers are allocated afresh every step; above glibc's mmap
+    threshold each is a new mapping whose pages fault in one by one (4 KiB each),
+    unless the kernel backs it with transparent huge pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        thp = "unknown"
+    env = dict(os.environ)
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":")
+                if t and not t.startswith("glibc.malloc.hugetlb=")]
+    if mode == "hugepages":
+        tunables.append("glibc.malloc.hugetlb=1")
+    env.pop("GLIBC_TUNABLES", None)
+    if tunables:
+        env["GLIBC_TUNABLES"] = ":".join(tunables)
+    setting = f"`GLIBC_TUNABLES={env['GLIBC_TUNABLES']}`" if tunables else "glibc's default"
+    return env, f"{setting}, transparent huge pages `{thp}`"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller models (a few minutes)")
@@ -770,6 +800,10 @@ def main(argv=None):
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " +
                     ", ".join(ROWS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "paper_table.md"))
+    ap.add_argument("--malloc", choices=["hugepages", "default"], default="hugepages",
+                    help="glibc's allocator in every row's process: 'hugepages' asks the kernel "
+                         "for transparent huge pages for large allocations "
+                         "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1); 'default' runs without it")
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)
@@ -783,6 +817,7 @@ def main(argv=None):
         if [x for x in got if x not in known]:
             ap.error(f"unknown {name} {[x for x in got if x not in known]}; choose from {known}")
     command = "python " + " ".join([os.path.relpath(__file__, ROOT)] + (argv or sys.argv[1:]))
+    args.env, malloc = malloc_env(args.malloc)
     started = time.perf_counter()
     lines = ["# PockEngine's table on this machine: full, LoRA and sparse fine-tuning", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}. "
@@ -790,10 +825,12 @@ def main(argv=None):
              f"Adam {LR:g}, the same weights and batch every step. Each row in its own process: "
              f"{args.warmup} warm-up steps (compilation included), then {args.steps} timed "
              f"steps; median and min-max. Peak RSS is the row process's `ru_maxrss`; XLA temp is "
-             f"the compiled step's `memory_analysis().temp_size_in_bytes`. The JAX rows call "
-             f"`jax.clear_caches()` after building the model (JAX otherwise keeps the "
-             f"programs it compiled for the initialisers). `torch frozen` and "
-             f"`jax+optax multi_transform` train the tensors the sparse scheme trains, whole.", ""]
+             f"the compiled step's `memory_analysis().temp_size_in_bytes`. The rows on Flax models "
+             f"call `jax.clear_caches()` after building the model (JAX otherwise keeps the "
+             f"programs it compiled for the initialisers), and every row returns the C heap's "
+             f"freed pages to the OS (`malloc_trim`) after its first step. `torch frozen` and "
+             f"`jax+optax multi_transform` train the tensors the sparse scheme trains, whole. "
+             f"Allocator, every row: {malloc}.", ""]
     all_results = {}
     for w in workloads:
         s = sizes(w, args.quick, getattr(args, w))

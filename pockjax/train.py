@@ -504,9 +504,9 @@ class SparseTrainer:
         _check_not_donated(state, self.donate)
         if self.layout is not None:
             batch = self.layout.put_batch(batch)
-        compiled = _cache_size(self._step_jit)
+        entries = _cache_size(self._step_jit)
         out = self._step_jit(state, batch)
-        if _cache_size(self._step_jit) != compiled:  # this call compiled the step
+        if _cache_size(self._step_jit) != entries:  # a new signature: jit compiled the step
             release_freed_heap()
         return out
 
@@ -685,7 +685,9 @@ def _abstract(tree, what: str) -> bool:
 
 
 def _cache_size(jitted) -> int:
-    """How many programs a `jax.jit` function has compiled (-1 where jax does not say)."""
+    """Entries in a `jax.jit` function's dispatch cache, one per argument signature it
+    was called with (-1 where jax does not say). A new entry is where it compiles, or
+    reuses an executable a `lower().compile()` made."""
     size = getattr(jitted, "_cache_size", None)
     return size() if callable(size) else -1
 

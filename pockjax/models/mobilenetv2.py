@@ -392,8 +392,12 @@ def _batch_norm_fwd(x, scale, bias, epsilon, relu6):
 
 
 def _batch_norm_bwd(epsilon, relu6, residuals, cotangents):
-    x, mean, var, scale, bias = residuals
-    g, g_mean, g_var = cotangents
+    dtypes = [r.dtype for r in residuals]
+    # bfloat16 and float16 are computed in float32: sum(g * x) below can overflow float16
+    # where the centred sum would not, and lose all bfloat16 digits at |mean| / std = 10.
+    acc = jnp.promote_types(residuals[0].dtype, jnp.float32)
+    x, mean, var, scale, bias = (r.astype(acc) for r in residuals)
+    g, g_mean, g_var = (c.astype(acc) for c in cotangents)
     axes = tuple(range(x.ndim - 1))
     n = x.size // x.shape[-1]
     rstd = jax.lax.rsqrt(var + epsilon)
@@ -407,8 +411,10 @@ def _batch_norm_bwd(epsilon, relu6, residuals, cotangents):
     # CPU backend wrote the centred copy of x to memory for the per-channel sum (its
     # library reductions take no broadcast operand), once per batch norm: the sparse
     # MobileNetV2 step (1.0, 128^2, batch 16) took 154 ms with the copy, 118.5 ms
-    # without. The difference cancels like flax's variance E[x^2] - E[x]^2 does in the
-    # forward, linearly in |mean| / std where the variance's error grows with its square.
+    # without. The difference cancels: its rounding error grows linearly with
+    # |mean| / std (1e-4 relative at 300 in float32), where the forward's variance
+    # E[x^2] - E[x]^2 (flax's formula) loses digits with its square. On a channel of one
+    # value other than 0, where the exact sum is 0, this leaves rounding noise.
     g_scale = rstd * (jnp.sum(g * x, axes) - mean * g_bias)
     # gx = (a / n) * (n * g - g_bias - xhat * g_scale), plus the statistics' own
     # cotangents (zero unless something differentiates them; the variance is clipped at
@@ -417,7 +423,8 @@ def _batch_norm_bwd(epsilon, relu6, residuals, cotangents):
     g_var = jnp.where(var > 0, g_var, 0.0)
     c1 = 2 * g_var / n - (a / n) * rstd * g_scale
     c0 = g_mean / n - (a / n) * g_bias - c1 * mean
-    return a * g + c1 * x + c0, g_scale, g_bias
+    gx = a * g + c1 * x + c0
+    return gx.astype(dtypes[0]), g_scale.astype(dtypes[3]), g_bias.astype(dtypes[4])
 
 
 batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)
