@@ -232,6 +232,19 @@ def scheme_for(row: str, s: dict):
 
 
 def run_jax(row: str, s: dict, args) -> dict:
+    rss_imports = rss_mib()
+    step, _, info = jax_row(row, s, args.limit_gib)
+    losses, times = _timed(_staged(step), args.steps, args.warmup)
+    stage("end")
+    return {"losses": losses, "times": times, "rss_imports_mib": rss_imports,
+            "stages": STAGES, **info}
+
+
+def jax_row(row: str, s: dict, limit_gib: float):
+    """A JAX row's step on freshly made weights: `(step, compiled, info)`. `step()` runs
+    one step and returns its loss (synchronised); `info` holds the trained parameter
+    count and the compiled step's memory. Exits (reporting why) when the compiled step
+    does not fit under `limit_gib`."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -239,7 +252,6 @@ def run_jax(row: str, s: dict, args) -> dict:
     import pockjax as pj
     from pockjax.train import TrainState
 
-    rss_imports = rss_mib()
     lm_loss = jax_loss("llama")
     bf16 = "bf16-frozen" in row
     stage("init")
@@ -261,7 +273,7 @@ def run_jax(row: str, s: dict, args) -> dict:
                             jax.eval_shape(opt.init, pj.trainable(abstract, scheme)), scheme)
         stage("compile")
         compiled = trainer.lower(shapes, tokens).compile()
-        memory = _fits(compiled, shapes, args.limit_gib)
+        memory = _fits(compiled, shapes, limit_gib)
         _trim()
         stage("weights")
         params = arrays()
@@ -291,7 +303,7 @@ def run_jax(row: str, s: dict, args) -> dict:
         shapes = (t_shapes, f_shapes, jax.eval_shape(opt.init, t_shapes))
         stage("compile")
         compiled = jax.jit(train_step, donate_argnums=0).lower(shapes, tokens).compile()
-        memory = _fits(compiled, shapes, args.limit_gib)
+        memory = _fits(compiled, shapes, limit_gib)
         _trim()
         stage("weights")
         trained, frozen = split(arrays())
@@ -303,10 +315,7 @@ def run_jax(row: str, s: dict, args) -> dict:
             state[0], value = compiled(state[0], tokens)
             return float(jax.block_until_ready(value))
 
-    losses, times = _timed(_staged(step), args.steps, args.warmup)
-    stage("end")
-    return {"losses": losses, "times": times, "trained_params": trained_params,
-            "rss_imports_mib": rss_imports, "stages": STAGES, **memory}
+    return step, compiled, {"trained_params": trained_params, **memory}
 
 
 def _staged(step):
