@@ -3,8 +3,8 @@
 The peak is measured here: a jitted `[n, n] @ [n, n]` float32 product (2 n^3 FLOPs),
 median of `--repeats` runs, for n = 1024, 2048 and 4096; the largest rate is the peak.
 The step's FLOPs come from `SparseTrainer.report()` on TinyLlama-1.1B's shape (shapes
-only, nothing allocated; float32, sequence 128, batch 1, AdamW, last 6 blocks and the
-head trained: the `pockjax sparse last-k f32` row of `benchmarks/real_size.py`), and its
+only, nothing allocated; float32, sequence 128, batch 1, AdamW, the last 6 blocks
+trained (not the head): the `pockjax sparse last-k f32` row of `benchmarks/real_size.py`), and its
 time from that row in `benchmarks/results/real_size.json` (`--step-seconds` overrides).
 Writes benchmarks/results/matmul_peak.md.
 
@@ -104,7 +104,7 @@ def main(argv=None):
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
              "| float32 product | GFLOP/s (median of %d) |" % args.repeats, "|---|---:|"]
     lines += [f"| {n} x {n} @ {n} x {n} | {r:.1f} |" for n, r in rates.items()]
-    lines += ["", f"TinyLlama-1.1B's shape, last 6 blocks + head, float32, sequence 128: "
+    lines += ["", f"TinyLlama-1.1B's shape, last 6 blocks, float32, sequence 128: "
               f"{gflop:.1f} GFLOP per step (`report()`), {seconds:.2f} s per step ({source}): "
               f"**{achieved:.1f} GFLOP/s, {100 * achieved / peak:.0f}% of the {peak:.1f} GFLOP/s "
               f"peak** (target: at least 70%).", ""]

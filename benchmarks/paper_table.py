@@ -824,7 +824,7 @@ def main(argv=None):
              f"{versions(PACKAGES)}. Commit {commit()}. Command: `{command}`.", "",
              f"Adam {LR:g}, the same weights and batch every step. Each row in its own process: "
              f"{args.warmup} warm-up steps (compilation included), then {args.steps} timed "
-             f"steps; median and min-max. Peak RSS is the row process's `ru_maxrss`; XLA temp is "
+             f"steps; median and min-max. Peak RSS is the row process's high-water mark (`VmHWM`); XLA temp is "
              f"the compiled step's `memory_analysis().temp_size_in_bytes`. The rows on Flax models "
              f"call `jax.clear_caches()` after building the model (JAX otherwise keeps the "
              f"programs it compiled for the initialisers), and every row returns the C heap's "

@@ -814,7 +814,7 @@ def write(store: dict, args) -> None:
              f"{platform.platform()}. {versions(PACKAGES)}. Commit {commit()}.", "",
              f"AdamW {LR:g} (weight decay {WEIGHT_DECAY:g}), random weights and tokens, each "
              f"row in its own process: warm-up steps (compilation included), then timed "
-             f"steps, median. Peak RSS is the row process's `ru_maxrss`; the compiled step "
+             f"steps, median. Peak RSS is the row process's high-water mark (`VmHWM`); the compiled step "
              f"is XLA's `memory_analysis()` (arguments + temporaries). A row stopped by the "
              f"memory guard ({args.limit_gib:g} GiB) says where. Produced by "
              f"`python -m benchmarks real_size`; see the script's docstring for the rows.", ""]
