@@ -2,6 +2,7 @@
 and the machine description. Imports neither JAX nor PyTorch (rows import one of them)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import resource
@@ -33,6 +34,17 @@ def peak_rss_mib() -> float:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def trim_heap() -> None:
+    """Hand the C heap's freed pages back to the OS (glibc's `malloc_trim`; a no-op
+    elsewhere). XLA's compiler frees most of what it allocates, but glibc keeps those
+    pages resident. Only for benchmark rows: in a process running lavapipe (Vulkan on
+    the CPU) it made IREE's Vulkan device fail (`VK_ERROR_DEVICE_LOST`)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def report_result(result: dict) -> None:

@@ -53,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (ROOT, commit, report_result, rss_mib,  # noqa: E402
-                               run_row as run_process, versions)
+                               run_row as run_process, trim_heap, versions)
 
 WORKLOADS = ["llama", "mobilenetv2"]
 FOLDED = "pockjax sparse (frozen BN folded)"
@@ -255,10 +255,7 @@ def prepare(workload: str, s: dict, data_dir: str) -> dict:
 
 def _timed(step, steps: int, warmup: int) -> tuple[list[float], list[float]]:
     """`step()` returns the loss as a float (synchronised); warm-up includes compilation.
-    After the first step, every row hands the C heap's freed pages back to the OS
-    (pockjax's trainer does so itself after compiling; this gives the other rows the same)."""
-    from pockjax._host import release_freed_heap  # imports no JAX
-
+    After the first step, every row hands the C heap's freed pages back to the OS."""
     losses, times = [], []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
@@ -268,7 +265,7 @@ def _timed(step, steps: int, warmup: int) -> tuple[list[float], list[float]]:
             times.append(dt)
         losses.append(loss)
         if i == 0:
-            release_freed_heap()
+            trim_heap()
     return losses, times
 
 

@@ -55,7 +55,6 @@ benchmarks/results/real_size.md and real_size.png.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import platform
@@ -69,7 +68,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import ROOT, commit, report_result, rss_mib, versions  # noqa: E402
+from benchmarks.common import (ROOT, commit, report_result, rss_mib, trim_heap,  # noqa: E402
+                               versions)
 from benchmarks.paper_table import PACKAGES, _timed, chart, jax_loss, make_batch  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -212,15 +212,6 @@ def _fits(compiled, args, limit_gib: float) -> dict:
     return out
 
 
-def _trim() -> None:
-    """Hand the compiler's freed heap back to the OS (glibc keeps it otherwise), so the
-    row's peak RSS is the step's and not the step's plus compilation leftovers."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def scheme_for(row: str, s: dict):
     import pockjax as pj
 
@@ -232,6 +223,11 @@ def scheme_for(row: str, s: dict):
 
 
 def run_jax(row: str, s: dict, args) -> dict:
+    import jax  # noqa: F401  (counted in the baseline, as the other rows' imports are)
+    import optax  # noqa: F401
+
+    import pockjax  # noqa: F401
+
     rss_imports = rss_mib()
     step, _, info = jax_row(row, s, args.limit_gib)
     losses, times = _timed(_staged(step), args.steps, args.warmup)
@@ -274,7 +270,7 @@ def jax_row(row: str, s: dict, limit_gib: float):
         stage("compile")
         compiled = trainer.lower(shapes, tokens).compile()
         memory = _fits(compiled, shapes, limit_gib)
-        _trim()
+        trim_heap()
         stage("weights")
         params = arrays()
         stage("optimizer state")
@@ -304,7 +300,7 @@ def jax_row(row: str, s: dict, limit_gib: float):
         stage("compile")
         compiled = jax.jit(train_step, donate_argnums=0).lower(shapes, tokens).compile()
         memory = _fits(compiled, shapes, limit_gib)
-        _trim()
+        trim_heap()
         stage("weights")
         trained, frozen = split(arrays())
         stage("optimizer state")

@@ -32,7 +32,6 @@ import numpy as np
 import optax
 
 from pockjax import sharding as _sharding
-from pockjax._host import release_freed_heap
 from pockjax._jaxpr import is_var
 from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes
 from pockjax.flops import count_flops
@@ -504,11 +503,7 @@ class SparseTrainer:
         _check_not_donated(state, self.donate)
         if self.layout is not None:
             batch = self.layout.put_batch(batch)
-        entries = _cache_size(self._step_jit)
-        out = self._step_jit(state, batch)
-        if _cache_size(self._step_jit) != entries:  # a new signature: jit compiled the step
-            release_freed_heap()
-        return out
+        return self._step_jit(state, batch)
 
     def shard_batch(self, batch):
         """The batch placed on the trainer's mesh (split over the data axis); with
@@ -682,14 +677,6 @@ def _abstract(tree, what: str) -> bool:
                         f"{what}{jax.tree_util.keystr(leaves[0][0])} is not: give all arrays "
                         f"(to train) or all jax.ShapeDtypeStructs (to report or lower)")
     return bool(shapes) and all(shapes)
-
-
-def _cache_size(jitted) -> int:
-    """Entries in a `jax.jit` function's dispatch cache, one per argument signature it
-    was called with (-1 where jax does not say). A new entry is where it compiles, or
-    reuses an executable a `lower().compile()` made."""
-    size = getattr(jitted, "_cache_size", None)
-    return size() if callable(size) else -1
 
 
 def _check_not_donated(state: TrainState, donate: bool) -> None:

@@ -161,30 +161,6 @@ def test_decorator_form_and_default_scheme_trains_everything():
     assert_trees_close(state.params, want)
 
 
-def test_the_heap_the_compiler_freed_is_returned_once_per_compilation(monkeypatch):
-    import pockjax.train as train
-
-    calls = []
-    monkeypatch.setattr(train, "release_freed_heap", lambda: calls.append(1))
-    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1), scheme=MIXED)
-    state = trainer.init(_mlp_params())
-    for batch in _batches(3):  # one compilation
-        state, _ = trainer(state, batch)
-    assert len(calls) == 1
-    state, _ = trainer(state, _batches(1, b=5)[0])  # a new batch shape compiles again
-    assert len(calls) == 2
-
-
-def test_release_freed_heap_finds_glibc_malloc_trim():
-    import platform
-
-    from pockjax import _host
-
-    _host.release_freed_heap()
-    if platform.libc_ver()[0] == "glibc":
-        assert _host._malloc_trim() is not None
-
-
 def test_donation_deletes_old_buffers_and_frozen_leaves_pass_through():
     params = _mlp_params()
     trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-3), scheme=MIXED)
