@@ -810,7 +810,10 @@ def write(store: dict, args) -> None:
              f"{platform.platform()}. {versions(PACKAGES)}. Commit {commit()}.", "",
              f"AdamW {LR:g} (weight decay {WEIGHT_DECAY:g}), random weights and tokens, each "
              f"row in its own process: warm-up steps (compilation included), then timed "
-             f"steps, median. Peak RSS is the row process's high-water mark (`VmHWM`); the compiled step "
+             f"steps, median. Peak RSS is the row process's high-water mark (`VmHWM`; rows "
+             f"run before 2026-11-24 12:00 UTC read `ru_maxrss`, which also counts the "
+             f"starting process's resident memory); after its first step a row hands freed "
+             f"heap back to the OS; the compiled step "
              f"is XLA's `memory_analysis()` (arguments + temporaries). A row stopped by the "
              f"memory guard ({args.limit_gib:g} GiB) says where. Produced by "
              f"`python -m benchmarks real_size`; see the script's docstring for the rows.", ""]
