@@ -86,8 +86,12 @@ def versions(names) -> str:
 
 
 def commit() -> str:
+    """The checkout's commit, with "+ uncommitted changes" when its files differ from it."""
     try:
-        return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
+        head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+    return head + (" + uncommitted changes" if dirty else "")
