@@ -39,8 +39,7 @@ def peak_rss_mib() -> float:
 def trim_heap() -> None:
     """Hand the C heap's freed pages back to the OS (glibc's `malloc_trim`; a no-op
     elsewhere). XLA's compiler frees most of what it allocates, but glibc keeps those
-    pages resident. Only for benchmark rows: in a process running lavapipe (Vulkan on
-    the CPU) it made IREE's Vulkan device fail (`VK_ERROR_DEVICE_LOST`)."""
+    pages resident. The library does not call it (README, "The process's own memory")."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

@@ -18,17 +18,21 @@ a session holds the parameters once.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import platform
 import sys
+import threading
+import warnings
 
 import numpy as np
 
 from pockjax.export.manifest import PARAMS, VMFB, check_hashes, read_manifest
 from pockjax.export.targets import ExportError
 
-__all__ = ["load", "Session", "ToolSession", "qemu_arm64", "DEVICES", "IncompatibleDevice"]
+__all__ = ["load", "Session", "ToolSession", "qemu_arm64", "DEVICES", "IncompatibleDevice",
+           "DeviceLost"]
 
 DEVICES = ("local-task", "local-sync", "vulkan", "cuda")
 _CPU_DEVICES = ("local-task", "local-sync")
@@ -36,6 +40,36 @@ _CPU_DEVICES = ("local-task", "local-sync")
 
 class IncompatibleDevice(ExportError):
     """The device lacks what the artifact was compiled for (it would compute wrong)."""
+
+
+class DeviceLost(ExportError):
+    """The Vulkan driver lost the device during a call (VK_ERROR_DEVICE_LOST). Every
+    buffer on it is gone, the session's trained state with them; the device is dropped,
+    so the next `load` opens a new one."""
+
+
+# What IREE's error text says when the driver lost the device.
+_LOST = ("VK_ERROR_DEVICE_LOST",)
+
+# The devices sessions run on, one per URI, created here rather than through
+# `iree.runtime.get_device`'s process-wide cache: a lost device must be dropped, or every
+# later load in the process fails on it.
+_devices: dict[str, object] = {}
+_devices_lock = threading.Lock()
+
+
+def _open_device(ir, uri: str):
+    with _devices_lock:
+        device = _devices.get(uri)
+        if device is None:
+            device = _devices[uri] = ir.get_device(uri, cache=False)
+        return device
+
+
+def _drop_device(uri: str, device) -> None:
+    with _devices_lock:
+        if _devices.get(uri) is device:
+            del _devices[uri]
 
 
 def _check_vulkan(path: str, manifest: dict) -> None:
@@ -196,7 +230,7 @@ class Session(_Artifact):
         self.device_name = device
         self._ir = ir
         try:
-            self.device = ir.get_device(device)
+            self.device = _open_device(ir, device)
         except Exception as e:
             raise ExportError(f"IREE device {device!r} is not available here: {e}") from None
         if backend == "vulkan":
@@ -212,8 +246,7 @@ class Session(_Artifact):
         # On a CPU device the parameter archive is hashed on a second thread while IREE
         # maps and loads it (hashlib releases the GIL): at TinyLlama-1.1B's size that
         # hides seconds of reading. A damaged archive is reported before any error its
-        # damage caused. Other devices hash everything first (a Vulkan load beside the
-        # hashing once lost lavapipe's device under a full test run).
+        # damage caused. Other devices hash everything first.
         if device not in _CPU_DEVICES:
             check_hashes(self.path, self.manifest)
             self._open(ir, target, device)
@@ -249,7 +282,8 @@ class Session(_Artifact):
                          ir.create_io_parameters_module(self.instance, provider),
                          ir.VmModule.copy_buffer(self.instance, vmfb)]
         try:
-            self.context = ir.VmContext(self.instance, modules=self._modules)
+            with self._lost_device("loading"):
+                self.context = ir.VmContext(self.instance, modules=self._modules)
         except RuntimeError as e:
             raise ExportError(f"IREE could not load artifact '{self.path}' (target {target!r}) "
                               f"on device {device!r}: {e}") from None
@@ -264,10 +298,30 @@ class Session(_Artifact):
         # again if the step touches it (unpacked weights, the embedding rows a batch
         # gathers).
         _release(view for _, view in self._views())
-        self._state = self._initial_state()
+        with self._lost_device("loading"):
+            self._state = self._initial_state()
 
     def __repr__(self) -> str:
         return f"Session({self.path!r}, device={self.device_name!r})"
+
+    @contextlib.contextmanager
+    def _lost_device(self, what: str):
+        """Turn the driver's device loss during `what` into `DeviceLost` and drop the
+        device. Mesa's lavapipe (Debian 12's 22.3) loses it at random under IREE 3.13:
+        IREE's queue threads can signal its wakeup semaphore out of order, and lavapipe's
+        emulated timeline semaphores declare the device lost when a value does not
+        increase (README, "Vulkan on lavapipe: device loss")."""
+        try:
+            yield
+        except (RuntimeError, ExportError) as e:
+            if not any(m in str(e) for m in _LOST):
+                raise
+            _drop_device(self.device_name, self.device)
+            raise DeviceLost(
+                f"the {self.device_name!r} device was lost during {what} of artifact "
+                f"'{self.path}': {str(e).splitlines()[0]}. Its buffers are gone, the trained "
+                "state with them. Load the artifact again (pockjax.runtime.load opens a new "
+                "device) and continue from the last checkpoint you saved (Session.save).") from None
 
     def _host(self, array) -> np.ndarray:
         """A numpy copy of a device array.
@@ -295,20 +349,23 @@ class Session(_Artifact):
     def step(self, batch) -> dict[str, np.ndarray]:
         """One training step on the device; returns the metrics as numpy values."""
         args = self._batch_args(batch)
-        outs = _as_list(self._fn["train_step"](*self._state, *args))
-        n = len(self._state)
-        self._state = list(outs[:n])
-        names = self.manifest["functions"]["train_step"]["outputs"]
-        return {name: self._host(o) for name, o in zip(names, outs[n:])}
+        with self._lost_device("a training step"):
+            outs = _as_list(self._fn["train_step"](*self._state, *args))
+            n = len(self._state)
+            self._state = list(outs[:n])
+            names = self.manifest["functions"]["train_step"]["outputs"]
+            return {name: self._host(o) for name, o in zip(names, outs[n:])}
 
     def evaluate(self, batch) -> np.ndarray:
         """The loss on `batch` with the current parameters (no update)."""
-        out = self._fn["eval"](*(self._state[i] for i in self._eval_indices()),
-                               *self._batch_args(batch))
-        return self._host(_as_list(out)[0])
+        args = self._batch_args(batch)
+        with self._lost_device("an evaluation"):
+            out = self._fn["eval"](*(self._state[i] for i in self._eval_indices()), *args)
+            return self._host(_as_list(out)[0])
 
     def _state_value(self, i):
-        return self._host(self._state[i])
+        with self._lost_device("reading the state"):
+            return self._host(self._state[i])
 
     def _views(self) -> list[tuple[str, memoryview]]:
         """`(name, bytes)` of every parameter, as views of the mapped archive."""
@@ -480,5 +537,15 @@ def _as_list(outs) -> list:
 
 
 def load(path: str, device: str = "local-task") -> Session:
-    """Load an exported artifact directory onto an IREE device."""
-    return Session(path, device)
+    """Load an exported artifact directory onto an IREE device.
+
+    If the driver loses the device while loading (nothing is trained yet), the artifact
+    is loaded once more on a new device, with a warning; a second loss raises
+    `DeviceLost`."""
+    try:
+        return Session(path, device)
+    except DeviceLost as e:
+        warnings.warn(f"the {device!r} device was lost while loading '{path}' "
+                      f"({str(e).split(': ', 1)[-1].split('. Its buffers')[0]}); loading it "
+                      "again on a new device", RuntimeWarning, stacklevel=2)
+        return Session(path, device)

@@ -222,8 +222,31 @@ def run_against_jax(sess, trainer, params, batch, steps=3):
     state = trainer.init(params)
     for _ in range(steps):
         got = sess.step(batch)
-        state, want = trainer(state, batch)
+        state, want = jax.block_until_ready(trainer(state, batch))  # not beside the next step
         assert_metrics_match(got, want)
     assert_trees_close(sess.params(), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
     assert sess.step_count == steps
     return state
+
+
+def run_vulkan_against_jax(path, trainer, params, batch, steps=3, attempts=3):
+    """`run_against_jax` for an artifact on the Vulkan device, from a fresh load.
+
+    lavapipe (Debian 12's Mesa 22.3) loses the device at random under IREE 3.13: IREE's
+    queue threads can signal a timeline semaphore out of order and lavapipe's emulated
+    timelines treat that as device loss (README, "Vulkan on lavapipe: device loss"). The runtime
+    raises `DeviceLost` and opens a new device on the next load; here the whole run is
+    repeated from the artifact's initial state, with a warning, at most `attempts` times.
+    Every repeated run is checked in full; any other failure is not repeated."""
+    import warnings
+
+    from pockjax import runtime
+
+    for attempt in range(1, attempts + 1):
+        try:
+            return run_against_jax(runtime.load(path, device="vulkan"), trainer, params,
+                                   batch, steps)
+        except runtime.DeviceLost as e:
+            if attempt == attempts:
+                raise
+            warnings.warn(f"attempt {attempt}: {e}; repeating the run on a new device")

@@ -7,7 +7,7 @@ import pytest
 
 from pockjax import runtime
 from pockjax.export import ExportError, vulkan
-from tests.export.models import MODELS, make, run_against_jax
+from tests.export.models import MODELS, make, run_vulkan_against_jax
 
 STEPS = 3
 
@@ -30,8 +30,7 @@ def exported(request, tmp_path_factory):
 
 def test_vulkan_artifact_matches_the_jax_trainer(exported):
     trainer, params, batch, art = exported
-    sess = runtime.load(art.path, device="vulkan")
-    run_against_jax(sess, trainer, params, batch, STEPS)
+    run_vulkan_against_jax(art.path, trainer, params, batch, STEPS)
 
 
 def test_manifest_records_the_compiled_for_gpu(exported):
@@ -131,7 +130,7 @@ def test_narrow_tensors_in_memory_are_refused_without_8bit_storage(tmp_path):
                        out_dir=tmp_path / "baseline")
     assert not (tmp_path / "baseline").exists()
     art = trainer.export(trainer.init(params), batch, target="host-vulkan", out_dir=tmp_path / "host")
-    run_against_jax(runtime.load(art.path, device="vulkan"), trainer, params, batch, STEPS)
+    run_vulkan_against_jax(art.path, trainer, params, batch, STEPS)
 
 
 def test_narrow_batch_inputs_are_refused_without_8bit_storage(tmp_path):
@@ -148,3 +147,62 @@ def test_narrow_batch_inputs_are_refused_without_8bit_storage(tmp_path):
     batch = {"x": jax.random.normal(jax.random.key(0), (4, 8)), "flag": np.int8(1)}
     with pytest.raises(ExportError, match=r"int8 \('flag'\)"):
         trainer.export(trainer.init(params), batch, target="android-vulkan", out_dir=tmp_path / "a")
+
+
+# What IREE 3.13 raised in CI when lavapipe had lost the device in a step.
+LOST = ("Error invoking function: c/runtime/src/iree/hal/drivers/vulkan/queue.c:2867: "
+        "DATA_LOSS; [vkSignalSemaphore] VK_ERROR_DEVICE_LOST; while invoking native function "
+        "hal.fence.await; while calling variadic import;")
+
+
+def test_a_lost_device_is_reported_and_replaced(tmp_path):
+    trainer, params, batch = make("mlp")
+    art = trainer.export(trainer.init(params), batch, target="host-vulkan", out_dir=tmp_path / "a")
+    sess = runtime.load(art.path, device="vulkan")
+    lost = sess.device
+
+    def raise_(message):
+        def call(*args):
+            raise RuntimeError(message)
+        return call
+
+    # Another runtime error passes through as it is, and the device stays.
+    sess._fn["train_step"] = raise_("Error invoking function: INVALID_ARGUMENT; shape")
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
+        sess.step(batch)
+    assert runtime.load(art.path, device="vulkan").device is lost
+
+    sess._fn["train_step"] = raise_(LOST)
+    with pytest.raises(runtime.DeviceLost, match=r"'vulkan' device was lost during a training "
+                                                 r"step of artifact '.*/a': .*VK_ERROR_DEVICE_"
+                                                 r"LOST.*Load the artifact again"):
+        sess.step(batch)
+    again = runtime.load(art.path, device="vulkan")
+    assert again.device is not lost
+    assert runtime.load(art.path, device="vulkan").device is again.device
+    run_vulkan_against_jax(art.path, trainer, params, batch, STEPS)
+
+
+def test_a_load_that_loses_the_device_is_repeated_once(tmp_path, monkeypatch):
+    trainer, params, batch = make("mlp")
+    art = trainer.export(trainer.init(params), batch, target="host-vulkan", out_dir=tmp_path / "a")
+    initial_state = runtime.Session._initial_state
+    losses = []
+
+    def flaky(self):
+        if len(losses) < limit:
+            losses.append(self.device)
+            raise RuntimeError(LOST)
+        return initial_state(self)
+
+    monkeypatch.setattr(runtime.Session, "_initial_state", flaky)
+    limit = 1
+    with pytest.warns(RuntimeWarning, match=r"'vulkan' device was lost while loading .*"
+                                             r"loading it again on a new device"):
+        sess = runtime.load(art.path, device="vulkan")
+    assert sess.device is not losses[0]
+    assert sess.step_count == 0
+    limit, losses[:] = 2, []
+    with pytest.warns(RuntimeWarning), pytest.raises(runtime.DeviceLost, match="during loading"):
+        runtime.load(art.path, device="vulkan")
+    assert losses[0] is not losses[1]
