@@ -45,11 +45,17 @@ class IncompatibleDevice(ExportError):
 class DeviceLost(ExportError):
     """The Vulkan driver lost the device during a call (VK_ERROR_DEVICE_LOST). Every
     buffer on it is gone, the session's trained state with them; the device is dropped,
-    so the next `load` opens a new one."""
+    so the next `load` opens a new one. `during` names the call, `driver_message` is
+    IREE's error."""
+
+    def __init__(self, message: str, during: str, driver_message: str):
+        super().__init__(message)
+        self.during = during
+        self.driver_message = driver_message
 
 
 # What IREE's error text says when the driver lost the device.
-_LOST = ("VK_ERROR_DEVICE_LOST",)
+_LOST = "VK_ERROR_DEVICE_LOST"
 
 # The devices sessions run on, one per URI, created here rather than through
 # `iree.runtime.get_device`'s process-wide cache: a lost device must be dropped, or every
@@ -246,7 +252,9 @@ class Session(_Artifact):
         # On a CPU device the parameter archive is hashed on a second thread while IREE
         # maps and loads it (hashlib releases the GIL): at TinyLlama-1.1B's size that
         # hides seconds of reading. A damaged archive is reported before any error its
-        # damage caused. Other devices hash everything first.
+        # damage caused. Other devices hash everything first: a busy thread beside a
+        # Vulkan load makes lavapipe's device loss likelier (README, "Vulkan on
+        # lavapipe: device loss").
         if device not in _CPU_DEVICES:
             check_hashes(self.path, self.manifest)
             self._open(ir, target, device)
@@ -281,12 +289,12 @@ class Session(_Artifact):
         self._modules = [ir.create_hal_module(self.instance, self.device),
                          ir.create_io_parameters_module(self.instance, provider),
                          ir.VmModule.copy_buffer(self.instance, vmfb)]
-        try:
-            with self._lost_device("loading"):
+        with self._lost_device("loading"):
+            try:
                 self.context = ir.VmContext(self.instance, modules=self._modules)
-        except RuntimeError as e:
-            raise ExportError(f"IREE could not load artifact '{self.path}' (target {target!r}) "
-                              f"on device {device!r}: {e}") from None
+            except RuntimeError as e:
+                raise ExportError(f"IREE could not load artifact '{self.path}' (target "
+                                  f"{target!r}) on device {device!r}: {e}") from None
         main = self._modules[-1]
         fns = self.manifest["functions"]
         self._fn = {name: ir.FunctionInvoker(self.context, self.device, main.lookup_function(name))
@@ -313,15 +321,18 @@ class Session(_Artifact):
         increase (README, "Vulkan on lavapipe: device loss")."""
         try:
             yield
-        except (RuntimeError, ExportError) as e:
-            if not any(m in str(e) for m in _LOST):
+        except RuntimeError as e:  # IREE's errors, and pockjax's ExportErrors wrapping them
+            text = str(e)
+            if _LOST not in text:
                 raise
             _drop_device(self.device_name, self.device)
+            line = next(ln for ln in text.splitlines() if _LOST in ln).strip().rstrip(";")
             raise DeviceLost(
                 f"the {self.device_name!r} device was lost during {what} of artifact "
-                f"'{self.path}': {str(e).splitlines()[0]}. Its buffers are gone, the trained "
-                "state with them. Load the artifact again (pockjax.runtime.load opens a new "
-                "device) and continue from the last checkpoint you saved (Session.save).") from None
+                f"'{self.path}' ({line}). Its buffers are gone, the trained state with "
+                "them. Load the artifact again (pockjax.runtime.load opens a new device) and "
+                "continue from the last checkpoint you saved (Session.save).",
+                during=what, driver_message=line) from None
 
     def _host(self, array) -> np.ndarray:
         """A numpy copy of a device array.
@@ -404,7 +415,8 @@ class Session(_Artifact):
         names = self.manifest["functions"]["frozen"]["outputs"]
         arrays = self._archive_arrays(names)
         if arrays is None:
-            return [self._host(x) for x in _as_list(self._fn["frozen"]())]
+            with self._lost_device("reading the frozen weights"):
+                return [self._host(x) for x in _as_list(self._fn["frozen"]())]
         out = [x.copy() for x in arrays]
         _release(arrays)
         return out
@@ -546,6 +558,7 @@ def load(path: str, device: str = "local-task") -> Session:
         return Session(path, device)
     except DeviceLost as e:
         warnings.warn(f"the {device!r} device was lost while loading '{path}' "
-                      f"({str(e).split(': ', 1)[-1].split('. Its buffers')[0]}); loading it "
-                      "again on a new device", RuntimeWarning, stacklevel=2)
-        return Session(path, device)
+                      f"({e.driver_message}); loading it again on a new device",
+                      RuntimeWarning, stacklevel=2)
+    # Outside the handler: the failed session, referenced from the traceback, is freed.
+    return Session(path, device)

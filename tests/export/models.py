@@ -1,4 +1,6 @@
 """Small models with sparse schemes (Full, Frozen and Channels leaves) for export tests."""
+import warnings
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -238,8 +240,6 @@ def run_vulkan_against_jax(path, trainer, params, batch, steps=3, attempts=3):
     raises `DeviceLost` and opens a new device on the next load; here the whole run is
     repeated from the artifact's initial state, with a warning, at most `attempts` times.
     Every repeated run is checked in full; any other failure is not repeated."""
-    import warnings
-
     from pockjax import runtime
 
     for attempt in range(1, attempts + 1):

@@ -155,52 +155,78 @@ LOST = ("Error invoking function: c/runtime/src/iree/hal/drivers/vulkan/queue.c:
         "hal.fence.await; while calling variadic import;")
 
 
+def _raise(message):
+    def call(*args, **kwargs):
+        raise RuntimeError(message)
+    return call
+
+
 def test_a_lost_device_is_reported_and_replaced(tmp_path):
     trainer, params, batch = make("mlp")
     art = trainer.export(trainer.init(params), batch, target="host-vulkan", out_dir=tmp_path / "a")
     sess = runtime.load(art.path, device="vulkan")
     lost = sess.device
 
-    def raise_(message):
-        def call(*args):
-            raise RuntimeError(message)
-        return call
-
     # Another runtime error passes through as it is, and the device stays.
-    sess._fn["train_step"] = raise_("Error invoking function: INVALID_ARGUMENT; shape")
-    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"):
+    sess._fn["train_step"] = _raise("Error invoking function: INVALID_ARGUMENT; shape")
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT") as e:
         sess.step(batch)
+    assert type(e.value) is RuntimeError
     assert runtime.load(art.path, device="vulkan").device is lost
 
-    sess._fn["train_step"] = raise_(LOST)
-    with pytest.raises(runtime.DeviceLost, match=r"'vulkan' device was lost during a training "
-                                                 r"step of artifact '.*/a': .*VK_ERROR_DEVICE_"
-                                                 r"LOST.*Load the artifact again"):
-        sess.step(batch)
+    # Each call that touches the device: the loss is named, and the device replaced.
+    def step(s):
+        s._fn["train_step"] = _raise(LOST)
+        s.step(batch)
+
+    def evaluate(s):
+        s._fn["eval"] = _raise(LOST)
+        s.evaluate(batch)
+
+    def params_(s):
+        s._host = _raise(LOST)
+        s.params()
+
+    for call, what in [(step, "a training step"), (evaluate, "an evaluation"),
+                       (params_, "reading the state")]:
+        sess = runtime.load(art.path, device="vulkan")
+        with pytest.raises(runtime.DeviceLost, match=rf"'vulkan' device was lost during {what} "
+                                                     r"of artifact '.*/a' \(.*VK_ERROR_DEVICE_"
+                                                     r"LOST.*import\)\. .*Load the artifact again"):
+            call(sess)
+        assert runtime.load(art.path, device="vulkan").device is not sess.device
     again = runtime.load(art.path, device="vulkan")
-    assert again.device is not lost
     assert runtime.load(art.path, device="vulkan").device is again.device
     run_vulkan_against_jax(art.path, trainer, params, batch, STEPS)
 
 
-def test_a_load_that_loses_the_device_is_repeated_once(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["context", "state"])
+def test_a_load_that_loses_the_device_is_repeated_once(tmp_path, monkeypatch, where):
+    """A loss while IREE loads the module (its initialisers run) or while the state is
+    uploaded: the load is repeated once on a new device; a second loss is raised."""
+    import iree.runtime as ir
+
     trainer, params, batch = make("mlp")
     art = trainer.export(trainer.init(params), batch, target="host-vulkan", out_dir=tmp_path / "a")
-    initial_state = runtime.Session._initial_state
     losses = []
+    if where == "context":
+        real, name, owner = ir.VmContext, "VmContext", ir
+    else:
+        real, name, owner = runtime.Session._initial_state, "_initial_state", runtime.Session
 
-    def flaky(self):
+    def flaky(*args, **kwargs):
         if len(losses) < limit:
-            losses.append(self.device)
+            losses.append(runtime._devices.get("vulkan"))
             raise RuntimeError(LOST)
-        return initial_state(self)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(runtime.Session, "_initial_state", flaky)
+    monkeypatch.setattr(owner, name, flaky)
     limit = 1
-    with pytest.warns(RuntimeWarning, match=r"'vulkan' device was lost while loading .*"
-                                             r"loading it again on a new device"):
+    with pytest.warns(RuntimeWarning, match=r"'vulkan' device was lost while loading '.*/a' "
+                                             r"\(.*VK_ERROR_DEVICE_LOST.*import\); loading it "
+                                             r"again on a new device"):
         sess = runtime.load(art.path, device="vulkan")
-    assert sess.device is not losses[0]
+    assert losses[0] is not None and sess.device is not losses[0]
     assert sess.step_count == 0
     limit, losses[:] = 2, []
     with pytest.warns(RuntimeWarning), pytest.raises(runtime.DeviceLost, match="during loading"):
