@@ -1,6 +1,8 @@
 """Shared checks: a sparse gradient must equal dense `jax.grad` sliced the same way."""
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 
@@ -50,3 +52,28 @@ def flops(fn, *args) -> float:
 
 def temp_bytes(fn, *args) -> int:
     return int(jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes)
+
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+
+
+def run_example(script: str, *args: str, timeout: int = 900) -> str:
+    """Run `examples/<script>` as a user does and return its standard output.
+
+    The examples that step an artifact on lavapipe can lose the Vulkan device at random
+    (README, "Vulkan on lavapipe: device loss"); a run that failed with
+    `pockjax.runtime.DeviceLost` is repeated once, with a warning. Any other failure is
+    not repeated."""
+    import subprocess
+    import sys
+    import warnings
+
+    for attempt in (1, 2):
+        proc = subprocess.run([sys.executable, script, *args], cwd=EXAMPLES,
+                              capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0 or attempt == 2 or "DeviceLost" not in proc.stderr:
+            break
+        warnings.warn(f"{script} lost the Vulkan device ({proc.stderr.strip().splitlines()[-1]}); "
+                      "running it again")
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout

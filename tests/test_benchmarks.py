@@ -30,3 +30,18 @@ def test_profile_groups_convolutions_by_kind():
     groups = hlo_groups(compiled.as_text())
     kinds = set(groups.values())
     assert {"depthwise conv", "conv", "matmul"} <= kinds, groups
+
+
+def test_malloc_env_sets_only_the_huge_page_tunable(monkeypatch):
+    from benchmarks.paper_table import malloc_env
+
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0")
+    env, text = malloc_env("hugepages")
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert text.startswith("`GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1`")
+    env, text = malloc_env("default")
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"   # the user's own kept
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    env, text = malloc_env("default")
+    assert "GLIBC_TUNABLES" not in env and text.startswith("glibc's default")
+    assert "transparent huge pages `" in text

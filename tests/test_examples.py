@@ -1,16 +1,5 @@
 """The examples run end to end (in their fast settings), as a user runs them."""
-import os
-import subprocess
-import sys
-
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-
-
-def run(script: str, *args: str, timeout: int = 900) -> str:
-    proc = subprocess.run([sys.executable, script, *args], cwd=EXAMPLES, capture_output=True,
-                          text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
+from tests.helpers import run_example as run
 
 
 def test_demo_fine_tunes_exports_and_continues_in_the_artifacts(tmp_path):
@@ -68,3 +57,26 @@ def test_search_schemes_fast(tmp_path):
     import pockjax as pj
     scheme = pj.Scheme.from_json((tmp_path / "scheme.json").read_text())
     assert scheme.rules and (tmp_path / "search.png").exists()
+
+
+def test_an_example_that_lost_the_device_runs_once_more(tmp_path):
+    import pytest
+
+    first = tmp_path / "first-run"
+    script = tmp_path / "flaky.py"
+    script.write_text(
+        "import os\n"
+        "from pockjax.runtime import DeviceLost\n"
+        f"if not os.path.exists({str(first)!r}):\n"
+        f"    open({str(first)!r}, 'w').close()\n"
+        "    raise DeviceLost('device lost', during='a training step',\n"
+        "                     driver_message='VK_ERROR_DEVICE_LOST')\n"
+        "print('second run')\n")
+    with pytest.warns(UserWarning, match="flaky.py lost the Vulkan device"):
+        assert run(str(script)) == "second run\n"
+    runs = tmp_path / "runs"
+    script.write_text(f"open({str(runs)!r}, 'a').write('x')\n"
+                      "raise SystemExit('another failure: VK_ERROR_DEVICE_LOST in a message')\n")
+    with pytest.raises(AssertionError, match="another failure"):
+        run(str(script))
+    assert runs.read_text() == "x"

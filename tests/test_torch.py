@@ -530,14 +530,10 @@ def test_search_on_torch_params(small_torch_trainer):
 
 
 def test_example_torch_hf_finetune_fast(tmp_path):
-    import subprocess
-    import sys
+    from tests.helpers import run_example
 
-    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-    proc = subprocess.run([sys.executable, "torch_hf_finetune.py", "--fast", "--out", str(tmp_path)],
-                          cwd=examples, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "exported android-vulkan" in proc.stdout
+    out = run_example("torch_hf_finetune.py", "--fast", "--out", str(tmp_path))
+    assert "exported android-vulkan" in out
     assert (tmp_path / "tuned" / "config.json").exists()
 
 
