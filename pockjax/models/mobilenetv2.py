@@ -353,9 +353,13 @@ class ConvBN(nnx.Module):
             return jax.nn.relu6(y) if self.relu6 else y
         y, mean, var = batch_norm(self._conv(x, self.conv.kernel[...]), bn.scale[...], bn.bias[...],
                                   bn.epsilon, self.relu6)
-        # flax's update of the running statistics (nnx.BatchNorm in training mode)
-        bn.mean[...] = jax.lax.stop_gradient(bn.momentum * bn.mean[...] + (1 - bn.momentum) * mean)
-        bn.var[...] = jax.lax.stop_gradient(bn.momentum * bn.var[...] + (1 - bn.momentum) * var)
+        # flax's update of the running statistics (nnx.BatchNorm in training mode), kept in
+        # their own dtype (float64 activations over float32 statistics would write float64
+        # into them: JAX warns that this will become an error)
+        for stat, new in ((bn.mean, mean), (bn.var, var)):
+            old = stat[...]
+            stat[...] = jax.lax.stop_gradient(
+                bn.momentum * old + (1 - bn.momentum) * new).astype(old.dtype)
         return y
 
 
