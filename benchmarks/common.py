@@ -13,26 +13,33 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def proc_status_kib(*keys: str) -> dict[str, int]:
+    """These fields of `/proc/self/status` (`VmRSS`, `VmHWM`, ...) in KiB; the ones
+    missing (or all, off Linux) are left out."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in keys:
+                    out[key] = int(line.split()[1])
+    except OSError:
+        pass
+    return out
+
+
 def rss_mib() -> float:
     """This process's resident memory now."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+    return proc_status_kib("VmRSS").get("VmRSS", float("nan")) / 1024
 
 
 def peak_rss_mib() -> float:
     """This process's peak resident memory, from the OS: `VmHWM` on Linux. Not
     `ru_maxrss`, which a process started by fork and exec inherits from its parent: a
     row using 13 MiB reported the 814 MiB of the process that started it."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        pass
+    hwm = proc_status_kib("VmHWM").get("VmHWM")
+    if hwm is not None:
+        return hwm / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

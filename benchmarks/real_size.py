@@ -68,8 +68,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (ROOT, commit, report_result, rss_mib, trim_heap,  # noqa: E402
-                               versions)
+from benchmarks.common import (ROOT, commit, proc_status_kib, report_result,  # noqa: E402
+                               rss_mib, trim_heap, versions)
 from benchmarks.paper_table import PACKAGES, _timed, chart, jax_loss, make_batch  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -110,12 +110,8 @@ STAGES: list[tuple[str, float, float]] = []
 
 def _vm() -> tuple[float, float]:
     """(VmRSS, VmHWM) of this process in GiB."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                out[line[:5]] = int(line.split()[1]) / 2**20
-    return out.get("VmRSS", 0.0), out.get("VmHWM", 0.0)
+    kib = proc_status_kib("VmRSS", "VmHWM")
+    return kib.get("VmRSS", 0) / 2**20, kib.get("VmHWM", 0) / 2**20
 
 
 def stage(text: str) -> None:
