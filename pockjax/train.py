@@ -447,11 +447,12 @@ class SparseTrainer:
         return SparseTrainer(**{**settings, **changes})
 
     def step(self, state: TrainState, batch, *, placement: str | None = None,
-             ties: str = "barrier"):
+             ties: str = "data"):
         """The training step as a function to trace (`trainer(state, batch)` runs it
         jitted, with the state donated): `(state, batch) -> (new state, metrics)`.
         `placement="global"` forces the single-barrier update (the simple alternative,
-        for comparisons); `ties` see `pockjax.optim.fused.fused_step`."""
+        for comparisons); `ties` ("data" or "barrier"): how each in-place write is ordered
+        after the parameter's last reads, see `pockjax.optim.fused.fused_step`."""
         _, info, aux_def, decisions, _ = self._grad.trace(state.params, batch)
         param_leaves = jax.tree_util.tree_leaves(state.params)
         other = [x for x in jax.tree_util.tree_leaves(([None, batch], {})) if is_dynamic(x)]

@@ -1,4 +1,5 @@
 """`sparse_train`: N steps equal a plain reference; donation, memory, reports, fit."""
+import functools
 import warnings
 
 import jax
@@ -8,6 +9,7 @@ import optax
 import pytest
 
 import pockjax as pj
+from pockjax._jaxpr import inline_calls, is_var, producers
 from tests.helpers import assert_trees_close
 
 D = 16
@@ -193,16 +195,44 @@ def test_reusing_a_donated_state_says_what_happened():
     assert_trees_close(a.params, b.params, rtol=0, atol=0)
 
 
-def test_updates_are_interleaved_with_the_backward_pass():
+@pytest.mark.parametrize("ties", ["data", "barrier"])
+def test_updates_are_interleaved_with_the_backward_pass(ties):
+    """Each new weight is computed from the outputs of every equation that reads the old
+    one (so no compiler can write it in place before those reads), and the last layer is
+    updated before the first layer's weight gradient exists (program order)."""
     trainer = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1), scheme=pj.Scheme(
         {"*/w": pj.Full()}, default=pj.Frozen()))
-    params = _mlp_params()
-    text = trainer.lower(trainer.init(params), _batches(1)[0]).as_text()
-    barriers = [i for i, line in enumerate(text.splitlines()) if "optimization_barrier" in line]
-    dots = [i for i, line in enumerate(text.splitlines()) if "dot_general" in line]
-    assert len(barriers) == 3
-    # The last layer is updated before the first layer's weight gradient is computed.
-    assert barriers[0] < dots[-1]
+    state, batch = trainer.init(_mlp_params()), _batches(1)[0]
+    step = functools.partial(trainer.step, ties=ties)
+    closed = jax.make_jaxpr(step)(state, batch)
+    jaxpr = inline_calls(closed.jaxpr, closed.consts).jaxpr
+    in_paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path((state, batch))[0]]
+    out_paths = [jax.tree_util.keystr(k) for k, _ in
+                 jax.tree_util.tree_flatten_with_path(jax.eval_shape(step, state, batch))[0]]
+    producer = producers(jaxpr)
+    dots = [i for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "dot_general"]
+
+    def ancestors(v):
+        seen, todo = set(), [v]
+        while todo:
+            i = producer.get(todo.pop())
+            if i is not None and i not in seen:
+                seen.add(i)
+                todo.extend(x for x in jaxpr.eqns[i].invars if is_var(x))
+        return seen
+
+    for layer in ("l0", "l1", "l2"):
+        old = jaxpr.invars[in_paths.index(f"[0].params['{layer}']['w']")]
+        views = {old} | {e.outvars[0] for e in jaxpr.eqns
+                         if e.primitive.name == "transpose" and e.invars[0] is old}
+        readers = {i for i, e in enumerate(jaxpr.eqns) if e.primitive.name != "transpose"
+                   and any(x in views for x in e.invars if is_var(x))}
+        new = jaxpr.outvars[out_paths.index(f"[0].params['{layer}']['w']")]
+        before = ancestors(new)
+        assert readers and readers - {producer[new]} <= before, (layer, readers - before)
+    assert producer[jaxpr.outvars[out_paths.index("[0].params['l2']['w']")]] < dots[-1]
+    barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert len(barriers) == (3 if ties == "barrier" else 0)
 
 
 # --------------------------------------------------------------------------- memory
