@@ -649,26 +649,39 @@ def table(name: str, s: dict, results: dict) -> list[str]:
 # Measurements beside the rows (one process per run, same machine, quiet), written out
 # under the targets of their preset.
 NOTES = {"tinyllama-1.1b": [
-    "pockjax full f32 against jax+optax full f32 over 8 timed steps (1 warm-up), the rows "
-    "alternating, 2026-11-24 06:28-06:33 UTC: pockjax 5.48 and 5.36 s/step, jax+optax 5.02 "
-    "and 5.23 s/step (medians), 0.95x; the same losses (0.00504 after 9 steps) and the same "
-    "compiled memory (13.51 GiB), pockjax's peak RSS 14.29-14.35 GiB against 14.03-14.04. With "
-    "the default 3 steps the pair read 1.03x in the order above (the rows in the table) and "
-    "0.96x in the other order: the two are level to a few percent, pockjax if anything slower, "
-    "so the target line above is within the noise.",
-    "The bf16-matmul row's peak is 0.41-0.44 GiB above XLA's 4.79 GiB step (two runs, 5.20 "
-    "and 5.23 GiB): JAX after import 0.16 GiB (at the step 0.14 GiB of the process is file "
-    "pages, mostly libjax_common.so's code), its CPU client and the abstract model 0.06, the "
-    "compiled executable 0.035 and compilation's leftovers malloc_trim cannot return 0.04, "
-    "allocating weights and optimizer state 0.02 (no transient copy: each stage ends where "
-    "it peaks), then in the step XLA's 0.28 GiB of temporaries, 0.07 of runtime buffers "
-    "outside its memory analysis (about 600 scratch allocations of 1-16 MiB per step) and "
-    "0.01-0.03 of allocator creep over the steps. Tried, the math unchanged: JAX's caches "
-    "freed after compiling -0.007 GiB; malloc_trim before the steps -0.02; one malloc arena "
-    "-0.016; a fixed mmap threshold -0.03 with steps 10-15% slower; `LlamaConfig(remat="
-    "\"block\")` (temporaries 0.28 -> 0.18 GiB) 5.13 GiB at 2.07 s/step, 5.09 GiB with "
-    "the two allocator settings. None reaches LoRA's 5.07 GiB, each is within about the "
-    "run-to-run spread (0.02 GiB) or costs speed, so none is adopted."]}
+    "The machine of these rows (from 2026-11-25) is an AMD EPYC with 2 cores, AVX-512 and "
+    "AVX512-BF16; the runs up to 2026-11-24 were on an AVX2 machine. Here XLA's 2048^2 float32 "
+    "product runs at 482 GFLOP/s (`matmul_peak.md`) and PyTorch's (MKL 2024.2, the CPU "
+    "wheel's) at 223, a 2048x128 @ 128x5632 product at 166: the ratios against the torch "
+    "rows are larger here than they were there (sparse last-6 f32 2.56 s against torch full "
+    "fused 5.45 s, 2.13x; LoRA q,v 2.00 s). Against plain JAX on the same trained tensors "
+    "(`jax+optax last-6`), which uses the same kernels, the sparse step is the fairer peer.",
+    "Ties by data instead of optimization barriers (commit 9cfb9c1), A/B in alternating "
+    "processes on this machine, 3 rounds of 1 warm-up + 6 steps, medians: f32 last-6 "
+    "1.339/1.394/1.394 -> 1.300/1.344/1.309 s, temporaries 288.1 -> 252.6 MiB, VmHWM 6.73 -> "
+    "6.67 GiB, the same losses; bf16-matmul 1.179/1.183 -> 1.118/1.105 s, 5.19 -> 5.13 GiB. "
+    "XLA's region-analysis copy insertion, which can be set for one executable "
+    "(`jax.jit(..., compiler_options={'xla_cpu_copy_insertion_use_region_analysis': True})`), "
+    "removes the same copies under barriers (1.29-1.34 s) and adds nothing on top of the "
+    "data ties (1.27-1.32 s); multi-output fusion cannot be set per executable.",
+    "IREE host-cpu on this machine, 8 blocks at TinyLlama-1.1B's widths (last 6 trained), "
+    "one process, medians of 5 steps: default matmul tiles 1.637 s/step, "
+    "`--iree-llvmcpu-matmul-tile-bytes` 1 MiB 1.441, 4 MiB (the target's) 1.457, 16 MiB 1.465, "
+    "against 0.938 s for the JAX step: IREE is 1.55x behind XLA here whatever the tiles.",
+    "Earlier machine (AVX2), 2026-11-24, before the data ties: pockjax full f32 against "
+    "jax+optax full f32 over 8 timed steps, the rows alternating: pockjax 5.48 and 5.36 s/step, "
+    "jax+optax 5.02 and 5.23 (0.95x), the same losses and compiled memory (13.51 GiB): level "
+    "to a few percent.",
+    "Earlier machine, 2026-11-24, before the data ties: the bf16-matmul row's peak was "
+    "0.41-0.44 GiB above XLA's 4.79 GiB step (5.20 and 5.23 GiB): JAX after import 0.16 GiB "
+    "(mostly libjax_common.so's code), its CPU client and the abstract model 0.06, the "
+    "compiled executable 0.035 and compilation's leftovers 0.04, allocating weights and "
+    "optimizer state 0.02 (no transient copy), then in the step XLA's temporaries, 0.07 of "
+    "runtime buffers outside its memory analysis and 0.01-0.03 of allocator creep. Tried and "
+    "not adopted: JAX's caches freed after compiling -0.007 GiB; malloc_trim before the steps "
+    "-0.02; one malloc arena -0.016; a fixed mmap threshold -0.03 with steps 10-15% slower; "
+    "`LlamaConfig(remat=\"block\")` 5.13 GiB at 2.07 s/step (5.09 with the two allocator "
+    "settings)."]}
 
 
 def stages_table(s: dict, results: dict) -> list[str]:
