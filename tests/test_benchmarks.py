@@ -45,3 +45,19 @@ def test_malloc_env_sets_only_the_huge_page_tunable(monkeypatch):
     env, text = malloc_env("default")
     assert "GLIBC_TUNABLES" not in env and text.startswith("glibc's default")
     assert "transparent huge pages `" in text
+
+
+def test_remat_table_reports_each_sequence_with_and_without_remat(tmp_path):
+    from benchmarks.remat_table import main
+
+    out = tmp_path / "remat.md"
+    main(["--llama", "smoke", "--seqs", "16,64", "--out", str(out)])
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines()
+            if line.startswith("| 16 ") or line.startswith("| 64 ")]
+    assert [(r[0].strip(), r[1].strip()) for r in rows] == \
+        [("16", "none"), ("16", '`"blocks"`'), ("64", "none"), ("64", '`"blocks"`')]
+    mib = lambda cell: float(cell.split()[0]) * (1024 if cell.split()[1] == "GiB" else 1)
+    # Checkpointed blocks keep less for the backward pass and cost more FLOPs.
+    for plain, remat in (rows[0:2], rows[2:4]):
+        assert mib(remat[3]) < mib(plain[3])
+        assert float(remat[5].replace(",", "")) > float(plain[5].replace(",", ""))
