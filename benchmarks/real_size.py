@@ -19,7 +19,9 @@ Random weights (uniform, std 0.02; norm scales 1), random tokens, batch 1, seque
   weight stored in bfloat16 and the trained ones as float32 masters
   (`LlamaConfig(dtype=float32)` + `cast_frozen`); frozen weights are upcast per use
   (float32 arithmetic, `narrow_matmul="upcast"`) or multiplied in bfloat16 with float32
-  accumulation (`narrow_matmul="native"`, autocast's numerics).
+  accumulation (`narrow_matmul="native"`, autocast's numerics); `... bf16-matmul remat`
+  also recomputes each trained block's activations in the backward pass
+  (`LlamaConfig(remat="block")`).
 - `pockjax paper last-2 bf16-frozen ...`: PockEngine's transformer scheme (attention and
   the first MLP linears of the last 2 blocks) with bfloat16 frozen weights.
 - `pockjax full f32`: every parameter, pockjax's fused step.
@@ -87,7 +89,8 @@ ROWS = ["pockjax sparse last-k f32", "pockjax sparse last-k bf16-frozen upcast",
         "pockjax sparse last-k bf16-frozen bf16-matmul", "torch full fused-adamw",
         "torch lora r8 q+v", "jax+optax last-k", "pockjax paper last-2 bf16-frozen bf16-matmul",
         "pockjax paper last-2 bf16-frozen upcast", "torch lora r8 q+v bf16", "torch full adamw",
-        "pockjax full f32", "jax+optax full f32", "pockjax sparse last-k iree host-cpu"]
+        "pockjax full f32", "jax+optax full f32", "pockjax sparse last-k iree host-cpu",
+        "pockjax sparse last-k bf16-frozen bf16-matmul remat"]
 IREE_ROWS = ("pockjax sparse last-k iree host-cpu",)
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "real_size")
 
@@ -150,7 +153,7 @@ def _uniform(seed, shape, dtype, std):
 
 
 def build_params(s: dict, scheme_fn, frozen_dtype=None, compute_dtype=None,
-                 narrow: str = "upcast"):
+                 narrow: str = "upcast", remat=None):
     """`(graphdef, abstract params, scheme)`, and a function making the arrays: each
     leaf made in its storage dtype by its own jitted call, so no float32 copy of the
     model ever exists. With `frozen_dtype`, frozen leaves are stored in it and the
@@ -162,7 +165,7 @@ def build_params(s: dict, scheme_fn, frozen_dtype=None, compute_dtype=None,
     import pockjax as pj
     from pockjax.models.llama import Llama, cast_frozen
 
-    config = llama_config(s, dtype=compute_dtype, narrow_matmul=narrow)
+    config = llama_config(s, dtype=compute_dtype, narrow_matmul=narrow, remat=remat)
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, params, _ = pj.nnx.split(abstract)
     scheme = scheme_fn(params)
@@ -249,7 +252,8 @@ def jax_row(row: str, s: dict, limit_gib: float):
     stage("init")
     graphdef, abstract, scheme, arrays = build_params(
         s, scheme_for(row, s), jnp.bfloat16 if bf16 else None, jnp.float32 if bf16 else None,
-        narrow="native" if row.endswith("bf16-matmul") else "upcast")
+        narrow="native" if "bf16-matmul" in row else "upcast",
+        remat="block" if row.endswith(" remat") else None)
     opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
     tokens = jnp.asarray(make_batch("llama", s))
     trained_params = sum(int(np.prod(x.shape)) for x in
@@ -774,7 +778,8 @@ def targets(s: dict, results: dict, ok, med) -> list[str]:
     out = []
     sparse = "pockjax sparse last-k f32"
     lows = ["pockjax sparse last-k bf16-frozen upcast",
-            "pockjax sparse last-k bf16-frozen bf16-matmul"]
+            "pockjax sparse last-k bf16-frozen bf16-matmul",
+            "pockjax sparse last-k bf16-frozen bf16-matmul remat"]
 
     def check(what, a, b, want, value, held):
         if not (ok(a) and ok(b)):
