@@ -24,6 +24,11 @@ from pockjax.scheme_search import (Candidate, CandidateResult, _knapsack, find_c
 from tests.helpers import assert_matches_dense
 
 D, BRANCHES, STEPS = 16, 3, 20
+# Tight enough that only branch 1 fits: its kernel, second kernel and bias need 39.5 kB
+# of the 45.0 kB this leaves, and half of branch 2's first kernel, which improves the
+# held-out loss by 3.7% of branch 1's kernel (above the 2% noise floor), needs 9.2 kB
+# more. (At 70%, 52.5 kB since the fused step's writes are tied by data, it fitted.)
+BUDGET = "60%"
 
 
 def init(key):
@@ -75,7 +80,7 @@ def problem():
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("search-cache"))
-    scheme, report = pj.search(factory, student(), DATA, budget="70%", steps=STEPS, cache=cache,
+    scheme, report = pj.search(factory, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
                                progress=False)
     return scheme, report, cache
 
@@ -93,7 +98,7 @@ def test_the_layer_that_matters_is_found(searched):
     assert "branch1/l1/kernel" in trained
     assert all(p.startswith("branch1/") for p in trained), trained
     assert report.measured_bytes <= report.budget_bytes
-    assert report.budget_bytes == int(0.7 * report.full_bytes)
+    assert report.budget_bytes == int(0.6 * report.full_bytes)
 
 
 def test_costs_come_from_the_compiler(searched):
@@ -155,11 +160,11 @@ def test_an_interrupted_analysis_resumes_from_the_cache(searched, tmp_path):
 
     cache = str(tmp_path / "cache")
     with pytest.raises(KeyboardInterrupt):
-        pj.search(lambda s: counting(s, stop_after=5), student(), DATA, budget="70%",
+        pj.search(lambda s: counting(s, stop_after=5), student(), DATA, budget=BUDGET,
                   steps=STEPS, cache=cache, progress=False)
     assert len(runs) == 6
     runs.clear()
-    _, resumed = pj.search(counting, student(), DATA, budget="70%", steps=STEPS, cache=cache,
+    _, resumed = pj.search(counting, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
                            progress=False)
     assert len(runs) == len(report.results) - 5
     assert [r.contribution for r in resumed.results] == [r.contribution for r in report.results]
@@ -199,12 +204,12 @@ def test_flop_budget_is_kept(searched):
     full, half = by_name["branch1/l1/kernel full"].flops, by_name["branch1/l1/kernel 1/2 in"].flops
     assert half < full
     limit = (half + full) / 2
-    _, small = pj.search(factory, student(), DATA, budget="70%", steps=STEPS, cache=cache,
+    _, small = pj.search(factory, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
                          progress=False, flop_budget=limit)
     assert small.measured_flops <= limit
     assert "branch1/l1/kernel full" not in small.chosen and small.chosen
     with pytest.raises(ValueError, match="FLOP budget .* is below every candidate's step"):
-        pj.search(factory, student(), DATA, budget="70%", steps=STEPS, cache=cache,
+        pj.search(factory, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
                   progress=False, flop_budget=1.0)
 
 
@@ -292,7 +297,7 @@ def test_cli_search_then_export_with_the_scheme(searched, tmp_path):
     out = tmp_path / "scheme.json"
     proc = subprocess.run(
         [sys.executable, "-m", "pockjax.cli", "search", "tests/test_search.py:problem",
-         "--budget", "70%", "--steps", str(STEPS), "--cache", cache, "--out", str(out),
+         "--budget", BUDGET, "--steps", str(STEPS), "--cache", cache, "--out", str(out),
          "--report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")],
         cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -182,7 +182,7 @@ def _value(read, atom):
 
 
 def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisions,
-               plan: UpdatePlan, state_leaves, n_head: int, ties: str = "barrier",
+               plan: UpdatePlan, state_leaves, n_head: int, ties: str = "data",
                reads=None, grad_shardings=None):
     """Run the gradient jaxpr with each parameter's update fused in; returns
     `(head outputs, new parameter leaves, new optimizer state leaves)`.
@@ -268,7 +268,7 @@ def _shard(g, shardings, j):
 
 
 def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisions,
-                optimizer, state, view_def, n_head: int, ties: str = "barrier",
+                optimizer, state, view_def, n_head: int, ties: str = "data",
                 reads=None, grad_shardings=None):
     """The optimizer after the whole backward pass (for chains that need every gradient,
     such as clip_by_global_norm). Writes are ordered after the last reads as in
