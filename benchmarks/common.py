@@ -101,3 +101,33 @@ def commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + (" + uncommitted changes" if dirty else "")
+
+
+def malloc_env(mode: str) -> tuple[dict, str]:
+    """The row processes' environment for glibc's allocator, and its description. A
+    training step's buffers are allocated afresh every step; above glibc's mmap
+    threshold each is a new mapping whose pages fault in one by one (4 KiB each),
+    unless the kernel backs it with transparent huge pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            thp = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        thp = "unknown"
+    env = dict(os.environ)
+    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":")
+                if t and not t.startswith("glibc.malloc.hugetlb=")]
+    if mode == "hugepages":
+        tunables.append("glibc.malloc.hugetlb=1")
+    env.pop("GLIBC_TUNABLES", None)
+    if tunables:
+        env["GLIBC_TUNABLES"] = ":".join(tunables)
+    setting = f"`GLIBC_TUNABLES={env['GLIBC_TUNABLES']}`" if tunables else "glibc's default"
+    return env, f"{setting}, transparent huge pages `{thp}`"
+
+
+def add_malloc_option(ap) -> None:
+    """`--malloc hugepages|default` on a benchmark's argument parser (see `malloc_env`)."""
+    ap.add_argument("--malloc", choices=["hugepages", "default"], default="hugepages",
+                    help="glibc's allocator in every row's process: 'hugepages' asks the kernel "
+                         "for transparent huge pages for large allocations "
+                         "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1); 'default' runs without it")

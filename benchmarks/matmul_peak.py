@@ -6,9 +6,11 @@ The step's FLOPs come from `SparseTrainer.report()` on TinyLlama-1.1B's shape (s
 only, nothing allocated; float32, sequence 128, batch 1, AdamW, the last 6 blocks
 trained (not the head): the `pockjax sparse last-k f32` row of `benchmarks/real_size.py`), and its
 time from that row in `benchmarks/results/real_size.json` (`--step-seconds` overrides).
-Writes benchmarks/results/matmul_peak.md.
+Writes benchmarks/results/matmul_peak.md. Run it with the step row's allocator setting
+(`real_size.py` runs its rows with huge pages by default): products with outputs of
+32 MiB or more get fresh mappings, and with 4 KiB pages they fault in one by one.
 
-    python benchmarks/matmul_peak.py
+    GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/matmul_peak.py
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import ROOT, commit, versions  # noqa: E402
 
 ROW = "pockjax sparse last-k f32"
+DEFAULT_MALLOC = "glibc's default"
 
 
 def matmul_rates(repeats: int) -> dict[int, float]:
@@ -73,6 +76,11 @@ def step_gflop() -> float:
     return trainer.report(state, tokens).flops / 1e9
 
 
+def _allocator() -> str:
+    tunables = os.environ.get("GLIBC_TUNABLES")
+    return f"`GLIBC_TUNABLES={tunables}`" if tunables else DEFAULT_MALLOC
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=9)
@@ -93,7 +101,8 @@ def main(argv=None):
             sys.exit(f"no measured '{ROW}' row in {path} ({e!r}); run `python -m benchmarks "
                      "real_size --llama tinyllama-1.1b` first or pass --step-seconds")
         seconds = row["median_s"]
-        source = f"`{ROW}` in benchmarks/results/real_size.json (run {row['run']})"
+        source = (f"`{ROW}` in benchmarks/results/real_size.json (run {row['run']}, "
+                  f"allocator {row.get('malloc', DEFAULT_MALLOC)})")
     rates = matmul_rates(args.repeats)
     peak = max(rates.values())
     gflop = step_gflop()
@@ -101,7 +110,8 @@ def main(argv=None):
     lines = ["# The sparse LLaMA step against this machine's matmul peak", "",
              f"{os.cpu_count()} cores. {versions(('jax', 'jaxlib', 'flax', 'optax'))}. Commit "
              f"{commit()}. `python benchmarks/matmul_peak.py`, run "
-             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
+             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, allocator "
+             f"{_allocator()}.", "",
              "| float32 product | GFLOP/s (median of %d) |" % args.repeats, "|---|---:|"]
     lines += [f"| {n} x {n} @ {n} x {n} | {r:.1f} |" for n, r in rates.items()]
     lines += ["", f"TinyLlama-1.1B's shape, last 6 blocks, float32, sequence 128: "

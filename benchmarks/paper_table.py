@@ -52,8 +52,9 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (ROOT, commit, report_result, rss_mib,  # noqa: E402
-                               run_row as run_process, trim_heap, versions)
+from benchmarks.common import (ROOT, add_malloc_option, commit, malloc_env,  # noqa: E402
+                               report_result, rss_mib, run_row as run_process, trim_heap,
+                               versions)
 
 WORKLOADS = ["llama", "mobilenetv2"]
 FOLDED = "pockjax sparse (frozen BN folded)"
@@ -759,28 +760,6 @@ def chart(all_results: dict, rows: list[str], path: str) -> None:
     write_atomic(path, buf.getvalue())
 
 
-def malloc_env(mode: str) -> tuple[dict, str]:
-    """The row processes' environment for glibc's allocator, and its description. A
-    training step's buffers are allocated afresh every step; above glibc's mmap
-    threshold each is a new mapping whose pages fault in one by one (4 KiB each),
-    unless the kernel backs it with transparent huge pages."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        thp = "unknown"
-    env = dict(os.environ)
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":")
-                if t and not t.startswith("glibc.malloc.hugetlb=")]
-    if mode == "hugepages":
-        tunables.append("glibc.malloc.hugetlb=1")
-    env.pop("GLIBC_TUNABLES", None)
-    if tunables:
-        env["GLIBC_TUNABLES"] = ":".join(tunables)
-    setting = f"`GLIBC_TUNABLES={env['GLIBC_TUNABLES']}`" if tunables else "glibc's default"
-    return env, f"{setting}, transparent huge pages `{thp}`"
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller models (a few minutes)")
@@ -797,10 +776,7 @@ def main(argv=None):
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " +
                     ", ".join(ROWS))
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "paper_table.md"))
-    ap.add_argument("--malloc", choices=["hugepages", "default"], default="hugepages",
-                    help="glibc's allocator in every row's process: 'hugepages' asks the kernel "
-                         "for transparent huge pages for large allocations "
-                         "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1); 'default' runs without it")
+    add_malloc_option(ap)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--data", help=argparse.SUPPRESS)

@@ -45,6 +45,10 @@ also records its own `VmRSS` and high-water mark as each stage begins (compile, 
 optimizer state, each step), which the results file turns into a table of where its
 memory goes.
 
+Every row's process runs with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` unless
+`--malloc default` is given: XLA allocates the step's buffers afresh each step, and
+without transparent huge pages their 4 KiB pages fault in one by one (see the NOTES).
+
 Results accumulate in benchmarks/results/real_size.json (one entry per preset and
 row, so presets and rows can be run separately) and are written out as
 benchmarks/results/real_size.md and real_size.png.
@@ -70,8 +74,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (ROOT, commit, proc_status_kib, report_result,  # noqa: E402
-                               rss_mib, trim_heap, versions)
+from benchmarks.common import (ROOT, add_malloc_option, commit, malloc_env,  # noqa: E402
+                               proc_status_kib, report_result, rss_mib, trim_heap, versions)
 from benchmarks.paper_table import PACKAGES, _timed, chart, jax_loss, make_batch  # noqa: E402
 
 LR, WEIGHT_DECAY = 1e-4, 0.01
@@ -419,10 +423,10 @@ def run_iree_row(row: str, args) -> dict:
            "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--limit-gib", str(args.limit_gib), "--iree-dir", os.path.join(tmp, "artifact")]
     try:
-        exported = guarded(cmd + ["--phase", "export"], args.limit_gib, args.timeout)
+        exported = guarded(cmd + ["--phase", "export"], args.limit_gib, args.timeout, args.env)
         if "error" in exported:
             return {**exported, "error": f"export: {exported['error']}"}
-        ran = guarded(cmd + ["--phase", "run"], args.limit_gib, args.timeout)
+        ran = guarded(cmd + ["--phase", "run"], args.limit_gib, args.timeout, args.env)
         return {**ran, "trained_params": exported["trained_params"], "flags": exported["flags"],
                 "archive_gib": exported["archive_gib"], "export_s": exported["export_s"],
                 "export_rss_peak_mib": exported["rss_peak_mib"],
@@ -489,13 +493,14 @@ def _rss_gib(pid: int) -> float:
     return 0.0
 
 
-def guarded(cmd: list[str], limit_gib: float, timeout: float) -> dict:
-    """Run a row process; kill it above `limit_gib` resident or after `timeout` s.
+def guarded(cmd: list[str], limit_gib: float, timeout: float, env: dict | None = None) -> dict:
+    """Run a row process (environment `env`, default this one's); kill it above
+    `limit_gib` resident or after `timeout` s.
 
     Returns its `report_result` dict (plus `wall_s` and the polled `rss_polled_gib`),
     or `{"error": ...}` saying where it was when it was stopped or failed."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, *cmd], stdout=subprocess.PIPE, env=env,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     where, result, errors = ["start"], [None], []
 
@@ -660,8 +665,19 @@ NOTES = {"tinyllama-1.1b": [
     "rows are larger here than they were there (sparse last-6 f32 2.56 s against torch full "
     "fused 5.45 s, 2.13x; LoRA q,v 2.00 s). Against plain JAX on the same trained tensors "
     "(`jax+optax last-6`), which uses the same kernels, the sparse step is the fairer peer.",
+    "Huge pages (`--malloc hugepages`, the default from 2026-11-25 08:55 UTC; rows before "
+    "ran with glibc's default allocator): XLA maps the step's temporaries afresh every step "
+    "and, with 4 KiB pages, they fault in one by one. f32 last-6 in alternating processes, 1 "
+    "warm-up + 5 steps: glibc's default 1.51 and 1.41 s/step, huge pages 1.28 and 1.27, the "
+    "same 6.67 GiB peak. The weight gradient of a gate or up projection ([128, 2048] x "
+    "[128, 5632] -> [2048, 5632], 44 MiB) jitted alone: 17.4 ms (170 GFLOP/s) with 4 KiB "
+    "pages, 12.3 ms with huge pages; the cliff is at glibc's largest mmap threshold "
+    "(32 MiB): [2048, 3072] 3.5 and 3.6 ms, [2048, 4096] 13.1 and 6.0 ms. Every row of the "
+    "08:55 run gained, torch too (torch full fused 7.45 -> 6.07 s, LoRA q,v 3.52 -> 3.33), "
+    "and the IREE runtime most (1.83 -> 1.47 s); peak RSS moved by at most 0.05 GiB.",
     "Ties by data instead of optimization barriers (commit 9cfb9c1), A/B in alternating "
-    "processes on this machine, 3 rounds of 1 warm-up + 6 steps, medians: f32 last-6 "
+    "processes on this machine (glibc's default allocator), 3 rounds of 1 warm-up + 6 "
+    "steps, medians: f32 last-6 "
     "1.339/1.394/1.394 -> 1.300/1.344/1.309 s, temporaries 288.1 -> 252.6 MiB, VmHWM 6.73 -> "
     "6.67 GiB, the same losses; bf16-matmul 1.179/1.183 -> 1.118/1.105 s, 5.19 -> 5.13 GiB. "
     "XLA's region-analysis copy insertion, which can be set for one executable "
@@ -669,7 +685,8 @@ NOTES = {"tinyllama-1.1b": [
     "removes the same copies under barriers (1.29-1.34 s) and adds nothing on top of the "
     "data ties (1.27-1.32 s); multi-output fusion cannot be set per executable.",
     "IREE host-cpu on this machine, 8 blocks at TinyLlama-1.1B's widths (last 6 trained), "
-    "one process, medians of 5 steps: default matmul tiles 1.637 s/step, "
+    "one process, glibc's default allocator, medians of 5 steps: default matmul tiles "
+    "1.637 s/step, "
     "`--iree-llvmcpu-matmul-tile-bytes` 1 MiB 1.441, 4 MiB (the target's) 1.457, 16 MiB 1.465, "
     "against 0.938 s for the JAX step: IREE is 1.55x behind XLA here whatever the tiles.",
     "Earlier machine (AVX2), 2026-11-24, before the data ties: pockjax full f32 against "
@@ -829,7 +846,10 @@ def write(store: dict, args) -> None:
              f"starting process's resident memory); after its first step a row hands freed "
              f"heap back to the OS; the compiled step "
              f"is XLA's `memory_analysis()` (arguments + temporaries). A row stopped by the "
-             f"memory guard ({args.limit_gib:g} GiB) says where. Produced by "
+             f"memory guard ({args.limit_gib:g} GiB) says where. A row's allocator setting "
+             f"is given beside its run time (`--malloc`, default huge pages: the step's "
+             f"buffers are mapped afresh every step, and with 4 KiB pages they fault in one "
+             f"by one); rows without one ran with glibc's default. Produced by "
              f"`python -m benchmarks real_size`; see the script's docstring for the rows.", ""]
     if store.get("compiled"):
         lines += compiled_table(store["compiled"])
@@ -840,10 +860,12 @@ def write(store: dict, args) -> None:
                 runs: dict[str, list[str]] = {}
                 for row in ROWS:
                     if row in entry["rows"]:
-                        runs.setdefault(entry["rows"][row].get("when", entry["when"]),
-                                        []).append(label(row, entry["sizes"]))
+                        r = entry["rows"][row]
+                        key = r.get("when", entry["when"])
+                        key += f" ({r['malloc']})" if "malloc" in r else ""
+                        runs.setdefault(key, []).append(label(row, entry["sizes"]))
                 order = sorted(runs, key=lambda w: w.removeprefix("up to "))
-                when = (entry["when"] if len(runs) <= 1 else
+                when = (next(iter(runs), entry["when"]) if len(runs) <= 1 else
                         "; ".join(f"{w}: {', '.join(runs[w])}" for w in order))
                 lines += [f"Run: {when}; {entry['warmup']} warm-up + {entry['steps']} "
                           f"timed steps per row.", ""]
@@ -876,6 +898,7 @@ def main(argv=None):
                     help="kill a row whose resident memory passes this")
     ap.add_argument("--out", default=RESULTS + ".md")
     ap.add_argument("--fresh", action="store_true", help="forget earlier rows of this preset")
+    add_malloc_option(ap)
     ap.add_argument("--compiled", action="store_true",
                     help="only compile the pockjax steps of both shapes from shapes (no "
                          "weights allocated) and record their memory")
@@ -884,6 +907,7 @@ def main(argv=None):
     ap.add_argument("--iree-dir", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     s = PRESETS[args.llama]
+    args.env, malloc = malloc_env(args.malloc)
     if args.row:
         if args.row in IREE_ROWS:
             run = iree_export if args.phase == "export" else iree_run
@@ -924,8 +948,8 @@ def main(argv=None):
             cmd = [os.path.abspath(__file__), "--llama", args.llama, "--row", row,
                    "--steps", str(args.steps), "--warmup", str(args.warmup),
                    "--limit-gib", str(args.limit_gib)]
-            r = guarded(cmd, args.limit_gib, args.timeout)
-        r["when"], r["others_cpu"] = now, _others_share(before, _machine_cpu())
+            r = guarded(cmd, args.limit_gib, args.timeout, args.env)
+        r["when"], r["others_cpu"], r["malloc"] = now, _others_share(before, _machine_cpu()), malloc
         entry["rows"][row] = r
         print(r.get("error") or f"{statistics.median(r['times']):.2f} s/step, peak "
               f"{r['rss_peak_mib'] / 1024:.2f} GiB, {r['wall_s']:.0f} s",

@@ -33,7 +33,7 @@ def test_profile_groups_convolutions_by_kind():
 
 
 def test_malloc_env_sets_only_the_huge_page_tunable(monkeypatch):
-    from benchmarks.paper_table import malloc_env
+    from benchmarks.common import malloc_env
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0")
     env, text = malloc_env("hugepages")
