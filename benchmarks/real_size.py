@@ -673,8 +673,13 @@ NOTES = {"tinyllama-1.1b": [
     "[128, 5632] -> [2048, 5632], 44 MiB) jitted alone: 17.4 ms (170 GFLOP/s) with 4 KiB "
     "pages, 12.3 ms with huge pages; the cliff is at glibc's largest mmap threshold "
     "(32 MiB): [2048, 3072] 3.5 and 3.6 ms, [2048, 4096] 13.1 and 6.0 ms. Every row of the "
-    "08:55 run gained, torch too (torch full fused 7.45 -> 6.07 s, LoRA q,v 3.52 -> 3.33), "
-    "and the IREE runtime most (1.83 -> 1.47 s); peak RSS moved by at most 0.05 GiB.",
+    "08:55 run was faster than at 06:56, torch too (torch full fused 7.45 -> 6.07 s, LoRA q,v "
+    "3.52 -> 3.33), the IREE runtime most (1.83 -> 1.47 s); peak RSS moved by at most "
+    "0.05 GiB. From 09:30 step times varied more (CPU steal 0.3%, no compaction stalls): "
+    "five later pairs with huge pages, JAX f32 1.44/1.36/1.38/1.38/1.52 s and IREE "
+    "1.42/2.18/2.12/2.15/1.51 (IREE's steps alternating between about 1.45 and 2.1 s in one "
+    "run); with glibc's default, JAX 1.58/1.47 and IREE 1.95/1.96. So the 70% of peak "
+    "(1.24 s) and IREE's 1.19x held in the 08:55 run, not in the later ones.",
     "Ties by data instead of optimization barriers (commit 9cfb9c1), A/B in alternating "
     "processes on this machine (glibc's default allocator), 3 rounds of 1 warm-up + 6 "
     "steps, medians: f32 last-6 "
