@@ -103,16 +103,27 @@ def commit() -> str:
     return head + (" + uncommitted changes" if dirty else "")
 
 
-def malloc_env(mode: str) -> tuple[dict, str]:
-    """The row processes' environment for glibc's allocator, and its description. A
-    training step's buffers are allocated afresh every step; above glibc's mmap
-    threshold each is a new mapping whose pages fault in one by one (4 KiB each),
-    unless the kernel backs it with transparent huge pages."""
+DEFAULT_MALLOC = "glibc's default"
+
+
+def malloc_setting(env) -> str:
+    """How a process with environment `env` sets glibc's allocator, and the kernel's
+    transparent huge page mode."""
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             thp = f.read().split("[")[1].split("]")[0]
     except (OSError, IndexError):
         thp = "unknown"
+    tunables = env.get("GLIBC_TUNABLES")
+    setting = f"`GLIBC_TUNABLES={tunables}`" if tunables else DEFAULT_MALLOC
+    return f"{setting}, transparent huge pages `{thp}`"
+
+
+def malloc_env(mode: str) -> tuple[dict, str]:
+    """The row processes' environment for glibc's allocator, and its description. A
+    training step's buffers are allocated afresh every step; above glibc's mmap
+    threshold each is a new mapping whose pages fault in one by one (4 KiB each),
+    unless the kernel backs it with transparent huge pages."""
     env = dict(os.environ)
     tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":")
                 if t and not t.startswith("glibc.malloc.hugetlb=")]
@@ -121,8 +132,7 @@ def malloc_env(mode: str) -> tuple[dict, str]:
     env.pop("GLIBC_TUNABLES", None)
     if tunables:
         env["GLIBC_TUNABLES"] = ":".join(tunables)
-    setting = f"`GLIBC_TUNABLES={env['GLIBC_TUNABLES']}`" if tunables else "glibc's default"
-    return env, f"{setting}, transparent huge pages `{thp}`"
+    return env, malloc_setting(env)
 
 
 def add_malloc_option(ap) -> None:

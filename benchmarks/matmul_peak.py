@@ -22,10 +22,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import ROOT, commit, versions  # noqa: E402
+from benchmarks.common import DEFAULT_MALLOC, ROOT, commit, malloc_setting, versions  # noqa: E402
 
 ROW = "pockjax sparse last-k f32"
-DEFAULT_MALLOC = "glibc's default"
 
 
 def matmul_rates(repeats: int) -> dict[int, float]:
@@ -76,11 +75,6 @@ def step_gflop() -> float:
     return trainer.report(state, tokens).flops / 1e9
 
 
-def _allocator() -> str:
-    tunables = os.environ.get("GLIBC_TUNABLES")
-    return f"`GLIBC_TUNABLES={tunables}`" if tunables else DEFAULT_MALLOC
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=9)
@@ -111,7 +105,7 @@ def main(argv=None):
              f"{os.cpu_count()} cores. {versions(('jax', 'jaxlib', 'flax', 'optax'))}. Commit "
              f"{commit()}. `python benchmarks/matmul_peak.py`, run "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, allocator "
-             f"{_allocator()}.", "",
+             f"{malloc_setting(os.environ)}.", "",
              "| float32 product | GFLOP/s (median of %d) |" % args.repeats, "|---|---:|"]
     lines += [f"| {n} x {n} @ {n} x {n} | {r:.1f} |" for n, r in rates.items()]
     lines += ["", f"TinyLlama-1.1B's shape, last 6 blocks, float32, sequence 128: "

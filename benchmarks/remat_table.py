@@ -22,10 +22,6 @@ from benchmarks.common import ROOT, commit, rss_mib, versions  # noqa: E402
 KEPT = "activations kept for backward"
 
 
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def _gflop(flops: float) -> str:
     g = flops / 1e9
     return f"{g:,.0f}" if g >= 100 else f"{g:.3g}"
@@ -39,13 +35,14 @@ def report(preset: str, seq: int, remat, last: int):
 
     import pockjax as pj
     from benchmarks.paper_table import jax_loss
-    from benchmarks.real_size import PRESETS, llama_config
+    from benchmarks.real_size import LR, PRESETS, WEIGHT_DECAY, llama_config
     from pockjax.models.llama import Llama
 
     s = dict(PRESETS[preset], seq=seq)
     model = nnx.eval_shape(lambda: Llama(llama_config(s), rngs=nnx.Rngs(0)))
     _, params, _ = pj.nnx.split(model)
-    trainer = pj.nnx.Trainer(model, jax_loss("llama"), optimizer=optax.adamw(1e-4, weight_decay=0.01),
+    trainer = pj.nnx.Trainer(model, jax_loss("llama"),
+                             optimizer=optax.adamw(LR, weight_decay=WEIGHT_DECAY),
                              scheme=pj.schemes.last_blocks(params, last), remat=remat)
     return trainer.report(jax.ShapeDtypeStruct((1, seq), jnp.int32))
 
@@ -60,6 +57,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "remat_table.md"))
     args = ap.parse_args(argv)
     last = args.last or PRESETS[args.llama]["last"]
+    from pockjax._report import format_bytes
     from pockjax.checkpoint import write_atomic
 
     rows = ["| sequence | remat | temporaries | activations kept (estimate) | peak | GFLOP/step "
@@ -70,9 +68,10 @@ def main(argv=None):
             r = report(args.llama, seq, remat, last)
             name = "none" if remat is None else f'`"{remat}"`'
             rows.append(f"| {seq} | {name} "
-                        f"| {_size(r.memory['temp'])} | {_size(r.breakdown[KEPT])} "
-                        f"| {_size(r.memory['peak'])} | {_gflop(r.flops)} "
-                        f"| {_size(r.memory_full['peak'])} |")
+                        f"| {format_bytes(r.memory['temp'])} "
+                        f"| {format_bytes(r.breakdown[KEPT])} "
+                        f"| {format_bytes(r.memory['peak'])} | {_gflop(r.flops)} "
+                        f"| {format_bytes(r.memory_full['peak'])} |")
             print(rows[-1], flush=True)
     text = "\n".join([
         f"# Activation checkpointing at {args.llama}'s shape (from shapes only)", "",

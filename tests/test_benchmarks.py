@@ -56,7 +56,8 @@ def test_remat_table_reports_each_sequence_with_and_without_remat(tmp_path):
             if line.startswith("| 16 ") or line.startswith("| 64 ")]
     assert [(r[0].strip(), r[1].strip()) for r in rows] == \
         [("16", "none"), ("16", '`"blocks"`'), ("64", "none"), ("64", '`"blocks"`')]
-    mib = lambda cell: float(cell.split()[0]) * (1024 if cell.split()[1] == "GiB" else 1)
+    units = {"B": 2**-20, "KiB": 2**-10, "MiB": 1, "GiB": 2**10}
+    mib = lambda cell: float(cell.split()[0].replace(",", "")) * units[cell.split()[1]]
     # Checkpointed blocks keep less for the backward pass and cost more FLOPs.
     for plain, remat in (rows[0:2], rows[2:4]):
         assert mib(remat[3]) < mib(plain[3])

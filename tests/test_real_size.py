@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pockjax as pj
+from benchmarks.common import malloc_env
 from benchmarks.real_size import PRESETS, _uniform, build_params, guarded, scheme_for
 
 HOG = ("import sys, time; print('STAGE init', flush=True); time.sleep(0.3); "
@@ -33,6 +34,16 @@ def test_guard_times_out_and_reports_failures(tmp_path):
     good = tmp_path / "good.py"
     good.write_text('print(\'RESULT {"times": [1.0]}\')')
     assert guarded([str(good)], limit_gib=8, timeout=30)["times"] == [1.0]
+
+
+def test_guard_runs_the_row_with_the_allocator_setting(tmp_path):
+    script = tmp_path / "env.py"
+    script.write_text("import json, os; print('RESULT ' + json.dumps("
+                      "{'tunables': os.environ.get('GLIBC_TUNABLES', '')}))")
+    for mode, huge in (("hugepages", True), ("default", False)):
+        env, _ = malloc_env(mode)
+        tunables = guarded([str(script)], limit_gib=8, timeout=30, env=env)["tunables"]
+        assert ("glibc.malloc.hugetlb=1" in tunables.split(":")) == huge, (mode, tunables)
 
 
 def test_params_are_made_in_their_storage_dtypes():
