@@ -679,7 +679,9 @@ NOTES = {"tinyllama-1.1b": [
     "five later pairs with huge pages, JAX f32 1.44/1.36/1.38/1.38/1.52 s and IREE "
     "1.42/2.18/2.12/2.15/1.51 (IREE's steps alternating between about 1.45 and 2.1 s in one "
     "run); with glibc's default, JAX 1.58/1.47 and IREE 1.95/1.96. So the 70% of peak "
-    "(1.24 s) and IREE's 1.19x held in the 08:55 run, not in the later ones.",
+    "(1.24 s) and IREE's 1.19x held in the 08:55 run, not in the later ones. The table "
+    "above (11:30, after the IREE export's tied weight packs) ran in quieter minutes: JAX "
+    "f32 1.30 s (67% of the 486.1 GFLOP/s peak measured just after), IREE 1.38 s.",
     "Ties by data instead of optimization barriers (commit 9cfb9c1), A/B in alternating "
     "processes on this machine (glibc's default allocator), 3 rounds of 1 warm-up + 6 "
     "steps, medians: f32 last-6 "
@@ -689,6 +691,14 @@ NOTES = {"tinyllama-1.1b": [
     "(`jax.jit(..., compiler_options={'xla_cpu_copy_insertion_use_region_analysis': True})`), "
     "removes the same copies under barriers (1.29-1.34 s) and adds nothing on top of the "
     "data ties (1.27-1.32 s); multi-output fusion cannot be set per executable.",
+    "IREE host-cpu, trained weights packed when their matmuls run (the export's "
+    "`tie_weight_reads`, 2026-11-25): before, IREE packed every trained weight for the "
+    "forward and the backward at the step's start, and all packed copies lived together "
+    "(2.12 GB allocated per step). In alternating processes with the previous commit "
+    "(0861896), 1 warm-up + 5 steps, huge pages, 11:21-11:28 UTC: 1.41 and 1.41 s/step, "
+    "peak 8.11 and 8.11 GiB before; 1.42 and 1.43 s/step, peak 6.40 and 6.40 GiB after; "
+    "the same six losses to the bit; the JAX step in the same minutes 1.29 s, 6.67 GiB. "
+    "real_size_iree.md has the stream plan.",
     "IREE host-cpu on this machine, 8 blocks at TinyLlama-1.1B's widths (last 6 trained), "
     "one process, glibc's default allocator, medians of 5 steps: default matmul tiles "
     "1.637 s/step, "

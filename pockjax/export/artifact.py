@@ -19,7 +19,7 @@ from pockjax.export.lowering import Lowered, lower_step
 from pockjax.export.manifest import (MANIFEST, PARAMS, SCHEMA_VERSION, SCOPE, VMFB,
                                       read_manifest, sha256)
 from pockjax.export.stream import StreamReport, analyze, narrow_bindings
-from pockjax.export.targets import ExportError, resolve_target
+from pockjax.export.targets import ExportError, data_tiling, resolve_target
 from pockjax.scheme import leaves_with_paths
 
 __all__ = ["export", "Artifact", "MANIFEST", "VMFB", "PARAMS", "SCHEMA_VERSION", "read_manifest"]
@@ -134,7 +134,8 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
                           "artifact carries the parameters' values, so export needs a state made "
                           "from arrays (trainer.init(params)); report() and lower() take shapes")
     started = time.perf_counter()
-    lowered = lower_step(trainer, state, batch, backend=tgt.backend)
+    lowered = lower_step(trainer, state, batch, backend=tgt.backend,
+                         tie_weights=data_tiling(flags))
     mlir, device = lowered.mlir, None
     if tgt.local_device:
         caps = vulkan.device_caps()

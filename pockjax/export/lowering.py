@@ -16,6 +16,10 @@ be double-buffered: a fresh resource for the new value every step). Public funct
 - `eval(trainable..., batch...) -> loss`;
 - `init() -> (state...)`, the initial state from the parameters;
 - `frozen() -> (frozen weights...)`.
+
+For data-tiled targets (the CPU ones) each matmul's read of a trained weight waits for
+the matmul's other operand (`tie_weight_reads`), so IREE packs the weight when the
+matmul runs instead of packing every trained weight at the step's start.
 """
 from __future__ import annotations
 
@@ -27,16 +31,19 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import primitives as P
 
+from pockjax._jaxpr import avals, bind, interpret, is_var
 from pockjax.export.manifest import SCOPE
 from pockjax.export.targets import ExportError
+from pockjax.optim import fused
 from pockjax.scheme import Frozen, leaves_with_paths
 from pockjax.transforms.legalize import legalize_for_iree
 
 if TYPE_CHECKING:  # the trainer is passed in; export does not import train at run time
     from pockjax.train import SparseTrainer, TrainState
 
-__all__ = ["Slot", "Lowered", "lower_step"]
+__all__ = ["Slot", "Lowered", "lower_step", "tie_weight_reads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,11 +127,62 @@ def _module_body(text: str, prefix: str) -> tuple[str, str]:
     return body, prefix + "main"
 
 
-def _legalized(fn, *avals, backend=None):
-    """`fn` traced once at `avals` and rewritten by `legalize_for_iree` for `backend`, as a
-    function."""
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*avals)
+# Primitives that only move or convert a tensor's elements: a matmul operand reached from
+# a trained weight through these is still that weight (e.g. a Channels slice, a reshape).
+_VIEWS = {P.reshape_p, P.transpose_p, P.convert_element_type_p, P.slice_p, P.squeeze_p,
+          P.broadcast_in_dim_p, P.copy_p}
+
+
+def tie_weight_reads(closed: jex.ClosedJaxpr, weights) -> jex.ClosedJaxpr:
+    """Each matmul's read of a trained weight (inputs `weights` of `closed`, also through
+    `_VIEWS`) tied by data to the matmul's other operand: the weight plus an exact zero
+    computed from one element of it (`pockjax.optim.fused.tie_zero`).
+
+    With data tiling (the CPU targets) IREE packs a matmul's weight operand into its tile
+    layout in a dispatch of its own. A trained weight is a step input, so IREE 3.13 can
+    and does schedule its packs at the step's start: the forward and the transposed
+    backward packs of every trained weight then live together (TinyLlama-1.1B's shape,
+    last 6 blocks: 2.1 GB of packed copies per step). Tied to the activation (forward)
+    or the incoming gradient (backward), a pack runs when its matmul is reached and its
+    buffer is freed after it; the add fuses into the pack, which reads the weight anyway.
+    Frozen weights are not touched (their packs are hoisted into the initializer once).
+    Without data tiling the add would be a copy of its own (6 x 1024 MLP: 15 -> 20 MiB
+    allocated per step), so `export` ties only when the target's flags tile.
+    """
+    jaxpr = closed.jaxpr
+    from_weight = {jaxpr.invars[k] for k in weights}
+    for e in jaxpr.eqns:
+        if e.primitive in _VIEWS and is_var(e.invars[0]) and e.invars[0] in from_weight:
+            from_weight.update(e.outvars)
+    if not from_weight:
+        return closed
+
+    def tied(w, other):
+        if not jnp.issubdtype(w.dtype, jnp.inexact) or not np.size(other):
+            return w
+        return w + fused.tie_zero([other]).astype(w.dtype)
+
+    def override(e, ins, read):
+        if e.primitive is not P.dot_general_p:
+            return None
+        a, b = (is_var(v) and v in from_weight for v in e.invars)
+        if a == b:  # neither operand is a trained weight, or both are
+            return None
+        ins = [tied(ins[0], ins[1]), ins[1]] if a else [ins[0], tied(ins[1], ins[0])]
+        return [bind(e, ins)]
+
+    return jax.make_jaxpr(lambda *x: interpret(jaxpr, closed.consts, x, override))(
+        *avals(jaxpr.invars))
+
+
+def _legalized(fn, *avals_, backend=None, weights=()):
+    """`fn` traced once at `avals_` and rewritten by `legalize_for_iree` for `backend`, as a
+    function; the matmul reads of the inputs `weights` are tied to their other operands
+    (`tie_weight_reads`)."""
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*avals_)
     fixed, _ = legalize_for_iree(closed, backend)
+    if weights:
+        fixed = tie_weight_reads(fixed, weights)
     out_def = jax.tree_util.tree_structure(out_shape)
 
     def run(*args):
@@ -136,14 +194,16 @@ def _legalized(fn, *avals, backend=None):
 
 def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool = True,
                placement: str | None = None, ties: str = "data",
-               backend: str | None = None) -> Lowered:
+               backend: str | None = None, tie_weights: bool = False) -> Lowered:
     """Lower `trainer`'s step and eval for `state` and `batch` into one module, legalised
     for IREE (`pockjax.transforms.legalize`) and its HAL device `backend` (a `Target`'s
     `backend`: "local", "vulkan", "cuda"; None: the rewrites every backend gets).
 
     `donate=False` and `placement="global", ties="barrier"` build the alternatives the
     in-place step is measured against: new buffers for the new state, and one barrier
-    before all updates. `ties`: see `pockjax.optim.fused.fused_step`.
+    before all updates. `ties`: see `pockjax.optim.fused.fused_step`. `tie_weights`: tie
+    each matmul's read of a trained weight to its other operand (`tie_weight_reads`), for
+    data-tiled targets (`pockjax.export.targets.data_tiling`).
     """
     _check_static(batch)
     if trainer.layout is not None:
@@ -197,9 +257,12 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
     mut_avals = [aval(x) for _, x in mutable]
     frz_avals = [aval(x) for _, x in frozen]
     batch_avals = [aval(x) for _, x in named_batch]
-    step_fn = _legalized(flat_step, mut_avals, frz_avals, batch_avals, backend=backend)
+    # Inputs are flattened as (mutable..., frozen..., batch...); the trained weights are
+    # the step's mutable inputs 1..n_train and eval's first n_train.
+    step_fn = _legalized(flat_step, mut_avals, frz_avals, batch_avals, backend=backend,
+                         weights=range(1, 1 + n_train) if tie_weights else ())
     eval_fn = _legalized(flat_eval, mut_avals[1:1 + n_train], frz_avals, batch_avals,
-                         backend=backend)
+                         backend=backend, weights=range(n_train) if tie_weights else ())
     # keep_unused: the module's signatures list every input, used or not (batch-norm
     # running statistics, for one, do not enter a training-mode loss).
     step_text = jax.jit(step_fn, donate_argnums=0 if donate else (), keep_unused=True).lower(

@@ -27,7 +27,7 @@ from pockjax._jaxpr import dependencies, interpret, is_var, producers
 from pockjax.optim.perleaf import UpdatePlan
 from pockjax.scheme import Channels, Full
 
-__all__ = ["Placement", "place_updates", "fused_step", "global_step"]
+__all__ = ["Placement", "place_updates", "fused_step", "global_step", "tie_zero"]
 
 _VIEWS = frozenset(
     "transpose reshape squeeze expand_dims broadcast_in_dim convert_element_type slice "
@@ -123,7 +123,7 @@ def _token(ties):
     return tok
 
 
-def _zero(ties, barrier: bool = False):
+def tie_zero(ties, barrier: bool = False):
     """A scalar 0 that depends on one element of each of `ties` (None if none).
 
     With `barrier` the elements pass through an optimization barrier, which keeps IREE
@@ -192,7 +192,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
     `ties` orders each write after the parameter's last reads:
 
     - "data" (the default, for XLA and IREE): a zero computed from one element of each
-      reader's output is added to the new value (see `_zero`). IREE keeps barriers as
+      reader's output is added to the new value (see `tie_zero`). IREE keeps barriers as
       real ops that hide buffer lifetimes (every transient of the backward pass then
       lives to the end of the step), and computes dynamic slice offsets on the host.
       XLA drops barriers before copy insertion, so only a data dependency tells it that
@@ -317,8 +317,8 @@ def _by_position(placements) -> dict[int, list[int]]:
 
 
 def _data_tie(placement: Placement, read, loop_values: set):
-    """The zero that orders a write after `placement`'s last reads (see `_zero`)."""
-    return _zero([read(v) for v in placement.ties],
+    """The zero that orders a write after `placement`'s last reads (see `tie_zero`)."""
+    return tie_zero([read(v) for v in placement.ties],
                  barrier=any(v in loop_values for v in placement.ties))
 
 
@@ -327,7 +327,7 @@ def _plus(x, zero):
 
 
 def _loop_values(jaxpr) -> set:
-    """Values that go into or come out of a loop (scan, while); see `_zero`."""
+    """Values that go into or come out of a loop (scan, while); see `tie_zero`."""
     return {v for e in jaxpr.eqns if e.primitive.name in ("scan", "while")
             for v in [*e.invars, *e.outvars] if isinstance(v, jex.Var)}
 
