@@ -152,7 +152,9 @@ def cmd_inspect(args) -> int:
           "updated in place")
     mem = m["memory"]
     print(f"memory:   state and batch {format_bytes(mem['input_bytes'])}, the step allocates at most "
-          f"{format_bytes(mem['peak_alloc_bytes'])} more, {mem['submissions']} submission(s) per step")
+          f"{format_bytes(mem['peak_alloc_bytes'])} more, {mem['submissions']} submission(s) per step"
+          + ("; trained weights' reads tied to their matmuls" if mem.get("tied_weight_reads")
+             else ""))
     roles: dict[str, list] = {}
     for p in m["parameters"]:
         roles.setdefault(p["role"], []).append(p)

@@ -17,9 +17,10 @@ be double-buffered: a fresh resource for the new value every step). Public funct
 - `init() -> (state...)`, the initial state from the parameters;
 - `frozen() -> (frozen weights...)`.
 
-For data-tiled targets (the CPU ones) each matmul's read of a trained weight waits for
-the matmul's other operand (`tie_weight_reads`), so IREE packs the weight when the
-matmul runs instead of packing every trained weight at the step's start.
+`lower_step(..., tie_weights=True)` makes each matmul's read of a trained weight wait
+for the matmul's other operand (`tie_weight_reads`), so that with data tiling IREE packs
+the weight when the matmul runs instead of packing every trained weight at the step's
+start; `export` keeps it for the CPU targets when the compiled plan allocates less.
 """
 from __future__ import annotations
 
@@ -134,9 +135,11 @@ _VIEWS = {P.reshape_p, P.transpose_p, P.convert_element_type_p, P.slice_p, P.squ
 
 
 def tie_weight_reads(closed: jex.ClosedJaxpr, weights) -> jex.ClosedJaxpr:
-    """Each matmul's read of a trained weight (inputs `weights` of `closed`, also through
-    `_VIEWS`) tied by data to the matmul's other operand: the weight plus an exact zero
-    computed from one element of it (`pockjax.optim.fused.tie_zero`).
+    """Each top-level matmul's read of a trained weight (inputs `weights` of `closed`,
+    also through `_VIEWS`) tied by data to the matmul's other operand: the weight plus an
+    exact zero (-0.0, so `-0.0` weights stay as they are) computed from one element of it
+    (`pockjax.optim.fused.tie_zero`). Matmuls inside loop, cond and remat bodies, and
+    matmuls of two trained weights, are left as they are.
 
     With data tiling (the CPU targets) IREE packs a matmul's weight operand into its tile
     layout in a dispatch of its own. A trained weight is a step input, so IREE 3.13 can
@@ -146,8 +149,8 @@ def tie_weight_reads(closed: jex.ClosedJaxpr, weights) -> jex.ClosedJaxpr:
     or the incoming gradient (backward), a pack runs when its matmul is reached and its
     buffer is freed after it; the add fuses into the pack, which reads the weight anyway.
     Frozen weights are not touched (their packs are hoisted into the initializer once).
-    Without data tiling the add would be a copy of its own (6 x 1024 MLP: 15 -> 20 MiB
-    allocated per step), so `export` ties only when the target's flags tile.
+    Where IREE does not pack, the add is a copy of its own, so `export` compares the two
+    compiled plans (`pockjax.export.artifact._tied_if_smaller`).
     """
     jaxpr = closed.jaxpr
     from_weight = {jaxpr.invars[k] for k in weights}
@@ -202,8 +205,7 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
     `donate=False` and `placement="global", ties="barrier"` build the alternatives the
     in-place step is measured against: new buffers for the new state, and one barrier
     before all updates. `ties`: see `pockjax.optim.fused.fused_step`. `tie_weights`: tie
-    each matmul's read of a trained weight to its other operand (`tie_weight_reads`), for
-    data-tiled targets (`pockjax.export.targets.data_tiling`).
+    each matmul's read of a trained weight to its other operand (`tie_weight_reads`).
     """
     _check_static(batch)
     if trainer.layout is not None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["Target", "TARGETS", "resolve_target", "data_tiling", "ExportError"]
+__all__ = ["Target", "TARGETS", "resolve_target", "ExportError"]
 
 
 class ExportError(RuntimeError):
@@ -55,21 +55,6 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            ("--iree-hal-target-device=cuda",), gpu_flag="--iree-cuda-target", default_gpu="sm_87",
            gpus=("sm_87", "sm_72"), runs_here=False),
 ]}
-
-
-_DATA_TILING = ("--iree-global-opt-data-tiling", "--iree-opt-data-tiling",
-                "--iree-dispatch-creation-data-tiling")
-
-
-def data_tiling(flags) -> bool:
-    """Whether compiler `flags` turn on one of IREE's data-tiling paths (each flag's last
-    occurrence counts; a flag without a value means true)."""
-    last = {}
-    for f in flags:
-        name, _, value = f.partition("=")
-        if name in _DATA_TILING:
-            last[name] = value.lower() in ("", "true", "1")
-    return any(last.values())
 
 
 def resolve_target(name: str, gpu: str | None = None,

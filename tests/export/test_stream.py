@@ -10,7 +10,8 @@ import pockjax as pj
 from pockjax.export.artifact import compile_module
 from pockjax.export.lowering import lower_step, tie_weight_reads
 from pockjax.export.stream import analyze
-from pockjax.export.targets import data_tiling, resolve_target
+from pockjax.export.targets import resolve_target
+from tests.export.models import make
 
 MiB = 2 ** 20
 
@@ -154,21 +155,41 @@ def test_trained_weights_are_packed_when_their_matmuls_run(wide_mlp):
     assert peaks[True] <= 6 * 1024 * 1024 * 4 + MiB
 
 
-def test_export_ties_weight_reads_for_host_cpu(wide_mlp, tmp_path):
-    trainer, state, batch = wide_mlp
-    art = pj.export(trainer, state, batch, target="host-cpu", out_dir=tmp_path / "a")
-    assert art.manifest["memory"]["peak_alloc_bytes"] <= 6 * 1024 * 1024 * 4 + MiB
+@pytest.mark.parametrize("model, extra", [
+    ("wide MLP", ()), ("wide MLP", ("--iree-global-opt-data-tiling=false",)), ("llama", ())],
+    ids=["wide-mlp", "wide-mlp-untiled", "toy-llama"])
+def test_export_keeps_the_tied_step_where_its_plan_allocates_less(model, extra, request,
+                                                                   tmp_path):
+    # Tied reads pay off where IREE packs the trained weights (data tiling); without
+    # packs the tie's add is a copy of its own, and on a toy model its extra dispatches
+    # can outweigh the packs. Measured: wide MLP 41.0 -> 24.0 MiB tied, untiled 15 -> 20
+    # MiB, the 2-block toy LLaMA 484 -> 547 kB. The export compares the compiled plans.
+    if model == "llama":
+        trainer, params, batch = make("llama")
+        state = trainer.init(params)
+    else:
+        trainer, state, batch = request.getfixturevalue("wide_mlp")
+    plans = {}
+    for tie in (False, True):
+        lowered = lower_step(trainer, state, batch, backend="local", tie_weights=tie)
+        plans[tie] = analyze(_stream(lowered.mlir, extra), lowered.donated).peak_alloc_bytes
+    art = pj.export(trainer, state, batch, target="host-cpu", out_dir=tmp_path / "a",
+                    extra_flags=extra)
+    memory = art.manifest["memory"]
+    assert memory["peak_alloc_bytes"] == min(plans.values())
+    assert memory["tied_weight_reads"] is (plans[True] < plans[False])
+    if model == "wide MLP" and not extra:
+        assert memory["tied_weight_reads"]
 
 
-@pytest.mark.parametrize("flags, tiled", [
-    (resolve_target("host-cpu")[1], True), (resolve_target("android-arm64")[1], True),
-    (resolve_target("host-cpu", extra_flags=("--iree-global-opt-data-tiling=false",))[1], False),
-    (resolve_target("android-vulkan")[1], False), (resolve_target("jetson-cuda")[1], False),
-    (("--iree-hal-target-device=vulkan", "--iree-opt-data-tiling"), True)])
-def test_exports_tie_weight_reads_only_where_matmuls_are_data_tiled(flags, tiled):
-    # Without data tiling the tie would be a copy of the weight of its own (6 x 1024 MLP:
-    # 15 -> 20 MiB allocated per step), so `export` asks `data_tiling(flags)`.
-    assert data_tiling(flags) is tiled
+def test_tied_reads_keep_negative_zero_weights():
+    # 1 / (x @ w) with w all -0.0 is -inf; a +0.0 tie would make the weights +0.0 and
+    # the result +inf.
+    w, x = -jnp.zeros((3, 2)), jnp.ones((1, 3))
+    closed = jax.make_jaxpr(lambda w, x: 1.0 / (x @ w))(w, x)
+    got = jex.jaxpr_as_fun(tie_weight_reads(closed, [0]))(w, x)[0]
+    assert len(tie_weight_reads(closed, [0]).jaxpr.eqns) > len(closed.jaxpr.eqns)
+    np.testing.assert_array_equal(np.asarray(got), np.full((1, 2), -np.inf))
 
 
 def test_narrow_bindings_lists_sub_32_bit_kernel_operands():
@@ -182,7 +203,6 @@ def test_narrow_bindings_lists_sub_32_bit_kernel_operands():
     """
     assert narrow_bindings(text) == {"i8": 8, "f16": 16}
     assert narrow_bindings(text, scalars=True) == {"i8": 8, "f16": 16, "i1": 8}
-
 
 
 def _ancestors(jaxpr, v):
