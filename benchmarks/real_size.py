@@ -709,7 +709,7 @@ NOTES = {"tinyllama-1.1b": [
     "A pair run at 11:29: JAX 1.36 s, IREE 1.37 s (1.01x), 6.67 and 6.40 GiB. "
     "real_size_iree.md has the stream plan.",
     "The upcast bf16 step against the f32 step, rows alternating (f32 then upcast, three "
-    "pairs, 1 warm-up + 5 steps, huge pages, 12:14-12:17 UTC): f32 1.40/1.40/1.40 s, upcast "
+    "pairs, 1 warm-up + 5 steps, huge pages, 12:13-12:15 UTC): f32 1.40/1.40/1.40 s, upcast "
     "1.61/1.44/1.48 s (1.15x, 1.03x, 1.06x); in the full runs 1.33x (11:30) and 1.27x "
     "(08:55). One [128, 2048] @ [2048, 5632] product jitted alone: f32 7.3 ms, bf16 weights "
     "upcast 10.6 ms, upcast in 256-1408-column or 256-512-row chunks 10.3-11.3 ms, a "
