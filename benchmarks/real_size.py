@@ -703,7 +703,7 @@ NOTES = {"tinyllama-1.1b": [
     "`tie_weight_reads`, 2026-11-25): before, IREE packed every trained weight for the "
     "forward and the backward at the step's start, and all packed copies lived together "
     "(2.12 GB allocated per step). In alternating processes with the previous commit "
-    "(0861896), 1 warm-up + 5 steps, huge pages, 11:21-11:28 UTC: 1.41 and 1.41 s/step, "
+    "(0861896), 1 warm-up + 5 steps, huge pages, 11:22-11:25 UTC: 1.41 and 1.41 s/step, "
     "peak 8.11 and 8.11 GiB before; 1.42 and 1.43 s/step, peak 6.40 and 6.40 GiB after; "
     "the same six losses to the bit; the JAX step in the same minutes 1.29 s, 6.67 GiB. "
     "A pair run at 11:29: JAX 1.36 s, IREE 1.37 s (1.01x), 6.67 and 6.40 GiB. "
