@@ -128,16 +128,11 @@ def _module_body(text: str, prefix: str) -> tuple[str, str]:
     return body, prefix + "main"
 
 
-# Primitives that only move or convert a tensor's elements: a matmul operand reached from
-# a trained weight through these is still that weight (e.g. a Channels slice, a reshape).
-_VIEWS = {P.reshape_p, P.transpose_p, P.convert_element_type_p, P.slice_p, P.squeeze_p,
-          P.broadcast_in_dim_p, P.copy_p}
-
-
 def tie_weight_reads(closed: jex.ClosedJaxpr, weights) -> jex.ClosedJaxpr:
     """Each top-level matmul's read of a trained weight (inputs `weights` of `closed`,
-    also through `_VIEWS`) tied by data to the matmul's other operand: the weight plus an
-    exact zero (-0.0, so `-0.0` weights stay as they are) computed from one element of it
+    also through `pockjax.optim.fused.VIEWS`, e.g. a Channels slice or a transpose) tied
+    by data to the matmul's other operand: the weight plus an exact zero (-0.0, so
+    `-0.0` weights stay as they are) computed from one element of it
     (`pockjax.optim.fused.tie_zero`). Matmuls inside loop, cond and remat bodies, and
     matmuls of two trained weights, are left as they are.
 
@@ -155,7 +150,8 @@ def tie_weight_reads(closed: jex.ClosedJaxpr, weights) -> jex.ClosedJaxpr:
     jaxpr = closed.jaxpr
     from_weight = {jaxpr.invars[k] for k in weights}
     for e in jaxpr.eqns:
-        if e.primitive in _VIEWS and is_var(e.invars[0]) and e.invars[0] in from_weight:
+        if (e.primitive.name in fused.VIEWS and is_var(e.invars[0])
+                and e.invars[0] in from_weight):
             from_weight.update(e.outvars)
     if not from_weight:
         return closed

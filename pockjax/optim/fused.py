@@ -27,9 +27,11 @@ from pockjax._jaxpr import dependencies, interpret, is_var, producers
 from pockjax.optim.perleaf import UpdatePlan
 from pockjax.scheme import Channels, Full
 
-__all__ = ["Placement", "place_updates", "fused_step", "global_step", "tie_zero"]
+__all__ = ["Placement", "place_updates", "fused_step", "global_step", "tie_zero", "VIEWS"]
 
-_VIEWS = frozenset(
+# Primitives whose output is its first input's elements moved, selected or converted:
+# reading their output reads that input (here and in `pockjax.export.lowering`).
+VIEWS = frozenset(
     "transpose reshape squeeze expand_dims broadcast_in_dim convert_element_type slice "
     "dynamic_slice copy copy_p reduce_precision bitcast_convert_type rev".split())
 
@@ -63,7 +65,7 @@ def place_updates(jaxpr: jex.Jaxpr, params: Sequence[Any], grads: Sequence[Any])
                 touched |= owners[v]
         for j in touched:
             readers[j].append(i)
-        if touched and e.primitive.name in _VIEWS:
+        if touched and e.primitive.name in VIEWS:
             for v in e.outvars:
                 if is_var(v):
                     owners.setdefault(v, set()).update(touched)
