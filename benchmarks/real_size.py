@@ -28,9 +28,11 @@ Random weights (uniform, std 0.02; norm scales 1), random tokens, batch 1, seque
 - `pockjax sparse last-k iree host-cpu`: the `pockjax sparse last-k f32` step exported
   with `pj.export(..., target="host-cpu")` and run by `pockjax.runtime` (IREE
   local-task) in a second process that imports no JAX: one guarded process exports
-  (its time and peak RSS are recorded), the next loads the artifact and trains. Its
-  peak RSS is the second process's; it also records the RSS after loading, split into
-  file-backed pages (the mapped `params.irpa`) and anonymous memory. Its losses should
+  (its time and peak RSS are recorded, and from the manifest the stream plan's
+  allocation per step and whether the weight reads were tied), the next loads the
+  artifact and trains. Its peak RSS is the second process's; it also records the RSS
+  after loading, split into file-backed pages (the mapped `params.irpa`) and anonymous
+  memory. Its losses should
   continue the JAX row's (same weights, same tokens). The results file sets it beside
   that row; benchmarks/results/real_size_iree.md takes it apart (profile, flags).
 - `pockjax sparse last-k bf16-frozen upcast iree host-cpu`, `pockjax paper last-2
@@ -378,7 +380,10 @@ def iree_export(row: str, s: dict, args) -> dict:
     art = pj.export(trainer, state, jnp.asarray(make_batch("llama", s)), target="host-cpu",
                     out_dir=args.iree_dir)
     export_s = time.perf_counter() - t0
+    memory = art.manifest["memory"]
     return {"export_s": export_s, "flags": art.manifest["target"]["flags"],
+            "tied_weight_reads": memory["tied_weight_reads"],
+            "step_alloc_bytes": memory["peak_alloc_bytes"],
             "archive_gib": art.manifest["files"]["params.irpa"]["bytes"] / GIB,
             "trained_params": sum(int(np.prod(x.shape)) for x in
                                   jax.tree.leaves(pj.trainable(abstract, scheme)))}
@@ -441,6 +446,8 @@ def run_iree_row(row: str, args) -> dict:
         ran = guarded(cmd + ["--phase", "run"], args.limit_gib, args.timeout, args.env)
         return {**ran, "trained_params": exported["trained_params"], "flags": exported["flags"],
                 "archive_gib": exported["archive_gib"], "export_s": exported["export_s"],
+                "tied_weight_reads": exported.get("tied_weight_reads"),
+                "step_alloc_bytes": exported.get("step_alloc_bytes"),
                 "export_rss_peak_mib": exported["rss_peak_mib"],
                 "export_wall_s": exported["wall_s"]}
     finally:
@@ -787,6 +794,18 @@ IREE_BEFORE = {"tinyllama-1.1b": {"text": (
     "profile and the flags tried.")}}
 
 
+def _plan_text(r: dict) -> str:
+    """The compiled stream plan's per-step allocation, where the row recorded it."""
+    from pockjax._report import format_bytes
+
+    if r.get("step_alloc_bytes") is None:
+        return ""
+    how = ("its trained weights' matmul reads tied (`tie_weight_reads`)"
+           if r["tied_weight_reads"] else "the untied step (smaller plan)")
+    return (f" The step allocates {format_bytes(r['step_alloc_bytes'])} beside its state (stream "
+            f"plan), {how}.")
+
+
 def iree_table(name: str, s: dict, row: str, results: dict) -> list[str]:
     """The IREE row beside the JAX step it was exported from."""
     r, jax_row = results[row], IREE_ROWS[row]
@@ -798,7 +817,7 @@ def iree_table(name: str, s: dict, row: str, results: dict) -> list[str]:
              f"Exported in {r['export_s']:.0f} s (that process's peak RSS "
              f"{r['export_rss_peak_mib'] / 1024:.2f} GiB, the JAX state included); "
              f"`params.irpa` {r['archive_gib']:.2f} GiB; compiler flags "
-             f"`{' '.join(r['flags'])}`. The runtime process imports "
+             f"`{' '.join(r['flags'])}`.{_plan_text(r)} The runtime process imports "
              f"{'JAX too' if r.get('imports_jax') else 'no JAX'}; it loads the artifact in "
              f"{r['load_s']:.1f} s (hashing the archive included).", "",
              "| | JAX (XLA) step | IREE host-cpu step | IREE / JAX |", "|---|---:|---:|---:|"]
