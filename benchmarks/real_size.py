@@ -32,9 +32,9 @@ Random weights (uniform, std 0.02; norm scales 1), random tokens, batch 1, seque
   allocation per step and whether the weight reads were tied), the next loads the
   artifact and trains. Its peak RSS is the second process's; it also records the RSS
   after loading, split into file-backed pages (the mapped `params.irpa`) and anonymous
-  memory. Its losses should
-  continue the JAX row's (same weights, same tokens). The results file sets it beside
-  that row; benchmarks/results/real_size_iree.md takes it apart (profile, flags).
+  memory. Its losses should continue the JAX row's (same weights, same tokens). The
+  results file sets it beside that row; benchmarks/results/real_size_iree.md takes it
+  apart (profile, flags).
 - `pockjax sparse last-k bf16-frozen upcast iree host-cpu`, `pockjax paper last-2
   bf16-frozen upcast iree host-cpu`: the same for those two upcast steps (frozen
   weights stored in bfloat16); the second is the 7B-shape artifact.
@@ -801,7 +801,7 @@ def _plan_text(r: dict) -> str:
     if r.get("step_alloc_bytes") is None:
         return ""
     how = ("its trained weights' matmul reads tied (`tie_weight_reads`)"
-           if r["tied_weight_reads"] else "the untied step (smaller plan)")
+           if r["tied_weight_reads"] else "the untied step (the export's choice)")
     return (f" The step allocates {format_bytes(r['step_alloc_bytes'])} beside its state (stream "
             f"plan), {how}.")
 
