@@ -430,6 +430,11 @@ def _others_share(before, after) -> float:
     return max(0.0, others) / (wall * (os.cpu_count() or 1)) if wall > 0 else 0.0
 
 
+# What an IREE row's export process reports (`iree_export`) that its result keeps.
+EXPORT_KEYS = ("trained_params", "flags", "archive_gib", "export_s", "tied_weight_reads",
+               "step_alloc_bytes")
+
+
 def run_iree_row(row: str, args) -> dict:
     """Export in one guarded process, train in another; the artifact is deleted after."""
     import shutil
@@ -444,10 +449,7 @@ def run_iree_row(row: str, args) -> dict:
         if "error" in exported:
             return {**exported, "error": f"export: {exported['error']}"}
         ran = guarded(cmd + ["--phase", "run"], args.limit_gib, args.timeout, args.env)
-        return {**ran, "trained_params": exported["trained_params"], "flags": exported["flags"],
-                "archive_gib": exported["archive_gib"], "export_s": exported["export_s"],
-                "tied_weight_reads": exported.get("tied_weight_reads"),
-                "step_alloc_bytes": exported.get("step_alloc_bytes"),
+        return {**ran, **{k: exported[k] for k in EXPORT_KEYS},
                 "export_rss_peak_mib": exported["rss_peak_mib"],
                 "export_wall_s": exported["wall_s"]}
     finally:
@@ -796,7 +798,7 @@ IREE_BEFORE = {"tinyllama-1.1b": {"text": (
 
 def _plan_text(r: dict) -> str:
     """The compiled stream plan's per-step allocation, where the row recorded it."""
-    from pockjax._report import format_bytes
+    from pockjax import format_bytes
 
     if r.get("step_alloc_bytes") is None:
         return ""

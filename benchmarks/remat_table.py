@@ -57,7 +57,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "remat_table.md"))
     args = ap.parse_args(argv)
     last = args.last or PRESETS[args.llama]["last"]
-    from pockjax._report import format_bytes
+    from pockjax import format_bytes
     from pockjax.checkpoint import write_atomic
 
     rows = ["| sequence | remat | temporaries | activations kept (estimate) | peak | GFLOP/step "

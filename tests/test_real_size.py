@@ -91,3 +91,29 @@ def test_jax_optax_full_trains_every_parameter():
     s = PRESETS["smoke"]
     _, abstract, scheme, _ = build_params(s, scheme_for("jax+optax full f32", s))
     assert all(isinstance(d, pj.Full) for d in jax.tree.leaves(scheme.resolve(abstract)))
+
+
+def test_iree_rows_export_a_jax_row_and_say_which_plan_was_kept():
+    from benchmarks.real_size import IREE_ROWS, ROWS, iree_table
+
+    assert set(IREE_ROWS) <= set(ROWS) and set(IREE_ROWS.values()) <= set(ROWS)
+    s = PRESETS["smoke"]
+    row = "pockjax paper last-2 bf16-frozen upcast iree host-cpu"
+    split = {"total": 1.0, "file": 0.5, "anon": 0.5}
+    iree = {"export_s": 12.0, "export_rss_peak_mib": 400.0, "archive_gib": 0.02,
+            "flags": ["--x"], "imports_jax": False, "load_s": 0.1, "rss_load_gib": split,
+            "rss_end_gib": split, "times": [0.02, 0.01, 0.03], "rss_peak_mib": 100.0,
+            "losses": [7.0, 6.5]}
+    jax_row = {"times": [0.02], "rss_peak_mib": 200.0, "losses": [7.0, 6.5]}
+
+    def text(**recorded):
+        results = {row: {**iree, **recorded}, IREE_ROWS[row]: jax_row}
+        return "\n".join(iree_table("smoke", s, row, results))
+
+    assert "The step allocates 3.00 MiB beside its state (stream plan), its trained weights' " \
+           "matmul reads tied" in text(step_alloc_bytes=3 * 2**20, tied_weight_reads=True)
+    assert "The step allocates 1.50 GiB beside its state (stream plan), the untied step" in \
+        text(step_alloc_bytes=3 * 2**30 // 2, tied_weight_reads=False)
+    older = text()  # rows recorded before the plan was
+    assert "The step allocates" not in older and "`--x`. The runtime process imports no JAX" in older
+    assert "| s/step (median) | 0.02 | 0.02 | 1.00x |" in older
