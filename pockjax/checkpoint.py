@@ -1,12 +1,15 @@
 """Checkpoints: a `TrainState` (or any pytree of arrays) as one safetensors file.
 
 Tensors are named by their "/"-joined pytree paths ("params/blocks_0/attn/q/kernel",
-"opt_state/0/mu/..."); the metadata holds the format, the step and the scheme as JSON.
-Files are written to a temporary file in the same directory and renamed into place,
-so a crash never leaves a half-written checkpoint under the final name.
+"opt_state/0/mu/..."); the metadata holds the format, the step, the scheme as JSON and
+a SHA-256 of the tensors (names, dtypes, shapes and bytes), checked on load, so damaged
+data fails as loudly as a damaged header. Files are written to a temporary file in the
+same directory and renamed into place, so a crash never leaves a half-written
+checkpoint under the final name.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from typing import TYPE_CHECKING, Any
@@ -18,10 +21,13 @@ import numpy as np
 if TYPE_CHECKING:
     from pockjax.scheme import Scheme
 
-__all__ = ["save", "load", "read_metadata", "write_atomic", "CheckpointError"]
+__all__ = ["save", "load", "read_metadata", "write_atomic", "encode", "CheckpointError"]
 
 FORMAT = "pockjax.checkpoint"
-VERSION = "1"
+VERSION = "2"
+# Version 1 files (no checksum) still load; their data cannot be verified.
+READABLE = ("1", VERSION)
+CHECKSUM = "sha256"
 
 
 class CheckpointError(ValueError):
@@ -59,6 +65,34 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
         raise
 
 
+def checksum(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}\0{a.dtype.name}\0{list(a.shape)}\0".encode())
+        h.update(a.view(np.uint8).reshape(-1) if a.size else b"")
+    return h.hexdigest()
+
+
+def encode(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
+    """A checkpoint file's bytes: `arrays` in safetensors with the format's metadata
+    (format, version, checksum) added to `metadata`."""
+    from safetensors.numpy import save as st_save
+
+    arrays = {k: np.array(v, order="C") for k, v in arrays.items()}
+    meta = _merged({"format": FORMAT, "version": VERSION, CHECKSUM: checksum(arrays)}, metadata)
+    return st_save(arrays, metadata=meta)
+
+
+def _merged(meta: dict[str, str], extra: dict | None) -> dict[str, str]:
+    for k, v in (extra or {}).items():
+        if k in meta:
+            raise CheckpointError(f"metadata key '{k}' is reserved by the checkpoint format")
+        meta[str(k)] = str(v)
+    return meta
+
+
 def save(path: str | os.PathLike, state, *, scheme: Scheme | None = None,
          metadata: dict[str, str] | None = None) -> None:
     """Save `state` (a `TrainState` or any pytree of arrays) to a safetensors file.
@@ -67,22 +101,17 @@ def save(path: str | os.PathLike, state, *, scheme: Scheme | None = None,
     are stored beside the format's own keys.
     """
     import jax
-    from safetensors.numpy import save as st_save
 
     scheme = scheme if scheme is not None else getattr(state, "scheme", None)
     tensors, _ = _named(state)
-    arrays = {k: np.array(jax.device_get(v), order="C") for k, v in tensors.items()}
-    meta = {"format": FORMAT, "version": VERSION}
+    arrays = {k: np.asarray(jax.device_get(v)) for k, v in tensors.items()}
+    meta = {}
     step = getattr(state, "step", None)
     if step is not None:
         meta["step"] = str(int(np.asarray(step)))
     if scheme is not None:
         meta["scheme"] = scheme.to_json()
-    for k, v in (metadata or {}).items():
-        if k in meta:
-            raise CheckpointError(f"metadata key '{k}' is reserved by the checkpoint format")
-        meta[str(k)] = str(v)
-    write_atomic(path, st_save(arrays, metadata=meta))
+    write_atomic(path, encode(arrays, _merged(meta, metadata)))
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
@@ -117,9 +146,9 @@ def load(path: str | os.PathLike, like):
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"'{path}' is a safetensors file but not a pockjax checkpoint "
                               f"(metadata format={meta.get('format')!r})")
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READABLE:
         raise CheckpointError(f"'{path}' has checkpoint version {meta.get('version')!r}; this "
-                              f"pockjax reads version {VERSION}")
+                              f"pockjax reads versions {', '.join(READABLE)}")
     want, treedef = _named(like)
     try:
         with safe_open(path, framework="numpy") as f:
@@ -127,6 +156,10 @@ def load(path: str | os.PathLike, like):
     except Exception as e:
         raise CheckpointError(f"checkpoint '{path}' could not be read (truncated or corrupt?): "
                               f"{e}") from None
+    if meta["version"] != "1" and checksum(have) != meta.get(CHECKSUM):
+        raise CheckpointError(f"checkpoint '{path}' is damaged: its tensors do not match the "
+                              f"checksum stored when it was saved (a disk or copy error); load "
+                              f"an earlier checkpoint or the original file")
 
     problems = []
     for name in want:

@@ -221,15 +221,11 @@ class _Artifact:
 
     def save(self, path: str) -> None:
         """A checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`)."""
-        from safetensors.numpy import save as st_save
-
-        from pockjax.checkpoint import FORMAT, VERSION, write_atomic
+        from pockjax.checkpoint import encode, write_atomic
 
         values = self._values()
-        meta = {"format": FORMAT, "version": VERSION, "step": str(int(values["step"])),
-                "scheme": json.dumps(self.manifest["scheme"])}
-        write_atomic(path, st_save({k: np.array(v, order="C") for k, v in values.items()},
-                                   metadata=meta))
+        write_atomic(path, encode(values, {"step": str(int(values["step"])),
+                                           "scheme": json.dumps(self.manifest["scheme"])}))
 
 
 

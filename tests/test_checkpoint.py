@@ -108,7 +108,48 @@ def test_reserved_metadata_and_other_versions(state, tmp_path):
     with pytest.raises(pj.CheckpointError, match="'step' is reserved"):
         pj.save(tmp_path / "a.safetensors", state, metadata={"step": "9"})
     from safetensors.numpy import save_file
-    save_file({"step": np.zeros((), np.int32)}, str(tmp_path / "v2.safetensors"),
-              metadata={"format": "pockjax.checkpoint", "version": "2"})
-    with pytest.raises(pj.CheckpointError, match="version '2'; this pockjax reads version 1"):
-        pj.load(tmp_path / "v2.safetensors", like=state)
+    save_file({"step": np.zeros((), np.int32)}, str(tmp_path / "v9.safetensors"),
+              metadata={"format": "pockjax.checkpoint", "version": "9"})
+    with pytest.raises(pj.CheckpointError, match="version '9'; this pockjax reads versions 1, 2"):
+        pj.load(tmp_path / "v9.safetensors", like=state)
+
+
+def _data_offsets(path):
+    """Where each tensor's bytes lie in a safetensors file: name -> (start, end)."""
+    import json
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    return {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1])
+            for k, v in header.items() if k != "__metadata__"}
+
+
+@pytest.mark.parametrize("where", ["step", "params/a", "opt_state/0/mu/a"])
+@pytest.mark.parametrize("damage", ["zeros", "one bit"])
+def test_damaged_data_bytes_fail_on_load(state, tmp_path, where, damage):
+    # Damage that leaves the header intact: the tensors still parse, only their bytes
+    # changed (zeroed bytes had come back as step 0 without a checksum).
+    path = tmp_path / "ckpt.safetensors"
+    pj.save(path, state)
+    start, end = _data_offsets(path)[next(k for k in _data_offsets(path) if k.startswith(where))]
+    raw = bytearray(path.read_bytes())
+    if damage == "zeros":
+        raw[start:end] = bytes(end - start)
+    else:
+        raw[start] ^= 0x01
+    assert bytes(raw) != path.read_bytes()
+    path.write_bytes(bytes(raw))
+    with pytest.raises(pj.CheckpointError, match="ckpt.safetensors' is damaged"):
+        pj.load(path, like=state)
+
+
+def test_version_1_files_without_checksum_still_load(state, tmp_path):
+    from safetensors.numpy import save as st_save
+
+    from pockjax.checkpoint import _named
+    path = tmp_path / "v1.safetensors"
+    named, _ = _named(state)
+    path.write_bytes(st_save({k: np.asarray(v) for k, v in named.items()},
+                             metadata={"format": "pockjax.checkpoint", "version": "1",
+                                       "step": "1", "scheme": SCHEME.to_json()}))
+    assert_trees_close(pj.load(path, like=state), state, rtol=0, atol=0)
