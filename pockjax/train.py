@@ -864,15 +864,54 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
 
 @dataclasses.dataclass
 class History:
-    """Per-step losses of a `fit` run and its speed."""
+    """Per-step losses of a `fit` run and its speed; `interrupted` is True when Ctrl-C
+    stopped it (the state returned is the one after the last completed step)."""
 
     loss: np.ndarray
     seconds: float
     steps: int
+    interrupted: bool = False
 
     @property
     def steps_per_second(self) -> float:
         return self.steps / self.seconds if self.seconds > 0 else float("nan")
+
+
+class _InterruptAfter:
+    """Holds Ctrl-C (SIGINT) back while a step is dispatched, and raises it after.
+
+    A donating step deletes its input state when it runs; an interrupt between that
+    and the assignment of its result would lose both. A second Ctrl-C inside the window
+    interrupts at once. Outside the main thread signals cannot be handled, and nothing
+    is held back."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.pending = False
+        self.previous = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    def _hold(self, signum, frame):
+        if self.pending:
+            raise KeyboardInterrupt
+        self.pending = True
+
+    def __exit__(self, *exc):
+        import signal
+
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
+        if self.pending and exc[0] is None:
+            raise KeyboardInterrupt
+        return False
+
+
+def _deleted(tree) -> bool:
+    return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(tree))
 
 
 def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable, steps: int | None = None,
@@ -880,7 +919,10 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable, steps: int
     """Run `trainer` over `batches` (for `steps` steps, or until they run out).
 
     Shows a progress bar with the loss and steps/s unless `progress=False`; the loss
-    is read back from the device every `log_every` steps only.
+    is read back from the device every `log_every` steps only. Ctrl-C stops the run
+    after the step in flight and returns the state after the last completed step, with
+    `History.interrupted` set (the state passed in was donated to the first step, so
+    this return value is the run's only state).
     """
     from tqdm.auto import tqdm
 
@@ -889,19 +931,30 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable, steps: int
     total = steps if steps is not None else (len(batches) if hasattr(batches, "__len__") else None)
     it = iter(batches) if steps is None else itertools.islice(iter(batches), steps)
     losses = []
+    interrupted = False
     bar = tqdm(total=total, disable=not progress, unit="step", desc=desc, dynamic_ncols=True)
     start = time.perf_counter()
     try:
         for i, batch in enumerate(it):
-            state, metrics = trainer(state, batch)
-            losses.append(metrics["loss"])
+            with _InterruptAfter():
+                state, metrics = trainer(state, batch)
+                losses.append(metrics["loss"])
             if (i + 1) % max(log_every, 1) == 0:
                 bar.set_postfix(loss=f"{float(metrics['loss']):.4g}")
             bar.update(1)
         jax.block_until_ready(state)
+    except KeyboardInterrupt:
+        if _deleted(state):  # a second Ctrl-C inside a step: its input is gone
+            raise
+        interrupted = True
+        jax.block_until_ready(state)
     finally:
         bar.close()
     seconds = time.perf_counter() - start
-    if steps is not None and len(losses) < steps:
+    if interrupted:
+        warnings.warn(f"fit: interrupted (Ctrl-C) after {len(losses)} steps; returning the "
+                      f"state after step {len(losses)}", stacklevel=2)
+    elif steps is not None and len(losses) < steps:
         warnings.warn(f"fit: the batches ran out after {len(losses)} of {steps} steps", stacklevel=2)
-    return state, History(np.asarray(jax.device_get(losses), dtype=np.float32), seconds, len(losses))
+    return state, History(np.asarray(jax.device_get(losses), dtype=np.float32), seconds,
+                          len(losses), interrupted)

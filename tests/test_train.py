@@ -382,3 +382,36 @@ def test_fit_and_decorator_argument_errors():
         pj.fit(trainer, trainer.init(_mlp_params()), _batches(1), steps=-1, progress=False)
     with pytest.raises(TypeError, match="decorates a loss function, got int"):
         pj.sparse_train(optimizer=optax.sgd(0.1))(3)
+
+
+@pytest.mark.parametrize("where", ["in the step", "between steps"])
+def test_ctrl_c_in_fit_returns_the_last_completed_state(where):
+    # Ctrl-C (a real SIGINT) at the third step: fit returns the state after the steps
+    # that completed; the state passed in was donated to the first step.
+    import os
+    import signal
+
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-2), scheme=MIXED)
+    batches = _batches(6)
+    calls = []
+
+    def step(state, batch):
+        calls.append(1)
+        if len(calls) == 3 and where == "in the step":
+            os.kill(os.getpid(), signal.SIGINT)  # arrives while the step is dispatched
+        return trainer(state, batch)
+
+    def feed():
+        for i, batch in enumerate(batches):
+            if i == 3 and where == "between steps":
+                os.kill(os.getpid(), signal.SIGINT)  # while the next batch is loaded
+            yield batch
+
+    state = trainer.init(_mlp_params())
+    with pytest.warns(UserWarning, match="interrupted .Ctrl-C. after 3 steps"):
+        state, history = pj.fit(step, state, feed(), progress=False)
+    assert history.interrupted and history.steps == 3 and history.loss.shape == (3,)
+    assert int(state.step) == 3
+    want, _ = reference_steps(_mlp_loss, optax.adam(1e-2), MIXED, _mlp_params(), batches[:3])
+    assert_trees_close(state.params, want)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
