@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pockjax.data import check_token_ids
+
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "Attention", "MLP", "RMSNorm", "Linear",
            "upcast_matmul", "narrow_matmul", "cast_frozen", "generate", "num_params"]
 
@@ -477,6 +479,11 @@ class Llama(nnx.Module):
     def __call__(self, tokens: jax.Array) -> jax.Array:
         if tokens.ndim != 2:
             raise ValueError(f"Llama takes tokens [batch, length], got shape {tokens.shape}")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(f"Llama takes integer token ids, got {tokens.dtype}"
+                            f"{list(tokens.shape)}; convert them with .astype(jnp.int32)")
+        if not isinstance(tokens, jax.core.Tracer):
+            check_token_ids(tokens, self.config.vocab_size)
         length = tokens.shape[1]
         cfg = self.config
         if length > cfg.max_position_embeddings:
@@ -488,7 +495,11 @@ class Llama(nnx.Module):
         positions = jnp.arange(length)
         mask = positions[:, None] >= positions[None, :]
         # The looked-up rows only are cast (nnx.Embed would cast the whole table first).
-        h = jnp.take(self.embed.embedding[...], tokens, axis=0)
+        # Inside a compiled step ids cannot be checked: one outside the vocabulary reads
+        # a row of NaN (a negative one would wrap around), so the loss shows it.
+        valid = (tokens >= 0) & (tokens < cfg.vocab_size)
+        h = jnp.take(self.embed.embedding[...], jnp.where(valid, tokens, 0), axis=0)
+        h = jnp.where(valid[..., None], h, jnp.nan)
         if cfg.dtype is not None:
             h = h.astype(cfg.dtype)
         for layer in self.layers:
@@ -555,6 +566,7 @@ def generate(model: Llama, prompt: jax.Array, max_new_tokens: int, *,
                          f"{prompt.dtype}{list(prompt.shape)}")
     if prompt.shape[1] == 0:
         raise ValueError("generate needs a prompt of at least one token")
+    check_token_ids(prompt, model.config.vocab_size, where=" in the prompt")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     total = prompt.shape[1] + max_new_tokens

@@ -333,6 +333,49 @@ def test_too_long_input_is_refused():
         generate(model, jnp.zeros((1, 4), jnp.int32), max_new_tokens=5)
 
 
+def test_token_ids_outside_the_vocabulary_are_named():
+    model = Llama(LlamaConfig.tiny(vocab_size=256), rngs=nnx.Rngs(0))
+    tokens = np.zeros((2, 5), np.int32)
+    tokens[1, 3] = 300
+    with pytest.raises(ValueError, match=r"token id 300 at position \[1, 3\] is outside the "
+                                         r"vocabulary \[0, 256\)"):
+        model(jnp.asarray(tokens))
+    tokens[1, 3] = -1  # would wrap around to the table's last row
+    with pytest.raises(ValueError, match=r"token id -1 at position \[1, 3\]"):
+        model(jnp.asarray(tokens))
+    with pytest.raises(ValueError, match=r"token id -1 at position \[1, 3\] in the prompt"):
+        generate(model, jnp.asarray(tokens), max_new_tokens=1)
+    with pytest.raises(TypeError, match=r"integer token ids, got float32\[2, 5\]; convert"):
+        model(jnp.zeros((2, 5)))
+
+
+def test_token_ids_outside_the_vocabulary_make_a_traced_loss_nan():
+    # Inside a compiled step nothing can raise: a bad id (300, or -1, which indexing
+    # would wrap to the last row) must show in the loss, not train on a wrong row.
+    model = Llama(LlamaConfig.tiny(vocab_size=256), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def loss(params, tokens):
+        return jnp.mean(nnx.merge(graphdef, params)(tokens))
+
+    good = jnp.zeros((2, 5), jnp.int32).at[1, 3].set(255)
+    assert np.isfinite(loss(params, good))
+    for bad in (256, 300, -1):
+        assert np.isnan(loss(params, good.at[1, 3].set(bad))), bad
+
+
+def test_check_token_ids():
+    from pockjax.data import check_token_ids
+    assert check_token_ids([[0, 9]], 10).dtype.kind == "i"
+    assert check_token_ids([3, -100], 10, ignore=-100).tolist() == [3, -100]
+    with pytest.raises(ValueError, match=r"label id 10 at position \[1\] in a.jsonl line 2 is "
+                                         r"outside the vocabulary \[0, 10\) \(2 of 3 ids are\)"):
+        check_token_ids([1, 10, 11], 10, what="label id", where=" in a.jsonl line 2")
+    with pytest.raises(TypeError, match="token ids must be integers, got float64"):
+        check_token_ids([1.0, 2.0], 10)
+
+
 # -- the module -------------------------------------------------------------------------
 
 
