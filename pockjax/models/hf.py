@@ -27,7 +27,7 @@ from pockjax import nnx as pj_nnx
 from pockjax.checkpoint import CheckpointError, write_atomic
 from pockjax.models.llama import Llama, LlamaConfig
 
-__all__ = ["load_llama", "save_llama"]
+__all__ = ["load_llama", "save_llama", "TOKENIZER_FILES"]
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -201,13 +201,34 @@ def load_llama(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
     return nnx.merge(graphdef, state)
 
 
-def save_llama(model: Llama, path: str | os.PathLike) -> None:
+# What a Hugging Face model folder keeps beside its weights for its tokenizer (and the
+# generation defaults that go with it); `save_llama(tokenizer=folder)` copies them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+
+
+def save_llama(model: Llama, path: str | os.PathLike, *, tokenizer=None) -> None:
     """Write `model` as a Hugging Face checkpoint directory: `config.json` and
     `model.safetensors`, each written to a temporary file and renamed into place (a
     sharded checkpoint's index in the directory is removed, so the new file is read).
-    `transformers.LlamaForCausalLM.from_pretrained(path)` and `load_llama` read it."""
+    `transformers.LlamaForCausalLM.from_pretrained(path)` and `load_llama` read it.
+
+    Args:
+      model: the `Llama` to save.
+      path: the output directory (created if needed).
+      tokenizer: where the tokenizer comes from, so the folder is complete for
+        `transformers.AutoTokenizer`: a model folder (usually the one the model was
+        loaded from) whose tokenizer files (`TOKENIZER_FILES`) are copied, or a
+        `tokenizers.Tokenizer`, saved as `tokenizer.json`. None writes no tokenizer.
+
+    Raises:
+      CheckpointError: the model has parameters a LLaMA checkpoint has no place for, or
+        `tokenizer` is a folder without tokenizer files.
+    """
     if not isinstance(model, Llama):
         raise TypeError(f"save_llama saves a pockjax Llama, got {type(model).__name__}")
+    tokenizer_files = _tokenizer_files(tokenizer)
     config = model.config
     names = _hf_names(config)
     ours = {"/".join(map(str, t.path)) for t in names.values()}
@@ -237,3 +258,24 @@ def save_llama(model: Llama, path: str | os.PathLike) -> None:
         raise
     (directory / INDEX).unlink(missing_ok=True)
     write_atomic(directory / CONFIG, (json.dumps(config.to_hf(), indent=2) + "\n").encode())
+    for name, data in tokenizer_files.items():
+        write_atomic(directory / name, data)
+
+
+def _tokenizer_files(tokenizer) -> dict[str, bytes]:
+    """File name -> bytes of the tokenizer files `save_llama(tokenizer=...)` writes."""
+    if tokenizer is None:
+        return {}
+    if hasattr(tokenizer, "to_str"):  # a tokenizers.Tokenizer
+        return {"tokenizer.json": tokenizer.to_str().encode()}
+    folder = Path(tokenizer)
+    if not folder.is_dir():
+        raise CheckpointError(f"tokenizer='{folder}' is not a directory; pass the model folder "
+                              f"whose tokenizer files to copy, or a tokenizers.Tokenizer")
+    files = {name: (folder / name).read_bytes() for name in TOKENIZER_FILES
+             if (folder / name).is_file()}
+    if not set(files) - {"generation_config.json"}:
+        raise CheckpointError(f"tokenizer='{folder}' holds no tokenizer files (looked for "
+                              f"{', '.join(TOKENIZER_FILES[:3])}, ...); pass the folder the "
+                              f"model was downloaded to")
+    return files

@@ -111,6 +111,36 @@ def test_saved_model_loads_in_transformers_and_back(checkpoints, tmp_path):
     np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(hf, tokens), atol=1e-6)
 
 
+def _small_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20 + ["hello world"] * 20,
+                            trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<unk>", "<s>"]))
+    return tok
+
+
+def test_saved_model_keeps_its_tokenizer(checkpoints, tmp_path):
+    _, single, _ = checkpoints[False]
+    source = tmp_path / "source"
+    shutil.copytree(single, source)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=_small_tokenizer(),
+                                                bos_token="<s>", unk_token="<unk>")
+    fast.save_pretrained(source)
+    model = load_llama(source)
+    save_llama(model, tmp_path / "ours", tokenizer=source)
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(os.listdir(tmp_path / "ours"))
+    again = transformers.AutoTokenizer.from_pretrained(tmp_path / "ours")
+    text = "def g(y):\n    return y"
+    assert again(text)["input_ids"] == fast(text)["input_ids"]
+
+    save_llama(model, tmp_path / "object", tokenizer=_small_tokenizer())
+    assert "tokenizer.json" in os.listdir(tmp_path / "object")
+    with pytest.raises(pj.CheckpointError, match="holds no tokenizer files"):
+        save_llama(model, tmp_path / "bad", tokenizer=single)
+    assert not (tmp_path / "bad").exists()  # refused before anything was written
+
+
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_save_load_round_trip(tmp_path, tie):
     model = Llama(LlamaConfig.tiny(tie_embeddings=tie), rngs=nnx.Rngs(3))
