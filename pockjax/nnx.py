@@ -30,6 +30,7 @@ import itertools
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
@@ -310,6 +311,9 @@ class Trainer:
     without remat and are not recomputed. `report()` names the setting. The module is not
     changed: the trainer checkpoints the calls of its own traced copy.
 
+    `skip_nonfinite=True`: a step whose loss or any gradient is not finite changes
+    nothing, the module's batch statistics included (see `pockjax.sparse_train`).
+
     `backend="iree"` runs the step on IREE's CPU backend in this process (an exported
     host-cpu artifact, built on the first step); `"auto"` builds it, times a few steps on
     each backend on the first batch (without advancing the training; XLA's on a copy of
@@ -322,7 +326,7 @@ class Trainer:
                  wrt: Filter = nnx.Param, has_aux: bool = False, donate: bool = True,
                  copy: bool = True, frozen_norms: str = "batch", mesh=None, data_axis="data",
                  param_axis=None, param_specs=None, remat=None, remat_policy=None,
-                 backend: str = "xla"):
+                 backend: str = "xla", skip_nonfinite: bool = False):
         from pockjax.backend import BACKENDS
 
         if backend not in BACKENDS:
@@ -371,7 +375,8 @@ class Trainer:
             raise TypeError("param_axis and param_specs need a mesh: Trainer(..., mesh=jax.make_mesh("
                             "(4,), ('data',)), param_axis='data')")
         self.sparse = SparseTrainer(pure, optimizer, scheme, has_aux=has_aux or bool(self.rest),
-                                    donate=donate, layout=layout, remat=remat_spec)
+                                    donate=donate, layout=layout, remat=remat_spec,
+                                    skip_nonfinite=skip_nonfinite)
         self._state: TrainState = self.sparse.init(params, copy=copy)
         self.backend, self._runner, self._read_back = backend, None, None
         self.choice = None  # a pockjax.backend.BackendChoice after the first step
@@ -388,7 +393,9 @@ class Trainer:
     def _metrics(self, metrics):
         if self.rest:
             inner = metrics.pop("aux")
-            self.rest = inner["model_state"]
+            # A skipped step keeps the module's other state too (batch statistics).
+            self.rest = (_keep_if(metrics["skipped"], self.rest, inner["model_state"])
+                         if "skipped" in metrics else inner["model_state"])
             if self.has_aux:
                 metrics["aux"] = inner["aux"]
         return metrics
@@ -484,6 +491,11 @@ class Trainer:
         `aux/model_state/...`."""
         return self.sparse.export(self.state, self.step_batch(batch), target=target,
                                   out_dir=out_dir, **kwargs)
+
+
+@jax.jit
+def _keep_if(skipped, old, new):
+    return jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
 
 
 def search(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%",

@@ -344,7 +344,8 @@ class SparseTrainer:
 
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                  scheme: Scheme, has_aux: bool = False, donate: bool = True,
-                 layout: _sharding.Layout | None = None, remat: Any = None):
+                 layout: _sharding.Layout | None = None, remat: Any = None,
+                 skip_nonfinite: bool = False):
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(f"optimizer must be an optax GradientTransformation (with init and "
                             f"update), got {type(optimizer).__name__}")
@@ -352,6 +353,7 @@ class SparseTrainer:
             raise SchemeError(f"scheme must be a pockjax.Scheme, got {type(scheme).__name__}")
         self.loss_fn, self.optimizer, self.scheme = loss_fn, optimizer, scheme
         self.has_aux, self.donate, self.layout = has_aux, donate, layout
+        self.skip_nonfinite = bool(skip_nonfinite)
         self.remat: Remat | None = None if remat is None else Remat.of(remat)
         # What the step differentiates: the loss, checkpointed as `remat` says.
         self._loss = checkpointed(loss_fn, self.remat)
@@ -364,8 +366,9 @@ class SparseTrainer:
         name = getattr(self.loss_fn, "__name__", "loss")
         mesh = f", mesh={dict(self.layout.mesh.shape)}" if self.layout is not None else ""
         remat = f", remat={self.remat.policy_name!r}" if self.remat is not None else ""
+        skip = ", skip_nonfinite=True" if self.skip_nonfinite else ""
         return (f"SparseTrainer({name}, scheme={self.scheme!r}, donate={self.donate}"
-                f"{remat}{mesh})")
+                f"{remat}{skip}{mesh})")
 
     # -- state -----------------------------------------------------------------
 
@@ -436,10 +439,10 @@ class SparseTrainer:
 
     def replace(self, **changes) -> "SparseTrainer":
         """A new trainer with some of its settings changed (`loss_fn`, `optimizer`,
-        `scheme`, `has_aux`, `donate`, `layout`, `remat`)."""
+        `scheme`, `has_aux`, `donate`, `layout`, `remat`, `skip_nonfinite`)."""
         settings = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, scheme=self.scheme,
                         has_aux=self.has_aux, donate=self.donate, layout=self.layout,
-                        remat=self.remat)
+                        remat=self.remat, skip_nonfinite=self.skip_nonfinite)
         unknown = sorted(set(changes) - set(settings))
         if unknown:
             raise TypeError(f"SparseTrainer.replace() got unknown settings {unknown}; "
@@ -463,22 +466,27 @@ class SparseTrainer:
         mesh = {}
         if self.layout is not None:
             mesh = self._mesh_reads(state.params, decisions)
-        if (placement or plan.mode) == "fused":
+        finite = None
+        if (placement or self._mode(plan)[0]) == "fused":
             head, new_params, new_state = fused.fused_step(
                 info.jaxpr, param_leaves, other, decisions, plan, state_leaves, n_head,
                 ties=ties, **mesh)
             new_state = jax.tree_util.tree_unflatten(state_def, new_state)
         else:
             view_def = jax.tree_util.tree_structure(view)
-            head, new_params, new_state = fused.global_step(
+            head, new_params, new_state, finite = fused.global_step(
                 info.jaxpr, param_leaves, other, decisions, self.optimizer, state.opt_state,
-                view_def, n_head, ties=ties, **mesh)
+                view_def, n_head, ties=ties, skip_nonfinite=self.skip_nonfinite, **mesh)
         params = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(state.params),
                                               new_params)
         metrics = {"loss": head[0]}
         if self.has_aux:
             metrics["aux"] = jax.tree_util.tree_unflatten(aux_def, head[1:])
-        new = TrainState(state.step + 1, params, new_state, state.scheme)
+        step = state.step + 1
+        if self.skip_nonfinite:
+            metrics["skipped"] = ~finite
+            step = state.step + finite.astype(state.step.dtype)
+        new = TrainState(step, params, new_state, state.scheme)
         if self.layout is not None:
             # The updated state keeps the layout it came in with (in place, no gather).
             new = _sharding.constrain(new, self._shardings(state.params, state.opt_state, decisions))
@@ -538,7 +546,12 @@ class SparseTrainer:
     def update_mode(self, state: TrainState, batch) -> tuple[str, str]:
         """("fused" | "global", why) for this state's trainable view."""
         view = jax.eval_shape(lambda p: trainable(p, self.scheme), abstract_arrays(state.params))
-        plan = self._plan(view, state.opt_state)
+        return self._mode(self._plan(view, state.opt_state))
+
+    def _mode(self, plan: perleaf.UpdatePlan) -> tuple[str, str]:
+        if self.skip_nonfinite:
+            return "global", ("skip_nonfinite: every gradient is checked before any "
+                              "parameter is written")
         return plan.mode, plan.reason
 
     def explain(self, state: TrainState, batch) -> TransformInfo:
@@ -807,7 +820,8 @@ class TrainReport:
 def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransformation | None = None,
                  scheme: Scheme | None = None, has_aux: bool = False, donate: bool = True,
                  mesh: jax.sharding.Mesh | None = None, data_axis="data", param_axis=None,
-                 param_specs=None, batch_specs=None, remat: Any = None):
+                 param_specs=None, batch_specs=None, remat: Any = None,
+                 skip_nonfinite: bool = False):
     """Turn `loss(params, batch)` into a `SparseTrainer`.
 
     `scheme` defaults to training everything (`Scheme(default=Full())`). Use as
@@ -828,6 +842,12 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
     memory on XLA's CPU backend too, where a checkpoint over the whole loss does not.
     Frozen blocks ahead of every trained one are never differentiated and keep nothing
     either way. The full-training column of `report()` is checkpointed the same way.
+
+    `skip_nonfinite=True` makes a step whose loss, outputs or any gradient is not finite
+    (a NaN in one batch element) change nothing: parameters, optimizer state and the
+    step count stay as they were, and `metrics["skipped"]` is True. Every gradient is
+    then checked before the first write, so updates run after the backward pass
+    (`report()`'s update mode "global") instead of interleaved with it.
 
     >>> import jax.numpy as jnp, optax, pockjax as pj
     >>> @pj.sparse_train(optimizer=optax.sgd(0.1))
@@ -854,7 +874,7 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
         if not callable(f):
             raise TypeError(f"sparse_train decorates a loss function, got {type(f).__name__}")
         return SparseTrainer(f, optimizer, scheme, has_aux=has_aux, donate=donate, layout=layout,
-                             remat=remat)
+                             remat=remat, skip_nonfinite=skip_nonfinite)
 
     return wrap if fun is None else wrap(fun)
 

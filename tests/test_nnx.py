@@ -238,3 +238,19 @@ def test_lora_errors():
         apply_lora(Net(nnx.Rngs(0)), targets=["q_proj"], rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="rank 8 is larger than layer 'head'"):
         apply_lora(Net(nnx.Rngs(0)), rank=8, targets=["head"], rngs=nnx.Rngs(0))
+
+
+def test_nnx_trainer_skip_nonfinite_keeps_batch_statistics(batch):
+    x, y = batch
+    bad = (x.at[3, 1].set(jnp.nan), y)
+    model = Net(nnx.Rngs(0))
+    trainer = pj.nnx.Trainer(model, xent, optimizer=optax.adam(1e-2), skip_nonfinite=True,
+                             scheme=nnx.Any(nnx.PathContains("head"), nnx.PathContains("bn")))
+    trainer(batch)
+    before = jax.tree.map(np.array, (trainer.state.params, trainer.rest))
+    metrics = trainer(bad)
+    assert bool(metrics["skipped"])
+    after = (trainer.state.params, trainer.rest)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), after, before)
+    assert not bool(trainer(batch)["skipped"])
+    assert np.isfinite(np.asarray(trainer.rest["bn"]["mean"])).all()

@@ -415,3 +415,41 @@ def test_ctrl_c_in_fit_returns_the_last_completed_state(where):
     want, _ = reference_steps(_mlp_loss, optax.adam(1e-2), MIXED, _mlp_params(), batches[:3])
     assert_trees_close(state.params, want)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("where", ["input", "masked input", "none"])
+def test_skip_nonfinite_leaves_all_state_untouched(where):
+    # A NaN in one batch element: plain optax (and the trainer without the option) turns
+    # the trained slices and their optimizer state NaN. With skip_nonfinite the step
+    # changes nothing, bit for bit; good steps equal the reference.
+    def loss(p, batch):
+        h = batch["x"]
+        for i in range(len(p)):
+            h = jnp.tanh(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+        err = jnp.where(batch["mask"][:, None], h - batch["y"], 0.0)  # NaN rows masked out
+        return jnp.sum(err ** 2) / jnp.maximum(jnp.sum(batch["mask"]), 1)
+
+    good = [dict(b, mask=jnp.ones(8, bool)) for b in _batches(3)]
+    bad = dict(good[1], x=good[1]["x"].at[2, 5].set(jnp.nan))
+    if where == "masked input":  # the forward pass is finite, the gradient is NaN
+        bad["mask"] = bad["mask"].at[2].set(False)
+    if where == "none":
+        bad = good[1]
+    params = _mlp_params()
+    params["l0"]["w"] = params["l0"]["w"].at[0, 0].set(-0.0)
+    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=MIXED, skip_nonfinite=True)
+    state = trainer.init(params)
+    state, m0 = trainer(state, good[0])
+    before = jax.tree_util.tree_map(np.array, state)
+    state, m1 = trainer(state, bad)
+    assert bool(m1["skipped"]) == (where != "none") and not bool(m0["skipped"])
+    if where != "none":
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b),
+                               state, before)
+        assert np.signbit(np.asarray(state.params["l0"]["w"][0, 0]))
+    state, _ = trainer(state, good[2])
+    steps = [good[0], good[2]] if where != "none" else good
+    want, _ = reference_steps(loss, optax.adam(1e-2), MIXED, params, steps)
+    assert_trees_close(state.params, want)
+    assert int(state.step) == len(steps)
+    assert "skip_nonfinite" in trainer.report(state, good[0]).mode_reason

@@ -274,13 +274,18 @@ def _shard(g, shardings, j):
 
 def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisions,
                 optimizer, state, view_def, n_head: int, ties: str = "data",
-                reads=None, grad_shardings=None):
+                reads=None, grad_shardings=None, skip_nonfinite: bool = False):
     """The optimizer after the whole backward pass (for chains that need every gradient,
     such as clip_by_global_norm). Writes are ordered after the last reads as in
     `fused_step`: `ties="barrier"` puts one barrier over every gradient and trainable
     parameter; `ties="data"` adds each parameter's data tie (on IREE a barrier over
     donated parameters makes it copy them onto themselves, which its runtime rejects).
-    `reads` and `grad_shardings` as in `fused_step`."""
+    `reads` and `grad_shardings` as in `fused_step`.
+
+    With `skip_nonfinite`, a step whose loss, outputs or any gradient holds a NaN or an
+    infinity keeps every parameter and the optimizer state as they were (selected, not
+    added: a -0.0 stays -0.0). Returns `(head, new_params, new_state, finite)`, `finite`
+    a boolean scalar (always True without `skip_nonfinite`)."""
     jaxpr = grad_jaxpr.jaxpr
     inputs = [*(param_leaves if reads is None else reads), *other_leaves]
     train_idx = [k for k, d in enumerate(decisions) if isinstance(d, (Full, Channels))]
@@ -307,10 +312,20 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
     g_tree = jax.tree_util.tree_unflatten(view_def, grads)
     p_tree = jax.tree_util.tree_unflatten(view_def, views)
     updates, new_state = optimizer.update(g_tree, state, p_tree)
+    finite = jnp.array(True)
+    if skip_nonfinite:
+        for x in (*head, *grads):
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
+                finite = finite & jnp.all(jnp.isfinite(x))
+        new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(finite, new, old),
+                                           new_state, state)
     new_params = list(param_leaves)
     for k, p, v, u, z in zip(train_idx, trained, views, jax.tree_util.tree_leaves(updates), zeros):
-        new_params[k] = _write_back(p, decisions[k], _plus(v + u, z))
-    return head, new_params, new_state
+        value = _plus(v + u, z)
+        if skip_nonfinite:
+            value = jnp.where(finite, value, v)
+        new_params[k] = _write_back(p, decisions[k], value)
+    return head, new_params, new_state, finite
 
 
 def _by_position(placements) -> dict[int, list[int]]:
