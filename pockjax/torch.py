@@ -36,7 +36,9 @@ torchax's import-time environment variable.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
+import math
 import os
 from typing import Any, Callable, Mapping
 
@@ -142,7 +144,8 @@ _ENV = None
 
 def environment():
     """pockjax's own torchax environment (the user's `torchax.default_env()` is left
-    as it is), with the op definitions pockjax corrects."""
+    as it is), with the op definitions pockjax corrects: batch norm's running statistics
+    and attention rows whose keys are all masked (`_sdpa`)."""
     global _ENV
     if _ENV is None:
         import torch
@@ -155,6 +158,11 @@ def environment():
             packet = getattr(torch.ops.aten, name, None)
             if packet is not None:
                 env.override_op_definition(packet.default, _batch_norm)
+        # Hugging Face's default "sdpa" attention gives each left-padded query row a mask
+        # that is all False; see `_sdpa` for why torchax's own definition cannot be kept.
+        sdpa = functools.partial(_sdpa, env)
+        env.override_op_definition(torch.nn.functional.scaled_dot_product_attention, sdpa)
+        env.override_op_definition(torch.ops.aten.scaled_dot_product_attention.default, sdpa)
         _ENV = env
     return _ENV
 
@@ -181,6 +189,52 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training, moment
     if bias is not None:
         out = out + bias.reshape(shape)
     return out, mean, rstd
+
+
+def _sdpa(env, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+          enable_gqa=False):
+    """`torch.nn.functional.scaled_dot_product_attention` with torch's semantics for a
+    query row that may attend to nothing (every key masked): output 0 and gradient 0.
+
+    torchax 0.0.13 (`torchax/ops/jtorch.py`, `scaled_dot_product_attention` ->
+    `_sdpa_reference`) adds a -inf bias and takes a plain softmax, so such a row is
+    exp(-inf - -inf) = NaN. Left padding makes those rows in every causal LM under
+    `sdpa`, and although their outputs are never read, `0 * NaN` carries the NaN into
+    the loss and every gradient. `test_upstream_torchax_sdpa_still_nan_on_fully_masked_rows`
+    fails once torchax handles it; then this override can go.
+    """
+    q, k, v, mask = env.t2j_iso((query, key, value, attn_mask))
+    out = _attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa,
+                     env.get_and_rotate_prng_key if dropout_p > 0 else None)
+    return env.j2t_iso(out)
+
+
+def _attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa, prng_key):
+    import jax.numpy as jnp
+
+    if enable_gqa:
+        k = jnp.repeat(k, q.shape[-3] // k.shape[-3], axis=-3)
+        v = jnp.repeat(v, q.shape[-3] // v.shape[-3], axis=-3)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ jnp.swapaxes(k, -1, -2)) * scale
+    if is_causal:
+        s = jnp.where(jnp.tril(jnp.ones(s.shape[-2:], bool)), s, -jnp.inf)
+    if mask is None:
+        # Without a mask every row keeps at least one key (a causal row keeps its first):
+        # the unmasked path stays the plain softmax.
+        p = jax.nn.softmax(s, axis=-1)
+    else:
+        s = jnp.where(mask, s, -jnp.inf) if mask.dtype == jnp.bool_ else s + mask.astype(s.dtype)
+        # A row with every key masked has max -inf; shifting it by 0 instead leaves exp = 0
+        # everywhere, and the guarded sum makes its weights (and their gradient) exactly 0.
+        m = jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
+        e = jnp.exp(s - jnp.where(jnp.isneginf(m), 0, m))
+        total = jnp.sum(e, axis=-1, keepdims=True)
+        p = e / jnp.where(total == 0, 1, total)
+    if dropout_p > 0:
+        keep = jax.random.bernoulli(prng_key(), 1 - dropout_p, p.shape)
+        p = jnp.where(keep, p / (1 - dropout_p), 0).astype(p.dtype)
+    return p @ v
 
 
 # --------------------------------------------------------------------------- layouts
@@ -274,8 +328,11 @@ class TorchFunction:
         import torch
 
         env = self._env
+        _check_no_torch_inputs(args, kwargs, self.module)
         flat_p, flat_b = _flatten(params), _flatten(buffers)
-        p_t, b_t, args_t, kwargs_t = env.j2t_iso((flat_p, flat_b, args, kwargs))
+        # Under jit numpy inputs arrive as tracers; eagerly they must become JAX arrays the
+        # same way, or torch receives a numpy array where it expects a tensor.
+        p_t, b_t, args_t, kwargs_t = env.j2t_iso(_numpy_to_jax((flat_p, flat_b, args, kwargs)))
         stack: list[str] = []
         with _module_stack(self.module, stack), _no_mha_fastpath(), env:
             try:
@@ -284,16 +341,87 @@ class TorchFunction:
                 if self.output is not None:
                     res = self.output(res)
             except Exception as e:
+                if _is_mixed_math(e):
+                    raise _cpu_tensor_error(e, self.module, stack) from e
                 raise _op_error(e, self.module, stack) from e
         out, new_b = env.t2j_iso((res, b_t))
         _check_arrays(out, self.module, self.output)
         return out, _nest(new_b) if flat_b else buffers
 
 
-def _op_error(e: Exception, module, stack: list[str]) -> Exception:
+def _check_no_torch_inputs(args, kwargs, module) -> None:
+    import torch
+
+    named, _ = jax.tree_util.tree_flatten_with_path((args, kwargs))
+    for path, x in named:
+        if isinstance(x, torch.Tensor):
+            where = ("args" if path[0].idx == 0 else "kwargs") + jax.tree_util.keystr(path[1:])
+            raise TypeError(
+                f"pockjax.torch.functional({type(module).__name__}) takes JAX or numpy arrays, "
+                f"but {where} is a torch.Tensor; pass x.numpy() (or jnp.asarray(x.numpy()))")
+
+
+def _numpy_to_jax(tree):
+    import jax.numpy as jnp
+
+    def convert(x):
+        # Strings and objects stay as they are, as torch would take them.
+        numeric = isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind not in "OSU"
+        return jnp.asarray(x) if numeric else x
+
+    return jax.tree_util.tree_map(convert, tree)
+
+
+def _running(module, stack: list[str]) -> str:
     where = stack[-1] if stack else ""
     sub = module.get_submodule(where) if where else module
-    name = f"'{where}' ({type(sub).__name__})" if where else f"the top module ({type(module).__name__})"
+    return f"'{where}' ({type(sub).__name__})" if where else f"the top module ({type(module).__name__})"
+
+
+def _is_mixed_math(e: Exception) -> bool:
+    # torchax 0.0.13 signals a plain torch tensor among its own with a bare assert in
+    # `Environment.t2j_iso`; its message is the only mark it leaves.
+    return (isinstance(e, AssertionError)
+            and "mixed math between XLATensor and torch.Tensor" in str(e))
+
+
+def _cpu_tensor_error(e: Exception, module, stack: list[str]) -> Exception:
+    line = _user_line(e.__traceback__)
+    at = f" at {line}" if line else ""
+    return RuntimeError(
+        f"{_running(module, stack)} mixed a CPU torch tensor with the model's tensors{at}: a "
+        f"tensor created in forward without device= (or kept as a plain attribute rather than "
+        f"a registered buffer) is on the CPU, not on the model's device (pockjax.torch runs "
+        f"the model on JAX). Create it on the input's device, e.g. "
+        f"torch.arange(n, device=x.device) or torch.zeros(shape, device=x.device, "
+        f"dtype=x.dtype), or register it in __init__ with self.register_buffer(name, tensor); "
+        f"torch rejects the same code on a GPU")
+
+
+def _user_line(tb) -> str:
+    """`file:line (function: code)` of the innermost traceback frame outside torch, torchax, JAX,
+    pockjax and the standard library: where the module made the CPU tensor meet the others."""
+    import linecache
+    import sysconfig
+
+    import torch
+    import torchax
+
+    skip = tuple(os.path.dirname(m.__file__) + os.sep
+                 for m in (torch, torchax, jax, np, __import__("pockjax")))
+    skip += (sysconfig.get_paths()["stdlib"] + os.sep,)
+    found = ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not code.co_filename.startswith(skip) and not code.co_filename.startswith("<"):
+            text = linecache.getline(code.co_filename, tb.tb_lineno).strip()
+            found = f"{code.co_filename}:{tb.tb_lineno} ({code.co_name}: {text})"
+        tb = tb.tb_next
+    return found
+
+
+def _op_error(e: Exception, module, stack: list[str]) -> Exception:
+    name = _running(module, stack)
     kind = type(e).__name__
     if kind == "OperatorNotFound" or isinstance(e, NotImplementedError):
         return NotImplementedError(

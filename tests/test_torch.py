@@ -395,6 +395,51 @@ def test_unsupported_op_names_torchax_message_and_module():
         apply(params, jnp.ones((2, 4)))
 
 
+class _AddPositions(torch.nn.Module):
+    def __init__(self, factory):
+        super().__init__()
+        self.factory = factory
+
+    def forward(self, x):
+        return x + self.factory(x.shape[-1])
+
+
+@pytest.mark.parametrize("factory", [torch.arange, torch.zeros], ids=["arange", "zeros"])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_tensor_created_in_forward_without_device_names_the_line_and_the_fix(factory, jit):
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), _AddPositions(factory))
+    params, apply = pt.functional(net)
+    run = jax.jit(apply) if jit else apply
+    with pytest.raises(RuntimeError, match=(
+            r"'1' \(_AddPositions\) mixed a CPU torch tensor with the model's tensors at "
+            r".*test_torch.py:\d+ \(forward: return x \+ self.factory\(x.shape\[-1\]\)\): a "
+            r"tensor created in forward without device=.*on the CPU, not on the model's device"
+            r".*device=x.device.*register_buffer")):
+        run(params, jnp.ones((2, 4)))
+
+
+def test_torch_tensor_passed_to_apply_is_a_clear_error():
+    params, apply = pt.functional(torch.nn.Linear(4, 2))
+    with pytest.raises(TypeError, match=r"takes JAX or numpy arrays, but kwargs\['input'\] is a "
+                                        r"torch.Tensor; pass x.numpy\(\)"):
+        apply(params, input=torch.ones(3, 4))
+
+
+def test_functional_takes_numpy_eagerly_as_under_jit():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    params, apply = pt.functional(net)
+    x = np.random.RandomState(0).randn(3, 4).astype(np.float32)
+    with torch.no_grad():
+        want = net(torch.tensor(x)).numpy()
+    eager = apply(params, x)
+    jitted = jax.jit(apply)(params, x)
+    numpy_params = apply(jax.tree_util.tree_map(np.asarray, params), x)
+    for got in (eager, jitted, numpy_params):
+        assert isinstance(got, jax.Array)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
 def test_jax_layout_names_on_a_torch_model_are_a_clear_error():
     c = Case("llama")
     with pytest.raises(pj.SchemeError, match=r"PyTorch module.*'weight' \(not 'kernel'\)"):
