@@ -21,10 +21,13 @@ _WHERE = {
     "save": "checkpoint", "load": "checkpoint", "CheckpointError": "checkpoint",
     "ExportError": "export.targets",
     "search": "scheme_search", "SearchReport": "scheme_search",
+    "finetune": "finetuning", "FinetuneError": "finetuning", "FinetuneResult": "finetuning",
+    "Tokenizer": "tokenizer", "TokenizerError": "tokenizer",
     "count_flops": "flops", "flops_of": "flops",
     "compiled_memory": "_report", "tree_bytes": "_report", "format_bytes": "_report",
     "format_flops": "_report",
     "schemes": None, "export": None, "runtime": None, "nnx": None, "models": None,
+    "data": None,  # JSONL fine-tuning data: formats, prompt masking, batches
     "torch": None,  # PyTorch modules in through torchax (torch imported on first use)
     "backend": None,  # host training on XLA or IREE's CPU backend, or the faster of the two
 }
@@ -55,7 +58,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes  # noqa: F401
     from pockjax.checkpoint import CheckpointError, load, save  # noqa: F401
     from pockjax.export.targets import ExportError  # noqa: F401
+    from pockjax.finetuning import FinetuneError, FinetuneResult, finetune  # noqa: F401
     from pockjax.flops import count_flops, flops_of  # noqa: F401
+    from pockjax.tokenizer import Tokenizer, TokenizerError  # noqa: F401
     from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError  # noqa: F401
     from pockjax.scheme_search import SearchReport, search  # noqa: F401
     from pockjax.train import (History, SparseTrainer, TrainReport, TrainState,  # noqa: F401

@@ -1,0 +1,307 @@
+"""`pockjax finetune` / `pj.finetune`: a Hugging Face folder and a JSONL file to a better
+model; data formats and prompt masking, resume after SIGKILL bit for bit, the
+non-finite guard, the output folder in transformers, and every bad input's message."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.numpy import load_file
+
+import pockjax as pj
+from pockjax.data import DataError, batch_at, read_jsonl
+from pockjax.finetuning import FinetuneError, NonFiniteLoss, load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+         "rho sigma tau upsilon phi chi psi omega one two three four five six seven eight nine "
+         "ten def return import class self print").split()
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    rng = np.random.default_rng(0)
+    text = [" ".join(rng.choice(WORDS, 12)) for _ in range(300)]
+    tok.train_from_iterator(text, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", "<pad>", "<|im_start|>",
+                                        "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", tok.token_to_id("<s>"))])
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", chat_template=CHATML)
+
+
+def _folder(tmp: Path, kind: str) -> Path:
+    fast = _tokenizer()
+    vocab = len(fast)
+    torch.manual_seed(0)
+    if kind == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            tie_word_embeddings=False, bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id)
+        model = transformers.LlamaForCausalLM(config)
+    else:  # an architecture outside pockjax's own families: through pockjax.torch
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=4,
+                                         n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0, bos_token_id=fast.bos_token_id,
+                                         eos_token_id=fast.eos_token_id)
+        model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():  # HF's std 0.02 leaves a frozen head almost no reach
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0, 0.15)
+    folder = tmp / kind
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("models")
+    return {kind: _folder(tmp, kind) for kind in ("llama", "gpt2")}
+
+
+def _jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _completions(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [{"prompt": " ".join(rng.choice(WORDS[:24], 6)) + " :",
+             "completion": " one two three four"} for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("data")
+    rng = np.random.default_rng(1)
+    texts = [{"text": " ".join(rng.choice(WORDS[:12], 10))} for _ in range(24)]
+    return {"train": _jsonl(tmp / "train.jsonl", texts[:16]),
+            "valid": _jsonl(tmp / "valid.jsonl", texts[16:]),
+            "completion": _jsonl(tmp / "completion.jsonl", _completions(320)),
+            "completion_as_text": _jsonl(tmp / "as_text.jsonl", [
+                {"text": r["prompt"] + r["completion"]} for r in _completions(320)]),
+            "chat": _jsonl(tmp / "chat.jsonl", [
+                {"messages": [{"role": "user", "content": r["prompt"]},
+                              {"role": "assistant", "content": r["completion"]}]}
+                for r in _completions(16)])}
+
+
+def _cli(*args, timeout=600, **kw):
+    return subprocess.run([sys.executable, "-m", "pockjax.cli", "finetune", *map(str, args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kw)
+
+
+# -- data ---------------------------------------------------------------------------------
+
+
+def test_each_format_masks_what_the_loss_does_not_count(folders, data):
+    from pockjax.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(folders["llama"])
+    text = read_jsonl(data["train"], tok, 64)
+    assert text.format == "text" and all(e.mask.all() for e in text.examples)
+    assert text.examples[0].ids[0] == tok.bos_id and text.examples[0].ids[-1] == tok.eos_id
+
+    comp = read_jsonl(data["completion"], tok, 64)
+    e = comp.examples[0]
+    assert tok.decode(e.ids[e.mask].tolist(), skip_special_tokens=False) == " one two three four</s>"
+    assert not e.mask[:3].any()
+
+    chat = read_jsonl(data["chat"], tok, 64)
+    e = chat.examples[0]
+    masked = tok.decode(e.ids[e.mask].tolist(), skip_special_tokens=False)
+    assert "one two three four" in masked and "<|im_start|>user" not in masked
+
+    cut = read_jsonl(data["train"], tok, 6)
+    assert cut.truncated == 16 and all(len(e.ids) == 6 for e in cut.examples)
+    with pytest.raises(DataError, match="every example was dropped.*raise --seq"):
+        read_jsonl(data["completion"], tok, 6)  # each completion starts past token 6
+
+    batch = batch_at(comp, 45, 7, 64, seed=3, pad_id=tok.pad_id)  # 320 = 45 * 7 + 5
+    assert batch["tokens"].shape == (7, 64) and batch["tokens"].dtype == np.int32
+    assert (batch["mask"][5:] == 0).all() and (batch["tokens"][5:] == tok.pad_id).all()
+    assert (batch["mask"][:5].sum(axis=1) == 5).all()  # " one two three four" + </s>
+
+
+def test_batches_follow_the_seed_and_cover_each_epoch(folders, data):
+    from pockjax.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(folders["llama"])
+    ds = read_jsonl(data["completion"], tok, 64)
+    seen = [tuple(r) for s in range(10) for r in batch_at(ds, s, 32, 64, seed=0)["tokens"]]
+    assert sorted(seen) == sorted(tuple(np.pad(e.ids, (0, 64 - len(e.ids)))) for e in ds.examples)
+    np.testing.assert_array_equal(batch_at(ds, 13, 32, 64, seed=0)["tokens"],
+                                  batch_at(ds, 13, 32, 64, seed=0)["tokens"])
+    assert not np.array_equal(batch_at(ds, 0, 32, 64, seed=0)["tokens"],
+                              batch_at(ds, 10, 32, 64, seed=0)["tokens"])  # a new epoch's order
+    assert not np.array_equal(batch_at(ds, 0, 32, 64, seed=0)["tokens"],
+                              batch_at(ds, 0, 32, 64, seed=1)["tokens"])
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "a b"\n', "line 2: not valid JSON"),
+    ('[1, 2]\n', "line 2: a JSON list, not an object"),
+    ('{"question": "x"}\n', "line 2: a record with keys ['question']"),
+    ('{"prompt": "x", "completion": "y"}\n', "line 2: a 'completion' record, but line 1 was 'text'"),
+    ('{"text": 3}\n', "line 2: \"text\" must be a string"),
+])
+def test_a_bad_line_is_named_before_training(folders, tmp_path, line, message):
+    from pockjax.tokenizer import Tokenizer
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"text": "alpha beta"}\n' + line)
+    with pytest.raises(DataError, match=str(path).replace(".", r"\.") + " " + message.replace(
+            "[", r"\[").replace("]", r"\]")):
+        read_jsonl(path, Tokenizer.from_folder(folders["llama"]), 32)
+
+
+# -- the run ------------------------------------------------------------------------------
+
+
+def test_prompt_masking_learns_the_completion_and_not_the_prompt(folders, data, tmp_path):
+    # Random prompts, a constant completion: with the prompt masked out the loss (on the
+    # completion only) goes to ~0; trained as plain text, the random prompt keeps it high.
+    common = dict(scheme="full", steps=40, batch=8, seq=24, lr=1e-2, schedule="constant",
+                  progress=False)
+    masked = pj.finetune(folders["llama"], data["completion"], tmp_path / "masked", **common)
+    unmasked = pj.finetune(folders["llama"], data["completion_as_text"], tmp_path / "text",
+                           **common)
+    assert masked.train_loss < 0.15, masked
+    assert unmasked.train_loss > 1.0, unmasked
+
+
+def test_finetune_lowers_the_validation_loss_and_saves_a_transformers_folder(folders, data,
+                                                                           tmp_path):
+    out = tmp_path / "run"
+    result = pj.finetune(folders["llama"], data["train"], out, valid=data["valid"],
+                         scheme="last:1", epochs=6, batch=4, seq=32, lr=1e-2, eval_every=8,
+                         progress=False)
+    assert result.valid_loss < result.valid_loss_before - 0.5, result
+    assert 0 < result.trainable_params < result.total_params
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "valid_loss" in r] == [0, 8, 16, 24]
+    assert (out / "loss.png").is_file()
+    # The output loads in transformers with the logits pockjax computes.
+    final = Path(result.final)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
+    tokens = np.random.default_rng(0).integers(0, hf.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        want = hf(torch.tensor(tokens)).logits.numpy()
+    ours = load_model(final)
+    np.testing.assert_allclose(np.asarray(ours.apply(ours.params, tokens)), want, atol=2e-5)
+    tok = transformers.AutoTokenizer.from_pretrained(final)
+    assert tok("alpha beta")["input_ids"] == transformers.AutoTokenizer.from_pretrained(
+        folders["llama"])("alpha beta")["input_ids"]
+
+
+def _params(folder: Path) -> dict[str, np.ndarray]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_resume_after_sigkill_equals_an_uninterrupted_run_bit_for_bit(folders, data, tmp_path,
+                                                                      kind):
+    args = ["--model", folders[kind], "--data", data["completion"], "--scheme", "last:1",
+            "--steps", 60, "--batch", 4, "--seq", 24, "--lr", 1e-3, "--save-every", 1,
+            "--keep", 2, "--seed", 5]
+    whole = _cli(*args, "--out", tmp_path / "whole")
+    assert whole.returncode == 0, whole.stderr
+    # The same run, killed at a random step once it has checkpoints, then resumed.
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "pockjax.cli", "finetune", *map(str, args),
+                             "--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    kill_at = int(np.random.default_rng().integers(2, 30))
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        ckpts = list((out / "checkpoints").glob("step-*.safetensors")) if out.exists() else []
+        if any(int(p.stem.split("-")[1]) >= kill_at for p in ckpts):
+            break
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
+    assert not (out / "final").exists()
+    again = _cli(*args, "--out", out)
+    assert again.returncode != 0 and "--resume" in again.stderr  # the folder is in use
+    resumed = _cli(*args, "--out", out, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from step-" in resumed.stderr
+    a, b = _params(tmp_path / "whole" / "final"), _params(out / "final")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 61))  # each step logged once
+
+
+def test_a_diverging_run_stops_and_keeps_a_loadable_finite_checkpoint(folders, data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteLoss, match=r"step \d+: the loss is (nan|inf).*--skip-nonfinite"):
+        pj.finetune(folders["llama"], data["completion"], out, scheme="full", steps=40,
+                    batch=4, seq=24, lr=1e4, save_every=1, progress=False)
+    ckpts = sorted((out / "checkpoints").glob("step-*.safetensors"))
+    assert ckpts and not (out / "final").exists()
+    for path in ckpts:
+        tensors = load_file(str(path))
+        assert all(np.isfinite(v).all() for v in tensors.values() if v.dtype.kind == "f"), path
+    cli = _cli("--model", folders["llama"], "--data", data["completion"], "--out",
+               tmp_path / "cli", "--scheme", "full", "--steps", 40, "--batch", 4, "--seq", 24,
+               "--lr", 1e4)
+    assert cli.returncode == 1 and "the loss is" in cli.stderr and "Traceback" not in cli.stderr
+    skipping = pj.finetune(folders["llama"], data["completion"], tmp_path / "skip",
+                           scheme="full", steps=20, batch=4, seq=24, lr=1e4,
+                           skip_nonfinite=True, progress=False)
+    assert skipping.skipped > 0
+
+
+def test_bad_inputs_get_messages(folders, data, tmp_path):
+    def fails(message, *args):
+        r = _cli(*args)
+        assert r.returncode != 0 and message in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr, r.stderr
+
+    base = ["--model", folders["llama"], "--data", data["train"], "--steps", 1, "--seq", 16]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "alpha"}\n{"text": \n')
+    fails(f"{bad} line 2: not valid JSON", *base[:2], "--data", bad, "--out", tmp_path / "a")
+    no_tok = tmp_path / "no_tokenizer"
+    no_tok.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (no_tok / f).write_bytes((folders["llama"] / f).read_bytes())
+    fails("tokenizer.json", "--model", no_tok, *base[2:], "--out", tmp_path / "b")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    fails("llama", "--model", odd, *base[2:], "--out", tmp_path / "c")
+    fails("is not a Hugging Face model folder", "--model", tmp_path / "nowhere", *base[2:],
+          "--out", tmp_path / "d")
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "notes.txt").write_text("mine")
+    fails("is not empty and holds no pockjax run", *base, "--out", used)
+    fails("--seq must be at least 2", *base[:-1], "0", "--out", tmp_path / "e")
+    fails("--scheme 'nothing'", *base, "--scheme", "nothing", "--out", tmp_path / "f")
+    fails("last:N takes a positive", *base, "--scheme", "last:0", "--out", tmp_path / "g")
+    scheme = tmp_path / "scheme.json"
+    scheme.write_text(pj.Scheme({"blocks/9/**": pj.Full()}).to_json())
+    fails("matched no parameter", *base, "--scheme", scheme, "--out", tmp_path / "h")
+    fails("give --steps or --epochs, not both", *base, "--epochs", 1, "--out", tmp_path / "i")
