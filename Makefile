@@ -11,10 +11,13 @@ SYSTEM_DEPS = mesa-vulkan-drivers qemu-user libc6-arm64-cross libstdc++6-arm64-c
 
 .PHONY: venv test demo bench clean arm64-runtime system-deps
 
+# pip is left to report what it installs: on a fresh machine this takes minutes (JAX,
+# IREE, PyTorch), and a quiet pip looks like a hang.
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
+	@echo "== installing pockjax[$(EXTRAS)] into $(VENV): several minutes the first time"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -e ".[$(EXTRAS)]"
 	touch $@
 
 venv: $(VENV)/.installed-$(EXTRAS)
@@ -34,6 +37,8 @@ $(ARM64_RUNTIME)/.done: $(VENV)/.installed-$(EXTRAS)
 arm64-runtime: $(ARM64_RUNTIME)/.done
 
 system-deps:
+	@echo "== installing $(SYSTEM_DEPS): lavapipe (Mesa's Vulkan driver on the CPU) runs the"
+	@echo "   Vulkan artifacts, QEMU and the aarch64 libraries the android-arm64 ones"
 	apt-get update -qq && apt-get install -y -qq --no-install-recommends $(SYSTEM_DEPS)
 
 # Vulkan (lavapipe) needs a runtime directory; the arm64 tests find the aarch64 tools here.
@@ -45,8 +50,9 @@ test: venv arm64-runtime
 
 # A tiny LLaMA: pretrained on generated text (cached in out/demo), sparse instruction
 # tuning, export for android-vulkan and host-cpu, and more steps in the artifacts.
+# Unbuffered, so each stage's heading shows as it starts even when the output is piped.
 demo: venv
-	$(RUN_ENV) cd examples && $(abspath $(PY)) demo.py --out ../out/demo
+	$(RUN_ENV) cd examples && PYTHONUNBUFFERED=1 $(abspath $(PY)) demo.py --out ../out/demo
 
 # Benchmarks compare with PyTorch (CPU build), installed from the `torch` extra.
 bench: venv

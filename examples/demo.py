@@ -7,9 +7,10 @@
    and print the step's report (FLOPs and compiled memory against full training).
 3. Export the training step for `android-vulkan` and `host-cpu`.
 4. Run the host-cpu artifact (and the android-vulkan one, where this machine has a
-   Vulkan device: lavapipe counts) for a few more steps from the tuned state, side by
-   side with the JAX trainer on the same batches: the losses continue the same curve and
-   the parameters agree.
+   Vulkan driver: Mesa's lavapipe, from `make system-deps`, counts) for a few more steps
+   from the tuned state, side by side with the JAX trainer on the same batches: the
+   losses continue the same curve and the parameters agree. What could not run here is
+   named at the end, with how to get it.
 5. Write the loss curve to `OUT/demo_loss.png`.
 
     python examples/demo.py [--steps 150] [--artifact-steps 5] [--out out/demo] [--fast]
@@ -31,13 +32,40 @@ from reporting import figure, save_figure
 BATCH = 32
 
 
-def vulkan_device() -> str | None:
-    """The name of this machine's Vulkan device, or None where there is none."""
+# What the android-vulkan artifact needs here, and where `make system-deps` gets it.
+NO_VULKAN = ("the android-vulkan artifact was compiled but not run: this machine has no "
+             "Vulkan driver ({reason}). `make system-deps` (as root, Debian/Ubuntu) installs "
+             "mesa-vulkan-drivers, whose lavapipe is a Vulkan driver that runs on the CPU, "
+             "with QEMU and the aarch64 libraries for android-arm64 artifacts; then run "
+             "`make demo` again (the pretrained model is cached)")
+
+
+def vulkan_device() -> tuple[str | None, str]:
+    """The name of this machine's Vulkan device (None where there is none) and why not."""
     try:
         from pockjax.export import vulkan
-        return vulkan.device_caps().name
-    except Exception:  # no driver, no device, or no IREE Vulkan support
-        return None
+        return vulkan.device_caps().name, ""
+    except Exception as e:  # no driver, no device, or no IREE Vulkan support
+        return None, str(e).split(";")[0]
+
+
+def open_sessions(paths: dict[str, str]):
+    """Runtime sessions of the artifacts that can run here, the Vulkan device's name (or
+    None) and a note for each artifact that cannot run, saying how to get what it needs."""
+    sessions = {"host-cpu": pj.runtime.load(paths["host-cpu"], device="local-task")}
+    device, reason = vulkan_device()
+    skipped = []
+    if device:
+        sessions["android-vulkan"] = pj.runtime.load(paths["android-vulkan"], device="vulkan")
+    else:
+        skipped.append(NO_VULKAN.format(reason=reason))
+        print(f"skipping: {skipped[-1]}", flush=True)
+    return sessions, device, skipped
+
+
+def stage(text: str) -> None:
+    """A heading for each step of the demo, so a long one is never silent."""
+    print(f"\n== {text}", flush=True)
 
 
 def max_relative_difference(a, b) -> float:
@@ -60,10 +88,16 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
 
     # 1. The model, from a checkpoint in Hugging Face's layout.
+    if args.pretrained:
+        stage(f"1/5 loading the tiny LLaMA from {args.pretrained}")
+    else:
+        stage(f"1/5 a tiny LLaMA pretrained {args.pretrain_steps} steps on generated text "
+              "(cached after the first run; the bar starts once JAX has compiled the step, "
+              "under a minute)")
     path = args.pretrained or data.pretrained(args.out, args.pretrain_steps)
     model = load_llama(path)
     print(f"loaded {path}: {model.config.num_layers} blocks, hidden {model.config.hidden_size}, "
-          f"{num_params(model.config):,} parameters\n")
+          f"{num_params(model.config):,} parameters")
 
     # 2. Sparse instruction tuning.
     train, _ = data.split_heldout(data.instructions(20_000))
@@ -72,28 +106,31 @@ def main(argv=None):
     scheme = pj.schemes.transformer(model, last=3, extra=["lm_head/**"])
     trainer = pj.nnx.Trainer(model, data.lm_loss, optimizer=optax.adam(1e-3), scheme=scheme)
     first = next(batches)
-    print(trainer.report(first), "\n")
+    stage("2/5 sparse instruction tuning with PockEngine's transformer scheme (last 3 blocks' "
+          "attention and gate/up projections, and the head)")
+    print("compiling the sparse and the full step for their report...", flush=True)
+    print(trainer.report(first), "\n", flush=True)
     history = trainer.fit(batches, args.steps, desc="sparse fine-tune")
     print(f"loss {history.loss[:5].mean():.3f} -> {history.loss[-5:].mean():.3f} in "
-          f"{history.steps} steps ({history.steps_per_second:.1f} steps/s)\n")
+          f"{history.steps} steps ({history.steps_per_second:.1f} steps/s)")
 
     # 3. Export the step from the tuned state.
+    stage("3/5 exporting the training step through StableHLO to IREE (IREE compiles each "
+          "target for about a minute)")
     artifacts = {}
     for target in ("android-vulkan", "host-cpu"):
+        print(f"compiling for {target}...", flush=True)
         start = time.perf_counter()
-        art = trainer.export(first, target=target, out_dir=os.path.join(args.out, target))
+        art = trainer.export(first, target=target, out_dir=os.path.join(args.out, target),
+                             progress=True)
         files = ", ".join(f"{k} {v['bytes'] / 1024:.0f} KiB" for k, v in art.manifest["files"].items())
         print(f"exported {target} in {time.perf_counter() - start:.1f} s: {art.path} ({files})")
         artifacts[target] = art
 
     # 4. Keep training in the artifacts and in JAX on the same batches.
-    sessions = {"host-cpu": pj.runtime.load(artifacts["host-cpu"].path, device="local-task")}
-    device = vulkan_device()
-    if device:
-        sessions["android-vulkan"] = pj.runtime.load(artifacts["android-vulkan"].path,
-                                                     device="vulkan")
-    else:
-        print("no Vulkan device here: the android-vulkan artifact is compiled but not run")
+    sessions, device, skipped = open_sessions({t: a.path for t, a in artifacts.items()})
+    stage(f"4/5 {args.artifact_steps} more steps in the {' and '.join(sessions)} "
+          f"artifact{'s' if len(sessions) > 1 else ''} and in JAX, on the same batches")
     more = [next(batches) for _ in range(args.artifact_steps)]
     jax_loss, art_loss = [], {name: [] for name in sessions}
     for batch in more:
@@ -112,10 +149,13 @@ def main(argv=None):
         assert err < 1e-3, f"the {name} artifact does not match the JAX trainer"
         np.testing.assert_allclose(art_loss[name], jax_loss, rtol=1e-3)
 
+    stage("5/5 the loss curve")
     png = os.path.join(args.out, "demo_loss.png")
     plot(history.loss, jax_loss, art_loss, png)
     print(f"loss curve: {png}")
-    return {"history": history, "jax": jax_loss, "artifacts": art_loss}
+    for note in skipped:
+        print(f"\nNOT RUN: {note}", flush=True)
+    return {"history": history, "jax": jax_loss, "artifacts": art_loss, "skipped": skipped}
 
 
 def plot(history, jax_loss, art_loss, path: str) -> None:

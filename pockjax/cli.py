@@ -1,4 +1,4 @@
-"""`pockjax targets | export | inspect | run | search`.
+"""`pockjax targets | export | inspect | run | search | finetune | generate`.
 
 `pockjax export MODULE:ATTR --target NAME --out DIR` imports MODULE (a dotted module
 name, or a path to a .py file) and reads ATTR from it. ATTR is either a function
@@ -27,6 +27,35 @@ import time
 import numpy as np
 
 from pockjax.export.targets import TARGETS, ExportError
+
+
+class _Interrupted(Exception):
+    """Ctrl-C during a command; the message says what it left behind."""
+
+
+# Module -> the distribution to install, for what `export` and `search` need beyond
+# the runtime-only install.
+_FULL_INSTALL = {"jax": "jax", "jaxlib": "jaxlib", "optax": "optax", "flax": "flax"}
+_COMPILER = {"iree.compiler": "iree-base-compiler"}
+
+
+def _require_full_install(cmd: str, what: str, modules: dict[str, str], extra: str = "") -> None:
+    """Stop with the fix when the packages `cmd` needs are missing (a runtime-only
+    install), before the user's module is imported and fails on them."""
+    missing = []
+    for module, dist in modules.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package (iree) is missing
+            found = False
+        if not found:
+            missing.append(dist)
+    if missing:
+        raise SystemExit(
+            f"pockjax {cmd}: {what} needs the full install, and {', '.join(missing)} "
+            f"{'is' if len(missing) == 1 else 'are'} not installed here (a runtime-only install "
+            "runs artifacts with `pockjax run` and `pockjax inspect`). Install it with: pip "
+            f"install 'pockjax{extra}' (from a checkout: pip install '.{extra}')")
 
 
 def _load_attr(spec: str, cmd: str):
@@ -107,17 +136,24 @@ def cmd_targets(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from pockjax.export import export
+    _require_full_install("export", "exporting", {**_FULL_INSTALL, **_COMPILER}, "[export]")
+    try:
+        from pockjax.export import export
 
-    trainer, state, batch = _load_spec(args.spec)
-    if args.scheme:
-        scheme = _read_scheme(args.scheme)
-        trainer = trainer.replace(scheme=scheme)
-        state = trainer.init(state.params)
-        print(f"scheme from {args.scheme}: {scheme!r}")
-    t0 = time.perf_counter()
-    art = export(trainer, state, batch, target=args.target, out_dir=args.out, gpu=args.gpu,
-                 extra_flags=tuple(args.flag or ()))
+        print(f"loading {args.spec}", file=sys.stderr, flush=True)
+        trainer, state, batch = _load_spec(args.spec)
+        if args.scheme:
+            scheme = _read_scheme(args.scheme)
+            trainer = trainer.replace(scheme=scheme)
+            state = trainer.init(state.params)
+            print(f"scheme from {args.scheme}: {scheme!r}")
+        t0 = time.perf_counter()
+        art = export(trainer, state, batch, target=args.target, out_dir=args.out, gpu=args.gpu,
+                     extra_flags=tuple(args.flag or ()), progress=True)
+    except KeyboardInterrupt:
+        kept = (f"'{args.out}' is as it was" if os.path.exists(args.out)
+                else f"no '{args.out}' was made")
+        raise _Interrupted(f"nothing was written ({kept})") from None
     files = art.manifest["files"]
     print(f"exported {args.spec} for {args.target} to {art.path} in {time.perf_counter() - t0:.1f} s "
           "(" + ", ".join(f"{k} {v['bytes']:,} B" for k, v in files.items()) + ")")
@@ -125,8 +161,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from pockjax.export.artifact import read_manifest
+    # Not pockjax.export.artifact, which imports JAX: inspect runs in the runtime-only install.
     from pockjax._report import format_bytes
+    from pockjax.export.manifest import read_manifest
 
     m = read_manifest(args.dir)
     t = m["target"]
@@ -168,14 +205,46 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _batches(manifest, data_path, steps):
+def _signature(inputs) -> str:
+    return ", ".join(f"{s['name']}: {s['dtype']}{list(s['shape'])}" for s in inputs)
+
+
+def _read_data(path: str, inputs, artifact: str) -> dict[str, np.ndarray]:
+    """The arrays of `--data`, one per step input and named after it."""
+    names = [s["name"] for s in inputs]
+    npz = path if path.endswith(".npz") else "batch.npz"
+    example = (", ".join(f"{n}=..." for n in names) if all(n.isidentifier() for n in names)
+               else "**{" + ", ".join(f"'{n}': ..." for n in names) + "}")
+    how = (f"the step's inputs are {_signature(inputs)} (`pockjax inspect {artifact}` lists "
+           f"them); save one array per input under its name, e.g. np.savez('{npz}', {example}), "
+           "each optionally with a leading axis of one batch per step")
+    try:
+        data = np.load(path)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"pockjax run: cannot read --data '{path}' ({e}); {how}") from None
+    if not isinstance(data, np.lib.npyio.NpzFile):
+        raise SystemExit(f"pockjax run: --data '{path}' holds a single array, not an .npz of "
+                         f"named arrays; {how}")
+    missing = [n for n in names if n not in data.files]
+    unknown = [n for n in data.files if n not in names]
+    if missing or unknown:
+        found = ", ".join(f"{n}: {data[n].dtype}{list(data[n].shape)}" for n in data.files)
+        problems = []
+        if missing:
+            problems.append(f"no array named {', '.join(map(repr, missing))}")
+        if unknown:
+            problems.append(", ".join(map(repr, unknown))
+                            + (" is not an input" if len(unknown) == 1 else " are not inputs"))
+        raise SystemExit(f"pockjax run: --data '{path}' does not match the step: "
+                         f"{'; '.join(problems)} "
+                         f"(it has {found or 'no arrays'}); {how}")
+    return {n: data[n] for n in names}
+
+
+def _batches(manifest, data_path, steps, artifact):
     inputs = manifest["functions"]["train_step"]["inputs"]
     if data_path:
-        data = np.load(data_path)
-        missing = [s["name"] for s in inputs if s["name"] not in data]
-        if missing:
-            raise SystemExit(f"pockjax run: '{data_path}' lacks inputs {missing}; it has {list(data)}")
-        arrays = {s["name"]: data[s["name"]] for s in inputs}
+        arrays = _read_data(data_path, inputs, artifact)
         stacked = all(a.ndim == len(s["shape"]) + 1 for s, a in zip(inputs, arrays.values()))
         for i in range(steps):
             if stacked:
@@ -190,8 +259,9 @@ def _batches(manifest, data_path, steps):
             if dtype is not None and np.issubdtype(dtype, np.floating):
                 batch[s["name"]] = rng.standard_normal(s["shape"]).astype(dtype)
             else:
-                raise SystemExit(f"pockjax run: input '{s['name']}' is {s['dtype']}; pass --data "
-                                 "FILE.npz with real values for it")
+                raise SystemExit(f"pockjax run: input '{s['name']}' is {s['dtype']}, and only float "
+                                 "inputs can be made up; pass --data FILE.npz with one array per "
+                                 f"input, named after it ({_signature(inputs)})")
         for _ in range(steps):
             yield batch
 
@@ -206,11 +276,19 @@ def cmd_run(args) -> int:
         sess = runtime.ToolSession(args.dir, command, device=args.device)
     else:
         sess = runtime.load(args.dir, device=args.device)
-    for i, batch in enumerate(_batches(sess.manifest, args.data, args.steps)):
-        t0 = time.perf_counter()
-        metrics = sess.step(batch)
-        ms = (time.perf_counter() - t0) * 1e3
-        print(f"step {i + 1}: loss {float(metrics['loss']):.6g} ({ms:.1f} ms)")
+    done = 0
+    try:
+        for i, batch in enumerate(_batches(sess.manifest, args.data, args.steps, args.dir)):
+            t0 = time.perf_counter()
+            metrics = sess.step(batch)
+            ms = (time.perf_counter() - t0) * 1e3
+            print(f"step {i + 1}: loss {float(metrics['loss']):.6g} ({ms:.1f} ms)")
+            done = i + 1
+    except KeyboardInterrupt:
+        saved = (f"; the trained state was not saved to '{args.save}' (--save writes it "
+                 "after the last step)" if args.save else "")
+        raise _Interrupted(f"{done} of {args.steps} steps ran; the artifact's files are "
+                           f"unchanged{saved}") from None
     if args.save:
         sess.save(args.save)
         print(f"saved {args.save}")
@@ -218,6 +296,23 @@ def cmd_run(args) -> int:
 
 
 def cmd_search(args) -> int:
+    _require_full_install("search", "the scheme search", _FULL_INSTALL)
+    written: list[str] = []
+    try:
+        return _search(args, written)
+    except KeyboardInterrupt:
+        if written:
+            note = f"wrote {', '.join(written)} before that"
+        elif args.cache:
+            note = (f"nothing was written to '{args.out}'; the candidates measured so far are "
+                    f"kept in '{args.cache}', and the same command resumes from them")
+        else:
+            note = ("nothing was written (with --cache DIR the candidates measured so far are "
+                    "kept, and the same command resumes from them)")
+        raise _Interrupted(note) from None
+
+
+def _search(args, written: list[str]) -> int:
     import pockjax as pj
     from pockjax.checkpoint import write_atomic
 
@@ -245,12 +340,15 @@ def cmd_search(args) -> int:
         return 2
     print(report)
     write_atomic(args.out, (scheme.to_json(indent=1) + "\n").encode())
+    written.append(args.out)
     print(f"\nscheme: {args.out}")
     if args.report:
         report.save(args.report)
+        written.append(args.report)
         print(f"report: {args.report}")
     if args.plot:
         report.plot(args.plot)
+        written.append(args.plot)
         print(f"plot:   {args.plot}")
     return 0
 
@@ -274,7 +372,11 @@ def main(argv=None) -> int:
     r.add_argument("dir")
     r.add_argument("--device", default="local-task")
     r.add_argument("--steps", type=int, default=3)
-    r.add_argument("--data", help=".npz with one array per batch input (optionally stacked per step)")
+    r.add_argument("--data", metavar="FILE.npz",
+                   help="the batches: one array per input of the step, named after it (the "
+                        "names `pockjax inspect DIR` shows on its train_step line, e.g. "
+                        "np.savez('b.npz', x=..., y=...)), each of the input's shape or with "
+                        "a leading axis of one batch per step; without it, random float inputs")
     r.add_argument("--save", help="write a checkpoint after the last step")
     r.add_argument("--tool", help="run each call with this iree-run-module command instead of "
                                   "the Python runtime (e.g. a path, or 'qemu-aarch64 ... "
@@ -296,13 +398,28 @@ def main(argv=None) -> int:
     s.add_argument("--flop-budget", type=float, help="GFLOP per step")
     s.add_argument("--report", help="write the full report as JSON")
     s.add_argument("--plot", help="write contribution vs memory as a PNG")
+    from pockjax import finetuning
+
+    f = sub.add_parser("finetune", help="fine-tune a Hugging Face model folder on a JSONL "
+                                        "file (checkpoints, resume, a Hugging Face folder out)",
+                       description=finetuning.__doc__.split("\n\n")[0])
+    finetuning.add_arguments(f)
+    g = sub.add_parser("generate", help="continue a prompt with a Hugging Face model folder")
+    finetuning.add_generate_arguments(g)
     args = ap.parse_args(argv)
+    if args.cmd == "finetune":
+        return finetuning.main(args)
+    if args.cmd == "generate":
+        return finetuning.generate_main(args)
     try:
         return {"targets": cmd_targets, "export": cmd_export, "inspect": cmd_inspect,
                 "run": cmd_run, "search": cmd_search}[args.cmd](args)
     except ExportError as err:
         print(f"pockjax {args.cmd}: {err}", file=sys.stderr)
         return 2
+    except _Interrupted as note:
+        print(f"pockjax {args.cmd}: interrupted (Ctrl-C); {note}", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
 
 
 if __name__ == "__main__":

@@ -448,7 +448,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     from pockjax.data import (DataError, batch_at, batch_examples, eval_batches, pad_batch,
                               read_jsonl, steps_per_epoch)
     from pockjax.tokenizer import Tokenizer, TokenizerError
-    from pockjax.train import _InterruptAfter
+    from pockjax._interrupt import InterruptAfter
 
     if steps is not None and epochs is not None:
         raise FinetuneError("give --steps or --epochs, not both")
@@ -585,7 +585,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
             examples = batch_examples(train, step, batch, seed=seed)
             b = pad_batch(examples, batch, seq, pad)
             ntok = sum(len(e.ids) for e in examples)
-            with _InterruptAfter():
+            with InterruptAfter():
                 state, metrics = trainer(state, b)
                 step += 1
             done, pending = pending, (step, metrics, ntok, time.perf_counter())

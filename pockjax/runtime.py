@@ -17,6 +17,7 @@ a session holds the parameters once.
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import json
@@ -25,6 +26,7 @@ import platform
 import sys
 import threading
 import warnings
+import weakref
 
 import numpy as np
 
@@ -32,7 +34,7 @@ from pockjax.export.manifest import PARAMS, VMFB, check_hashes, read_manifest
 from pockjax.export.targets import ExportError
 
 __all__ = ["load", "Session", "ToolSession", "qemu_arm64", "DEVICES", "IncompatibleDevice",
-           "DeviceLost"]
+           "DeviceLost", "CompilingPipelines"]
 
 DEVICES = ("local-task", "local-sync", "vulkan", "cuda")
 _CPU_DEVICES = ("local-task", "local-sync")
@@ -62,6 +64,11 @@ _LOST = "VK_ERROR_DEVICE_LOST"
 # memory). All seen in `make test` runs; the remedy is the same: a new device.
 _LOST_ELSEWHERE = (("DATA_LOSS", "hal.fence.await"),)
 _LOST_WHILE_LOADING = (("transient buffer has no staged Vulkan backing",),)
+
+
+class CompilingPipelines(UserWarning):
+    """A function's first call on a Vulkan device that runs on the CPU (lavapipe) waits
+    while the driver compiles its pipelines; filter this category to silence it."""
 
 
 def _loss_line(text: str, loading: bool) -> str | None:
@@ -94,9 +101,24 @@ def _drop_device(uri: str, device) -> None:
             del _devices[uri]
 
 
-def _check_vulkan(path: str, manifest: dict) -> None:
-    """Refuse a Vulkan artifact whose compiled-for GPU does not match the device: IREE's
-    driver would run it anyway and return wrong numbers."""
+# Open sessions, closed at exit while the devices above are still held. The interpreter's
+# teardown clears this module before the script that imported it, so a session left in
+# the script's globals would hold the last reference to its device, and could release it
+# before its buffers (see `Session.close`): a segfault at exit.
+_sessions: "weakref.WeakSet[Session]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_sessions() -> None:
+    for session in list(_sessions):
+        session.close()
+    with _devices_lock:
+        _devices.clear()
+
+
+def _check_vulkan(path: str, manifest: dict):
+    """The Vulkan device's capabilities; refuses a Vulkan artifact whose compiled-for GPU
+    does not match the device: IREE's driver would run it anyway and return wrong numbers."""
     from pockjax.export import vulkan
 
     target = vulkan.parse_target(manifest["target"]["gpu_target"])
@@ -109,6 +131,7 @@ def _check_vulkan(path: str, manifest: dict) -> None:
             + "\nIREE would run it and silently compute wrong values. Export for target "
               "host-vulkan on the device itself, or for android-vulkan with the --gpu family "
               "of this device (vp_android_baseline_2022 needs no subgroup operations)")
+    return caps
 
 
 def _np_dtype(name: str):
@@ -230,12 +253,18 @@ class _Artifact:
 
 
 class Session(_Artifact):
-    """A loaded artifact on one IREE device; see `pockjax.runtime.load`."""
+    """A loaded artifact on one IREE device; see `pockjax.runtime.load`.
+
+    `close()` (or leaving a `with` block) frees its device memory at once; otherwise
+    that happens when the session is garbage or at interpreter exit."""
+
+    _closed = False
 
     def __init__(self, path: str, device: str):
         import iree.runtime as ir
 
         self.path = os.fspath(path)
+        _sessions.add(self)
         self.manifest = read_manifest(self.path, hashes=False)  # hashed below, meanwhile
         backend = self.manifest["target"]["backend"]
         if device not in DEVICES:
@@ -251,8 +280,10 @@ class Session(_Artifact):
             self.device = _open_device(ir, device)
         except Exception as e:
             raise ExportError(f"IREE device {device!r} is not available here: {e}") from None
-        if backend == "vulkan":
-            _check_vulkan(self.path, self.manifest)
+        # The functions not called yet: on a CPU Vulkan device each one's first call waits
+        # for the driver to compile its pipelines.
+        self._uncalled = {"train_step", "eval"}
+        self._vulkan_caps = _check_vulkan(self.path, self.manifest) if backend == "vulkan" else None
         target = self.manifest["target"]["name"]
         if target == "android-arm64" and platform.machine().lower() not in ("aarch64", "arm64"):
             raise ExportError(f"artifact '{self.path}' is for android-arm64 (aarch64 code) and "
@@ -322,7 +353,52 @@ class Session(_Artifact):
             self._state = self._initial_state()
 
     def __repr__(self) -> str:
-        return f"Session({self.path!r}, device={self.device_name!r})"
+        closed = ", closed" if self._closed else ""
+        return f"Session({self.path!r}, device={self.device_name!r}{closed})"
+
+    def close(self) -> None:
+        """Release the session's buffers, functions and modules, then its device.
+
+        The order matters: an IREE buffer does not keep its device alive, and
+        `iree.runtime.DeviceArray` lets go of its device before its buffer, so a state
+        array holding the last reference to the device destroys the device and then
+        frees its buffer into it (a segfault, typically at interpreter exit). Everything
+        that holds buffers goes first, while `self.device` still holds the device.
+        Closing twice does nothing."""
+        for name in ("_state", "_fn", "context", "_modules", "instance", "_index", "device"):
+            self.__dict__.pop(name, None)
+        self._closed = True
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _first_call(self, function: str) -> None:
+        """Say before `function`'s first call on a CPU Vulkan device that it will be slow:
+        lavapipe compiles each pipeline with LLVM when it is first used, which for a
+        small LLaMA's step means minutes with nothing else to show for it."""
+        if function not in self._uncalled:
+            return
+        self._uncalled.discard(function)
+        caps = self._vulkan_caps
+        if caps is not None and caps.on_cpu:
+            what = "training step" if function == "train_step" else "evaluation"
+            warnings.warn(
+                f"the first {what} of '{self.path}' compiles its pipelines: Vulkan device "
+                f"'{caps.name}' runs on the CPU, and its driver compiles each pipeline to "
+                "machine code on first use (seconds for a small model, minutes for a small "
+                "LLaMA); later calls reuse them. For speed on this machine export for "
+                "host-cpu, or run on a GPU's Vulkan driver", CompilingPipelines, stacklevel=3)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ExportError(f"the session of artifact '{self.path}' is closed and its device "
+                              "memory freed; load the artifact again (pockjax.runtime.load)")
 
     @contextlib.contextmanager
     def _lost_device(self, what: str):
@@ -371,7 +447,9 @@ class Session(_Artifact):
 
     def step(self, batch) -> dict[str, np.ndarray]:
         """One training step on the device; returns the metrics as numpy values."""
+        self._check_open()
         args = self._batch_args(batch)
+        self._first_call("train_step")
         with self._lost_device("a training step"):
             outs = _as_list(self._fn["train_step"](*self._state, *args))
             n = len(self._state)
@@ -381,12 +459,15 @@ class Session(_Artifact):
 
     def evaluate(self, batch) -> np.ndarray:
         """The loss on `batch` with the current parameters (no update)."""
+        self._check_open()
         args = self._batch_args(batch)
+        self._first_call("eval")
         with self._lost_device("an evaluation"):
             out = self._fn["eval"](*(self._state[i] for i in self._eval_indices()), *args)
             return self._host(_as_list(out)[0])
 
     def _state_value(self, i):
+        self._check_open()
         with self._lost_device("reading the state"):
             return self._host(self._state[i])
 

@@ -33,6 +33,7 @@ import optax
 
 from pockjax import sharding as _sharding
 from pockjax._jaxpr import is_var
+from pockjax._interrupt import InterruptAfter
 from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes
 from pockjax.flops import count_flops
 from pockjax.optim import fused, perleaf
@@ -559,12 +560,13 @@ class SparseTrainer:
         return self._grad.explain(state.params, batch)
 
     def export(self, state: TrainState, batch, target: str = "host-cpu", out_dir: str = "export",
-               gpu: str | None = None, extra_flags=()):
+               gpu: str | None = None, extra_flags=(), progress: bool = False):
         """Compile this step for an IREE target and write the artifact directory
-        (`train_step.vmfb`, `params.irpa`, `manifest.json`); see `pockjax.export`."""
+        (`train_step.vmfb`, `params.irpa`, `manifest.json`); see `pockjax.export`.
+        `progress` names each stage on stderr as it starts."""
         from pockjax.export import export
         return export(self, state, batch, target=target, out_dir=out_dir, gpu=gpu,
-                      extra_flags=extra_flags)
+                      extra_flags=extra_flags, progress=progress)
 
     # -- reports ---------------------------------------------------------------
 
@@ -897,39 +899,6 @@ class History:
         return self.steps / self.seconds if self.seconds > 0 else float("nan")
 
 
-class _InterruptAfter:
-    """Holds Ctrl-C (SIGINT) back while a step is dispatched, and raises it after.
-
-    A donating step deletes its input state when it runs; an interrupt between that
-    and the assignment of its result would lose both. A second Ctrl-C inside the window
-    interrupts at once. Outside the main thread signals cannot be handled, and nothing
-    is held back."""
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        self.pending = False
-        self.previous = None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._hold)
-        return self
-
-    def _hold(self, signum, frame):
-        if self.pending:
-            raise KeyboardInterrupt
-        self.pending = True
-
-    def __exit__(self, *exc):
-        import signal
-
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
-        if self.pending and exc[0] is None:
-            raise KeyboardInterrupt
-        return False
-
-
 def _deleted(tree) -> bool:
     return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(tree))
 
@@ -956,7 +925,7 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable, steps: int
     start = time.perf_counter()
     try:
         for i, batch in enumerate(it):
-            with _InterruptAfter():
+            with InterruptAfter():
                 state, metrics = trainer(state, batch)
                 losses.append(metrics["loss"])
             if (i + 1) % max(log_every, 1) == 0:

@@ -3,6 +3,7 @@ pockjax installed without its dependencies plus the `runtime` extra's packages (
 nothing of JAX, Flax or optax) runs an artifact exported here and continues the JAX
 trainer."""
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -45,14 +46,29 @@ def _runtime_requirements() -> list[str]:
 
 @pytest.fixture(scope="module")
 def runtime_env(tmp_path_factory):
-    """A virtual environment with pockjax (no dependencies) and the runtime extra."""
-    env = tmp_path_factory.mktemp("runtime-env") / "venv"
+    """A virtual environment with the runtime extra and pockjax's wheel (no
+    dependencies), installed as the README says."""
+    tmp = tmp_path_factory.mktemp("runtime-env")
+    env = tmp / "venv"
     base = getattr(sys, "_base_executable", sys.executable)
     subprocess.run([base, "-m", "venv", str(env)], check=True)
     py = str(env / "bin" / "python")
-    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    subprocess.run([*pip, "--no-deps", str(ROOT)], check=True)
-    subprocess.run([*pip, *_runtime_requirements()], check=True)
+    pip = [py, "-m", "pip", "--disable-pip-version-check"]
+    # Built from a copy: pip builds a directory in place, and a build/ left in the checkout
+    # would carry deleted modules into later wheels.
+    src = tmp / "src"
+    shutil.copytree(ROOT / "pockjax", src / "pockjax",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    subprocess.run([*pip, "wheel", "--quiet", "--no-deps", "-w", str(tmp / "dist"), str(src)],
+                   check=True)
+    wheel, = (tmp / "dist").glob("pockjax-*.whl")
+    subprocess.run([*pip, "install", "--quiet", *_runtime_requirements()], check=True)
+    done = subprocess.run([*pip, "install", "--no-deps", str(wheel)], capture_output=True,
+                          text=True, check=True)
+    # Installed last, pockjax's own (full) dependencies draw no complaint from pip.
+    assert "requires" not in done.stdout + done.stderr, done.stdout + done.stderr
     return py
 
 
@@ -86,3 +102,35 @@ def test_runtime_without_jax_continues_the_jax_trainer(runtime_env, tmp_path):
         for name in ("w", "b"):
             np.testing.assert_allclose(got[f"params/{layer}/{name}"], state.params[layer][name],
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_inspect_works_and_export_says_it_needs_the_full_install(runtime_env, tmp_path):
+    from tests.export.models import make
+
+    trainer, params, batch = make("mlp")
+    art = trainer.export(trainer.init(params), batch, out_dir=tmp_path / "artifact")
+    tool = str(Path(runtime_env).parent / "pockjax")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    run = lambda *args: subprocess.run([tool, *args], capture_output=True, text=True,
+                                       cwd=tmp_path, env=env)
+    inspect = run("inspect", str(art.path))
+    assert inspect.returncode == 0, inspect.stderr
+    assert "train_step(state[" in inspect.stdout and "x: float32[8, 16]" in inspect.stdout
+    install = ("needs the full install, and {} are not installed here (a runtime-only install "
+               "runs artifacts with `pockjax run` and `pockjax inspect`). Install it with: pip "
+               "install 'pockjax{}' (from a checkout: pip install '.{}')")
+    export = run("export", str(ROOT / "examples" / "export_mlp.py:make"), "--out", "out")
+    assert export.returncode == 1 and "Traceback" not in export.stderr
+    assert export.stderr.strip() == "pockjax export: exporting " + install.format(
+        "jax, jaxlib, optax, flax, iree-base-compiler", "[export]", "[export]")
+    search = run("search", str(ROOT / "examples" / "search_schemes.py:make"), "--out", "s.json")
+    assert search.returncode == 1 and search.stderr.strip() == (
+        "pockjax search: the scheme search " + install.format("jax, jaxlib, optax, flax", "", ""))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "s.json").exists()
+    library = subprocess.run([runtime_env, "-c", "import pockjax; pockjax.export.export"],
+                             capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert library.stderr.strip().splitlines()[-1] == (
+        "ModuleNotFoundError: pockjax.export.export needs jax, which this install lacks: a "
+        "runtime-only install runs artifacts (pockjax.runtime) but cannot export them. Install "
+        "the full pockjax: pip install 'pockjax[export]' (from a checkout: pip install "
+        "'.[export]')")

@@ -19,10 +19,24 @@ _WHERE = {"export": "artifact", "Artifact": "artifact", "read_manifest": "manife
           "ExportError": "targets"}
 
 
+# What exporting needs beyond the runtime-only install (`pip install --no-deps`).
+_FULL_INSTALL = ("jax", "jaxlib", "optax", "flax")
+
+
 def __getattr__(name: str):
     if name not in _WHERE:
         raise AttributeError(f"module 'pockjax.export' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"pockjax.export.{_WHERE[name]}"), name)
+    try:
+        module = importlib.import_module(f"pockjax.export.{_WHERE[name]}")
+    except ModuleNotFoundError as e:
+        if e.name not in _FULL_INSTALL:
+            raise
+        raise ModuleNotFoundError(
+            f"pockjax.export.{name} needs {e.name}, which this install lacks: a runtime-only "
+            "install runs artifacts (pockjax.runtime) but cannot export them. Install the "
+            "full pockjax: pip install 'pockjax[export]' (from a checkout: pip install "
+            "'.[export]')", name=e.name) from None
+    value = getattr(module, name)
     globals()[name] = value
     return value
 
@@ -35,9 +49,9 @@ class _CallableModule(types.ModuleType):
     """`pockjax.export(...)` exports a trainer's step; the package's names stay reachable."""
 
     def __call__(self, trainer, state, batch, target: str = "host-cpu", out_dir: str = "export",
-                 gpu: str | None = None, extra_flags=()):
+                 gpu: str | None = None, extra_flags=(), progress: bool = False):
         return self.export(trainer, state, batch, target=target, out_dir=out_dir, gpu=gpu,
-                           extra_flags=extra_flags)
+                           extra_flags=extra_flags, progress=progress)
 
 
 sys.modules[__name__].__class__ = _CallableModule

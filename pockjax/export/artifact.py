@@ -6,6 +6,7 @@ import importlib.metadata as md
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any
@@ -121,7 +122,21 @@ def _write_params(path: str, lowered: Lowered) -> None:
     index.create_archive_file(path)
 
 
-def _tied_if_smaller(trainer, state, batch, tgt, flags, lowered, stream, report):
+class _Progress:
+    """Lines on stderr saying which stage `export` is in, after the seconds so far (a
+    large step compiles for minutes)."""
+
+    def __init__(self, on: bool):
+        self.on = on
+        self.started = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        if self.on:
+            print(f"[export {time.perf_counter() - self.started:6.1f} s] {what}",
+                  file=sys.stderr, flush=True)
+
+
+def _tied_if_smaller(trainer, state, batch, tgt, flags, lowered, stream, report, say):
     """The step with each matmul's read of a trained weight tied to its other operand
     (`pockjax.export.lowering.tie_weight_reads`) when its stream plan allocates less than
     the untied one's, else the untied step: `(lowered, stream, report, tied)`.
@@ -133,9 +148,11 @@ def _tied_if_smaller(trainer, state, batch, tgt, flags, lowered, stream, report)
     tiling: 15 -> 20 MiB), and on small models the extra dispatches can outweigh the
     packs (a 2-block toy LLaMA: 484 -> 547 kB), so the compiled plans decide. A tied
     plan that is not hazard-free and in place is not taken."""
+    say("lowering the step again with each trained weight's reads tied to its matmuls")
     tied = lower_step(trainer, state, batch, backend=tgt.backend, tie_weights=True)
     if tied.mlir == lowered.mlir:
         return lowered, stream, report, False
+    say("compiling that step to stream IR (kept if it allocates less)")
     tied_stream = compile_module(tied.mlir, tgt.name, flags, ("--compile-to=stream",))
     tied_report = analyze(tied_stream.decode(), tied.donated)
     if (tied_report.hazards or tied_report.not_in_place
@@ -145,11 +162,13 @@ def _tied_if_smaller(trainer, state, batch, tgt, flags, lowered, stream, report)
 
 
 def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "export",
-           gpu: str | None = None, extra_flags=()) -> Artifact:
+           gpu: str | None = None, extra_flags=(), progress: bool = False) -> Artifact:
     """Compile the training step for `target` and write the artifact directory.
 
     The directory is built under a temporary name next to `out_dir` and renamed into
-    place, so a failed export leaves no half artifact (and keeps an older one).
+    place, so a failed or interrupted export leaves no half artifact (and keeps an
+    older one). With `progress`, each stage is named on stderr as it starts, with the
+    seconds so far (`pockjax export` does this).
     """
     tgt, flags = resolve_target(target, gpu, tuple(extra_flags))
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state)):
@@ -157,29 +176,36 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
                           "artifact carries the parameters' values, so export needs a state made "
                           "from arrays (trainer.init(params)); report() and lower() take shapes")
     started = time.perf_counter()
+    say = _Progress(progress)
+    say("lowering the training step to StableHLO")
     lowered = lower_step(trainer, state, batch, backend=tgt.backend)
     mlir, device = lowered.mlir, None
     if tgt.local_device:
+        say("reading the local Vulkan device's capabilities")
         caps = vulkan.device_caps()
         device = {"name": caps.name, "target": vulkan.local_target_attr(caps)}
         mlir = mlir.replace("module @pockjax_train {", "module @pockjax_train attributes "
                             f"{{hal.device.targets = [{device['target']}]}} {{", 1)
     # Stop at stream IR, check the in-place updates there, then finish from it.
+    say(f"compiling for {target} to IREE's stream IR, to check the in-place updates")
     stream = compile_module(mlir, target, flags, ("--compile-to=stream",))
     report = check_stream(stream, lowered, target)
     tied = False
     if tgt.backend == "local":
         lowered, stream, report, tied = _tied_if_smaller(trainer, state, batch, tgt, flags,
-                                                         lowered, stream, report)
+                                                         lowered, stream, report, say)
     gpu_target = None
     if tgt.backend == "vulkan":
         parsed = vulkan.parse_target(stream.decode())
         check_storage(stream, parsed, target, lowered)
         gpu_target = parsed.text
+    say(f"compiling the module for {target}: the longest stage (seconds for a small "
+        "MLP, a minute or more for a LLaMA)")
     vmfb = compile_module(stream, target, flags, ("--compile-from=stream",))
     compile_s = time.perf_counter() - started
 
     out_dir = os.path.abspath(os.fspath(out_dir))
+    say(f"writing the artifact to {out_dir}")
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-export-", dir=parent)
@@ -233,6 +259,7 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    say("done")
     return Artifact(out_dir, manifest)
 
 

@@ -39,6 +39,14 @@ class DeviceCaps:
     storage8: bool
     storage16: bool
     dot_product: bool
+    # VkPhysicalDeviceType as IREE prints it ("cpu" for lavapipe and SwiftShader).
+    device_type: str = ""
+
+    @property
+    def on_cpu(self) -> bool:
+        """A Vulkan implementation that runs on the CPU: its driver compiles each
+        pipeline to machine code when it is first used (seconds to minutes)."""
+        return self.device_type == "cpu"
 
     def subgroup_sizes(self) -> list[int]:
         """The subgroup sizes a compute shader can run with on this device."""
@@ -123,6 +131,7 @@ def caps_from_info(info: str) -> DeviceCaps:
     num = lambda k: int(sub[k], 0)
     api = tuple(int(x) for x in line("api").split(".")[:2])
     yes = lambda k: feats.get(k) == "yes"
+    kind = re.search(r"^type: (.*)$", info, re.M)
     return DeviceCaps(name=line("name").strip(), api=api, subgroup_size=num("size"),
                       min_subgroup_size=num("minSubgroupSize"),
                       max_subgroup_size=num("maxSubgroupSize"), subgroup_ops=num("operations"),
@@ -130,7 +139,8 @@ def caps_from_info(info: str) -> DeviceCaps:
                       size_control=yes("subgroupSizeControl"), fp16=yes("shaderFloat16"),
                       int8=yes("shaderInt8"), storage8=yes("storageBuffer8BitAccess"),
                       storage16=yes("storageBuffer16BitAccess"),
-                      dot_product=yes("shaderIntegerDotProduct"))
+                      dot_product=yes("shaderIntegerDotProduct"),
+                      device_type=kind.group(1).strip() if kind else "")
 
 
 def problems(target: GpuTarget, caps: DeviceCaps) -> list[str]:

@@ -221,10 +221,33 @@ def test_an_unsafe_schedule_refuses_the_export(tmp_path, monkeypatch, hazards, n
 
 def test_cli_run_needs_every_input_in_the_data(mlp_artifact, tmp_path):
     _, _, _, path = mlp_artifact
+    signature = r"the step's inputs are x: float32\[8, 16\], y: float32\[8, 16\]"
     data = tmp_path / "d.npz"
     np.savez(data, x=np.zeros((8, 16), np.float32))
-    with pytest.raises(SystemExit, match=r"lacks inputs \['y'\]"):
+    with pytest.raises(SystemExit, match=r"does not match the step: no array named 'y' \(it has "
+                                         r"x: float32\[8, 16\]\); " + signature):
         cli(["run", path, "--data", str(data)])
+    np.savez(data, x=np.zeros((8, 16), np.float32), labels=np.zeros((8, 16), np.float32))
+    with pytest.raises(SystemExit, match=r"no array named 'y'; 'labels' is not an input .*"
+                                         + signature + r" \(`pockjax inspect .*` lists them\); "
+                                         r"save one array per input under its name, e\.g\. "
+                                         r"np\.savez\('.*d\.npz', x=\.\.\., y=\.\.\.\)"):
+        cli(["run", path, "--data", str(data)])
+    np.save(tmp_path / "x.npy", np.zeros((8, 16), np.float32))
+    with pytest.raises(SystemExit, match="holds a single array, not an .npz of named arrays; "
+                                         + signature):
+        cli(["run", path, "--data", str(tmp_path / "x.npy")])
+    with pytest.raises(SystemExit, match=r"cannot read --data '.*nope\.npz' \(.*No such file.*\); "
+                                         + signature):
+        cli(["run", path, "--data", str(tmp_path / "nope.npz")])
+
+
+def test_cli_run_help_says_how_to_name_the_data(capsys):
+    with pytest.raises(SystemExit):
+        cli(["run", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "one array per input of the step, named after it" in help_text
+    assert "`pockjax inspect DIR`" in help_text
 
 
 def test_cli_exports_an_nnx_trainer(tmp_path, capsys):
@@ -245,3 +268,19 @@ def test_cli_exports_an_nnx_trainer(tmp_path, capsys):
     assert manifest["functions"]["train_step"]["state"] == ["step", "params/layers/2/bias",
                                                             "params/layers/2/kernel"]
     assert [s["name"] for s in manifest["functions"]["train_step"]["inputs"]] == ["batch"]
+
+
+def test_export_with_progress_names_each_stage(tmp_path, capsys):
+    trainer, params, batch = make("mlp")
+    trainer.export(trainer.init(params), batch, out_dir=tmp_path / "quiet")
+    assert capsys.readouterr().err == ""
+    pj.export(trainer, trainer.init(params), batch, target="host-cpu", out_dir=tmp_path / "art",
+              progress=True)
+    lines = capsys.readouterr().err.splitlines()
+    stages = [line.split("] ", 1)[1] for line in lines]
+    assert stages[0] == "lowering the training step to StableHLO"
+    assert stages[1] == "compiling for host-cpu to IREE's stream IR, to check the in-place updates"
+    assert stages[-3].startswith("compiling the module for host-cpu: the longest stage")
+    assert stages[-2:] == [f"writing the artifact to {tmp_path / 'art'}", "done"]
+    seconds = [float(line.split()[1]) for line in lines]
+    assert all(line.startswith("[export ") for line in lines) and seconds == sorted(seconds)

@@ -252,3 +252,35 @@ def test_a_load_that_loses_the_device_is_repeated_once(tmp_path, monkeypatch, wh
     with pytest.warns(RuntimeWarning), pytest.raises(runtime.DeviceLost, match="during loading"):
         runtime.load(art.path, device="vulkan")
     assert losses[0] is not losses[1]
+
+
+def test_the_first_call_on_a_cpu_vulkan_device_says_it_compiles(tmp_path):
+    caps = vulkan.device_caps()
+    assert caps.on_cpu == (caps.device_type == "cpu")
+    assert vulkan.caps_from_info(LAVAPIPE.replace("api:", "type: cpu\napi:")).on_cpu
+    assert not vulkan.caps_from_info(LAVAPIPE.replace("api:", "type: discrete-gpu\napi:")).on_cpu
+    trainer, params, batch = make("mlp")
+    art = trainer.export(trainer.init(params), batch, target="android-vulkan", out_dir=tmp_path / "a")
+    import warnings
+    for attempt in range(3):  # lavapipe loses its device at random; not what is tested here
+        try:
+            sess = runtime.load(art.path, device="vulkan")
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                sess.step(batch)
+                sess.step(batch)
+                sess.evaluate(batch)
+                sess.evaluate(batch)
+            break
+        except runtime.DeviceLost:
+            if attempt == 2:
+                raise
+    said = [str(w.message) for w in seen if w.category is runtime.CompilingPipelines]
+    if not caps.on_cpu:
+        assert said == []
+        return
+    assert len(said) == 2, said
+    assert said[0].startswith(f"the first training step of '{art.path}' compiles its pipelines: "
+                              f"Vulkan device '{caps.name}' runs on the CPU")
+    assert "later calls reuse them. For speed on this machine export for host-cpu" in said[0]
+    assert said[1].startswith(f"the first evaluation of '{art.path}' compiles its pipelines")
