@@ -257,7 +257,7 @@ def test_a_diverging_run_stops_and_keeps_a_loadable_finite_checkpoint(folders, d
     out = tmp_path / "run"
     with pytest.raises(NonFiniteLoss, match=r"step \d+: the loss is (nan|inf).*--skip-nonfinite"):
         pj.finetune(folders["llama"], data["completion"], out, scheme="full", steps=40,
-                    batch=4, seq=24, lr=1e4, save_every=1, progress=False)
+                    batch=4, seq=24, lr=1e20, save_every=1, progress=False)
     ckpts = sorted((out / "checkpoints").glob("step-*.safetensors"))
     assert ckpts and not (out / "final").exists()
     for path in ckpts:
@@ -265,10 +265,10 @@ def test_a_diverging_run_stops_and_keeps_a_loadable_finite_checkpoint(folders, d
         assert all(np.isfinite(v).all() for v in tensors.values() if v.dtype.kind == "f"), path
     cli = _cli("--model", folders["llama"], "--data", data["completion"], "--out",
                tmp_path / "cli", "--scheme", "full", "--steps", 40, "--batch", 4, "--seq", 24,
-               "--lr", 1e4)
+               "--lr", 1e20)
     assert cli.returncode == 1 and "the loss is" in cli.stderr and "Traceback" not in cli.stderr
     skipping = pj.finetune(folders["llama"], data["completion"], tmp_path / "skip",
-                           scheme="full", steps=20, batch=4, seq=24, lr=1e4,
+                           scheme="full", steps=20, batch=4, seq=24, lr=1e20,
                            skip_nonfinite=True, progress=False)
     assert skipping.skipped > 0
 
@@ -298,10 +298,12 @@ def test_bad_inputs_get_messages(folders, data, tmp_path):
     used.mkdir()
     (used / "notes.txt").write_text("mine")
     fails("is not empty and holds no pockjax run", *base, "--out", used)
-    fails("--seq must be at least 2", *base[:-1], "0", "--out", tmp_path / "e")
+    fails("--seq must be a positive whole number, got 0", *base[:-1], "0", "--out", tmp_path / "e")
+    fails("--seq must be at least 2", *base[:-1], "1", "--out", tmp_path / "e2")
     fails("--scheme 'nothing'", *base, "--scheme", "nothing", "--out", tmp_path / "f")
     fails("last:N takes a positive", *base, "--scheme", "last:0", "--out", tmp_path / "g")
     scheme = tmp_path / "scheme.json"
     scheme.write_text(pj.Scheme({"blocks/9/**": pj.Full()}).to_json())
     fails("matched no parameter", *base, "--scheme", scheme, "--out", tmp_path / "h")
-    fails("give --steps or --epochs, not both", *base, "--epochs", 1, "--out", tmp_path / "i")
+    fails("argument --epochs: not allowed with argument --steps", *base, "--epochs", 1,
+          "--out", tmp_path / "i")
