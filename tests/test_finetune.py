@@ -307,3 +307,23 @@ def test_bad_inputs_get_messages(folders, data, tmp_path):
     fails("matched no parameter", *base, "--scheme", scheme, "--out", tmp_path / "h")
     fails("argument --epochs: not allowed with argument --steps", *base, "--epochs", 1,
           "--out", tmp_path / "i")
+
+
+def test_chat_data_with_bfloat16_frozen_weights_and_the_paper_scheme(folders, data, tmp_path):
+    # The assistant's turns only are learned; frozen weights stay bfloat16 in the run and
+    # in the saved folder, trained ones are float32 masters.
+    result = pj.finetune(folders["llama"], data["chat"], tmp_path / "run", scheme="paper",
+                         steps=6, batch=4, seq=40, lr=3e-3, frozen_dtype="bfloat16",
+                         progress=False)
+    assert np.isfinite(result.train_loss) and result.trainable_params < result.total_params
+    saved = _params(Path(result.final))
+    assert saved["model.layers.0.mlp.down_proj.weight"].dtype.name == "bfloat16"  # frozen
+    assert saved["model.layers.1.self_attn.q_proj.weight"].dtype == np.float32  # trained
+    original = _params(folders["llama"])
+    np.testing.assert_array_equal(  # frozen weights come back as they were, rounded once
+        saved["model.layers.0.mlp.down_proj.weight"].astype(np.float32),
+        original["model.layers.0.mlp.down_proj.weight"].astype("bfloat16").astype(np.float32))
+    assert not np.array_equal(saved["model.layers.1.self_attn.q_proj.weight"],
+                              original["model.layers.1.self_attn.q_proj.weight"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(result.final)
+    assert hf.config.vocab_size == original["model.embed_tokens.weight"].shape[0]
