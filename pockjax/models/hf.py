@@ -1,6 +1,8 @@
-"""Hugging Face LLaMA checkpoints: `load_llama` reads a `save_pretrained` directory
-(`config.json` and `model.safetensors`, or a sharded `model.safetensors.index.json`)
-into a `Llama`; `save_llama` writes one back in the same layout.
+"""Hugging Face checkpoints of the LLaMA-shaped families (`SUPPORTED_FAMILIES`: llama,
+mistral, qwen2): `load_llama` reads a `save_pretrained` directory (`config.json` and
+`model.safetensors`, or a sharded `model.safetensors.index.json`) into a `Llama`;
+`save_llama` writes one back in the same layout and family. Other architectures load
+through `pockjax.torch`.
 
 HF stores linear weights as `[out, in]`; `Llama`'s kernels are `[in, out]`, so they are
 transposed on the way. Rotary embeddings already use HF's layout, so q/k weights are
@@ -25,9 +27,9 @@ from safetensors.numpy import save_file
 
 from pockjax import nnx as pj_nnx
 from pockjax.checkpoint import CheckpointError, write_atomic
-from pockjax.models.llama import Llama, LlamaConfig
+from pockjax.models.llama import SUPPORTED_FAMILIES, Llama, LlamaConfig
 
-__all__ = ["load_llama", "save_llama", "TOKENIZER_FILES"]
+__all__ = ["load_llama", "save_llama", "TOKENIZER_FILES", "SUPPORTED_FAMILIES"]
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -59,6 +61,8 @@ def _hf_names(config: LlamaConfig) -> dict[str, _Tensor]:
                    "mlp.down_proj": (("mlp", "down_proj"), (d, f))}
         for name, (path, shape) in linears.items():
             names[f"{hf}.{name}.weight"] = _Tensor(ours + path + ("kernel",), shape, True)
+            if path[-1] in config.biased:
+                names[f"{hf}.{name}.bias"] = _Tensor(ours + path + ("bias",), shape[:1], False)
         names[f"{hf}.input_layernorm.weight"] = _Tensor(ours + ("attn_norm", "scale"), (d,), False)
         names[f"{hf}.post_attention_layernorm.weight"] = _Tensor(
             ours + ("mlp_norm", "scale"), (d,), False)
@@ -145,15 +149,29 @@ def _problems(expected: dict[str, _Tensor], found: dict, config: LlamaConfig) ->
 
 def load_llama(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
                **overrides) -> Llama:
-    """A `Llama` from a Hugging Face checkpoint directory.
+    """A `Llama` from a Hugging Face checkpoint directory of one of `SUPPORTED_FAMILIES`.
 
-    Weights are cast to `dtype`, or to the config's `param_dtype` (float32) when None;
-    bf16 and f16 checkpoints load either way. `compute_dtype` is `LlamaConfig.dtype`
-    (float32 with bfloat16 weights: mixed precision, see `cast_frozen`); `overrides`
-    set other `LlamaConfig` fields (`narrow_matmul`, `remat`). Every name and shape is checked before
-    any weight is read: a checkpoint that does not fit its config raises
-    `CheckpointError` listing all missing, unexpected and misshapen tensors. The model
-    is built abstractly and filled tensor by tensor, so its weights exist once.
+    Every name and shape is checked before any weight is read. The model is built
+    abstractly and filled tensor by tensor, so its weights exist once.
+
+    Args:
+      path: the directory (`config.json` and `model.safetensors` or shards with their
+        index), e.g. what `save_pretrained` wrote.
+      dtype: what the weights are cast to; None: the config's `param_dtype` (float32).
+        bf16 and f16 checkpoints load either way.
+      compute_dtype: `LlamaConfig.dtype` (float32 with bfloat16 weights: mixed
+        precision, see `cast_frozen`).
+      **overrides: other `LlamaConfig` fields (`narrow_matmul`, `remat`).
+
+    Returns:
+      The `Llama`, its `config.model_type` the checkpoint's family.
+
+    Raises:
+      CheckpointError: a missing or unreadable file; a config this model does not
+        implement (a model_type outside `SUPPORTED_FAMILIES`, whose architectures load
+        through `pockjax.torch`, or a setting named in `LlamaConfig.from_hf`); a
+        checkpoint that does not fit its config, listing all missing, unexpected and
+        misshapen tensors.
     """
     directory = Path(path)
     if not directory.is_dir():
@@ -212,7 +230,8 @@ def save_llama(model: Llama, path: str | os.PathLike, *, tokenizer=None) -> None
     """Write `model` as a Hugging Face checkpoint directory: `config.json` and
     `model.safetensors`, each written to a temporary file and renamed into place (a
     sharded checkpoint's index in the directory is removed, so the new file is read).
-    `transformers.LlamaForCausalLM.from_pretrained(path)` and `load_llama` read it.
+    The config names the model's family (`config.model_type`) and its class, so
+    `transformers.AutoModelForCausalLM.from_pretrained(path)` and `load_llama` read it.
 
     Args:
       model: the `Llama` to save.

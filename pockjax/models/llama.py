@@ -1,13 +1,17 @@
 """A LLaMA-family decoder in Flax NNX: RMSNorm, rotary attention with grouped-query
-heads, SwiGLU MLP.
+heads, SwiGLU MLP; with a key/value cache for decoding (`Llama.decode`, `generate`).
+
+The families that share this shape (`SUPPORTED_FAMILIES`, `LlamaConfig.model_type`):
+LLaMA (with its optional `attention_bias` and `mlp_bias`), Mistral (a sliding-window
+causal mask) and Qwen2 (biases on the q/k/v projections).
 
 Parameter paths are those of Hugging Face's `LlamaForCausalLM` in NNX form, so schemes
 can name them: `embed/embedding` [V, D], `layers/{i}/attn_norm/scale`,
 `layers/{i}/attn/{q,k,v,o}_proj/kernel`, `layers/{i}/mlp_norm/scale`,
 `layers/{i}/mlp/{gate,up,down}_proj/kernel`, `norm/scale` and, unless the embeddings
-are tied, `lm_head/kernel` [D, V]. Kernels are `[in, out]` (HF's weights transposed);
-rotary embeddings use HF's "rotate half" layout, so HF checkpoints load as they are
-(see `pockjax.models.hf`).
+are tied, `lm_head/kernel` [D, V]; a projection with a bias has it at `.../bias` [out].
+Kernels are `[in, out]` (HF's weights transposed); rotary embeddings use HF's "rotate
+half" layout, so HF checkpoints load as they are (see `pockjax.models.hf`).
 
 >>> import jax.numpy as jnp
 >>> from flax import nnx
@@ -23,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,12 +37,85 @@ from flax import nnx
 from pockjax.data import check_token_ids
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "Attention", "MLP", "RMSNorm", "Linear",
-           "upcast_matmul", "narrow_matmul", "cast_frozen", "generate", "num_params"]
+           "KVCache", "upcast_matmul", "narrow_matmul", "cast_frozen", "generate", "num_params",
+           "SUPPORTED_FAMILIES"]
 
 # Hugging Face's `initializer_range` default for LLaMA.
 _INIT = nnx.initializers.normal(stddev=0.02)
 # LlamaConfig.remat choices.
 REMAT = (None, "block")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    """A Hugging Face model_type this module implements: the class `to_hf` names (so
+    `AutoModelForCausalLM` builds it), the `LlamaConfig` fields its architecture fixes
+    (Hugging Face's class has no switch for them), and how the family's own config
+    fields are read (`read(config, unsupported) -> LlamaConfig fields`, where
+    `unsupported(field, value, why)` raises) and written (`write(llama_config) -> dict`)."""
+    architecture: str
+    fixed: dict
+    read: Any
+    write: Any
+
+
+# transformers' sliding_window for Mistral and Qwen2 when a config.json has none.
+_HF_WINDOW = 4096
+
+
+def _llama_from_hf(config, unsupported) -> dict:
+    return dict(attention_bias=bool(config.get("attention_bias", False)),
+                mlp_bias=bool(config.get("mlp_bias", False)))
+
+
+def _llama_to_hf(c: LlamaConfig) -> dict:
+    return {"attention_bias": c.attention_bias, "mlp_bias": c.mlp_bias}
+
+
+def _mistral_from_hf(config, unsupported) -> dict:
+    return dict(sliding_window=config.get("sliding_window", _HF_WINDOW))
+
+
+def _mistral_to_hf(c: LlamaConfig) -> dict:
+    return {"sliding_window": c.sliding_window}
+
+
+def _qwen2_from_hf(config, unsupported) -> dict:
+    # transformers' Qwen2 gives a layer a window only when use_sliding_window is on, a
+    # window is set and the layer's type (given, or from max_window_layers) says so.
+    window = config.get("sliding_window", _HF_WINDOW) if config.get("use_sliding_window") else None
+    layers = config["num_hidden_layers"]
+    types = config.get("layer_types") or [
+        "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+        for i in range(layers)]
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    if window is not None and sliding:
+        unsupported("use_sliding_window", True, f"layers {sliding} of this Qwen2 model use "
+                    f"sliding-window attention, which the Flax LLaMA implements for Mistral "
+                    f"only (released Qwen2 and Qwen2.5 checkpoints set use_sliding_window "
+                    f"false); load this one through pockjax.torch")
+    return dict(qkv_bias=True)
+
+
+def _qwen2_to_hf(c: LlamaConfig) -> dict:
+    return {"use_sliding_window": False, "sliding_window": None,
+            "max_window_layers": c.num_layers}
+
+
+_FAMILIES = {
+    "llama": _Family("LlamaForCausalLM", {"qkv_bias": False, "sliding_window": None},
+                     _llama_from_hf, _llama_to_hf),
+    "mistral": _Family("MistralForCausalLM", {"attention_bias": False, "qkv_bias": False,
+                                              "mlp_bias": False},
+                       _mistral_from_hf, _mistral_to_hf),
+    "qwen2": _Family("Qwen2ForCausalLM", {"attention_bias": False, "qkv_bias": True,
+                                          "mlp_bias": False, "sliding_window": None},
+                     _qwen2_from_hf, _qwen2_to_hf),
+}
+# The Hugging Face model_types that load as a `Llama`.
+SUPPORTED_FAMILIES = tuple(_FAMILIES)
+_OTHER_ARCHITECTURES = ("other architectures load through pockjax.torch "
+                        "(pockjax.torch.functional on the transformers model)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +143,14 @@ class LlamaConfig:
     Frozen blocks ahead of every trained one are not differentiated, so they keep
     nothing either way. `pockjax.nnx.Trainer(model, ..., remat="layers/*")` does the
     same for a model built without it (and for any NNX model with a list of blocks).
+
+    `model_type` is the Hugging Face family (`SUPPORTED_FAMILIES`) the model is saved
+    as; it fixes what that family's class cannot vary. `attention_bias` puts biases on
+    all four attention projections (LLaMA's option), `qkv_bias` on q, k and v only
+    (Qwen2; None: True for qwen2, else False), `mlp_bias` on the three MLP projections.
+    `sliding_window` (Mistral) lets each position attend to itself and the
+    `sliding_window - 1` positions before it, as Hugging Face's Mistral does; None
+    attends to every earlier position.
     """
 
     vocab_size: int
@@ -83,6 +168,11 @@ class LlamaConfig:
     dtype: Any = None
     narrow_matmul: str = "upcast"
     remat: str | None = None
+    model_type: str = "llama"
+    attention_bias: bool = False
+    qkv_bias: bool | None = None
+    mlp_bias: bool = False
+    sliding_window: int | None = None
 
     def __post_init__(self):
         sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -136,6 +226,46 @@ class LlamaConfig:
         if self.remat not in REMAT:
             raise ValueError(f"LlamaConfig.remat={self.remat!r}: choose one of "
                              f"{', '.join(map(repr, REMAT))}")
+        self._check_family()
+
+    def _check_family(self):
+        family = _FAMILIES.get(self.model_type)
+        if family is None:
+            raise ValueError(f"LlamaConfig.model_type={self.model_type!r}: this model "
+                             f"implements {', '.join(SUPPORTED_FAMILIES)}; "
+                             f"{_OTHER_ARCHITECTURES}")
+        if self.qkv_bias is None:
+            object.__setattr__(self, "qkv_bias", family.fixed.get("qkv_bias", False))
+        for name in ("attention_bias", "qkv_bias", "mlp_bias"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"LlamaConfig.{name} must be True or False, got "
+                                 f"{getattr(self, name)!r}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, (int, np.integer))
+                                   or isinstance(window, bool) or window <= 0):
+            raise ValueError(f"LlamaConfig.sliding_window must be a positive integer or None, "
+                             f"got {window!r}")
+        for name, want in family.fixed.items():
+            if getattr(self, name) != want:
+                raise ValueError(
+                    f"LlamaConfig(model_type={self.model_type!r}) has {name}={want!r}, "
+                    f"got {name}={getattr(self, name)!r}: Hugging Face's "
+                    f"{family.architecture} cannot hold another value; choose the "
+                    f"model_type whose architecture has it "
+                    f"(llama: attention_bias, mlp_bias; mistral: sliding_window; "
+                    f"qwen2: qkv_bias)")
+
+    @property
+    def biased(self) -> frozenset[str]:
+        """The names of the projections that have a bias (`q_proj`, ..., `down_proj`)."""
+        names = set()
+        if self.attention_bias or self.qkv_bias:
+            names |= {"q_proj", "k_proj", "v_proj"}
+        if self.attention_bias:
+            names.add("o_proj")
+        if self.mlp_bias:
+            names |= {"gate_proj", "up_proj", "down_proj"}
+        return frozenset(names)
 
     @classmethod
     def llama2_7b(cls, **overrides) -> "LlamaConfig":
@@ -162,21 +292,35 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, config: dict, **overrides) -> "LlamaConfig":
-        """The config of a Hugging Face `config.json` (as a dict); `overrides` replace
-        fields afterwards (e.g. `param_dtype=jnp.bfloat16`).
+        """The config of a Hugging Face `config.json` of one of `SUPPORTED_FAMILIES`.
 
-        Settings this model does not implement raise `ValueError` naming them: RoPE
-        scaling (a `rope_scaling` or `rope_parameters` whose type is not "default"),
-        biases in attention or MLP, an activation other than SiLU, another model_type.
-        Both transformers 5's `rope_parameters` and the older top-level `rope_theta` are read.
+        Both transformers 5's `rope_parameters` and the older top-level `rope_theta`
+        are read. LLaMA's `attention_bias` and `mlp_bias`, Mistral's `sliding_window`
+        and Qwen2's q/k/v biases carry over; so does `model_type`, so `to_hf` writes
+        the same family back.
+
+        Args:
+          config: the parsed `config.json`.
+          **overrides: fields replaced afterwards (e.g. `param_dtype=jnp.bfloat16`).
+
+        Returns:
+          The `LlamaConfig`.
+
+        Raises:
+          ValueError: a setting this model does not implement, named with its value: a
+            model_type outside `SUPPORTED_FAMILIES` (other architectures load through
+            `pockjax.torch`), RoPE scaling (a `rope_scaling` or `rope_parameters` whose
+            type is not "default"), an activation other than SiLU, Qwen2 layers with
+            sliding-window attention; or a config without the model's sizes.
         """
         def unsupported(field, value, why):
             raise ValueError(f"Hugging Face config {field}={value!r} is not supported: {why}")
 
         model_type = config.get("model_type", "llama")
-        if model_type != "llama":
-            unsupported("model_type", model_type, "LlamaConfig reads LLaMA configs "
-                        "(model_type 'llama')")
+        if model_type not in _FAMILIES:
+            unsupported("model_type", model_type, f"the Flax LLaMA (pockjax.models.llama) "
+                        f"reads the families {', '.join(SUPPORTED_FAMILIES)}; "
+                        f"{_OTHER_ARCHITECTURES}")
         rope_scaling = config.get("rope_scaling")
         if rope_scaling is not None and _rope_type(rope_scaling) != "default":
             unsupported("rope_scaling", config["rope_scaling"], "only unscaled rotary "
@@ -188,17 +332,14 @@ class LlamaConfig:
                 unsupported("rope_parameters", rope_parameters, "only unscaled rotary "
                             "embeddings (rope_type 'default') are implemented")
             rope_theta = rope_parameters.get("rope_theta", rope_theta)
-        for field in ("attention_bias", "mlp_bias"):
-            if config.get(field, False):
-                unsupported(field, config[field], "the projections have no biases")
         act = config.get("hidden_act", "silu")
         if act != "silu":
             unsupported("hidden_act", act, "the MLP is SwiGLU (silu)")
         missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
                                "num_hidden_layers", "num_attention_heads") if k not in config]
         if missing:
-            raise ValueError(f"Hugging Face config lacks {', '.join(missing)}; is it a "
-                             f"LlamaForCausalLM config.json?")
+            raise ValueError(f"Hugging Face config lacks {', '.join(missing)}; is it the "
+                             f"config.json of a causal language model?")
         fields = dict(
             vocab_size=config["vocab_size"],
             hidden_size=config["hidden_size"],
@@ -211,14 +352,18 @@ class LlamaConfig:
             rope_theta=float(rope_theta),
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            model_type=model_type,
+            **_FAMILIES[model_type].read(config, unsupported),
         )
         return cls(**{**fields, **overrides})
 
     def to_hf(self) -> dict:
-        """A Hugging Face `config.json` dict for this shape (`LlamaForCausalLM`)."""
+        """A Hugging Face `config.json` dict for this model: its family's `model_type`
+        and class (`LlamaForCausalLM`, `MistralForCausalLM` or `Qwen2ForCausalLM`), so
+        `transformers.AutoModelForCausalLM` builds the same model."""
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [_FAMILIES[self.model_type].architecture],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -233,8 +378,7 @@ class LlamaConfig:
             "rope_scaling": None,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_embeddings,
-            "attention_bias": False,
-            "mlp_bias": False,
+            **_FAMILIES[self.model_type].write(self),
             "dtype": self.param_dtype.name,
         }
 
@@ -360,14 +504,12 @@ def _project(x: jax.Array, w: jax.Array, dtype, transposed: bool = False,
 
 
 class Linear(nnx.Linear):
-    """A bias-free `nnx.Linear` computed in `dtype`; a kernel stored narrower than that
-    is upcast at its use only (`upcast_matmul`, never as a whole-model copy) or, with
-    `narrow="native"`, multiplied as it is (`narrow_matmul`)."""
+    """An `nnx.Linear` computed in `dtype` (bias-free unless `use_bias=True`); a kernel
+    stored narrower than that is upcast at its use only (`upcast_matmul`, never as a
+    whole-model copy) or, with `narrow="native"`, multiplied as it is (`narrow_matmul`).
+    The bias, a vector, is cast to the product's dtype and added."""
 
     def __init__(self, *args, narrow: str = "upcast", **kwargs):
-        if kwargs.get("use_bias"):
-            raise ValueError("pockjax.models.llama.Linear has no bias (LLaMA's projections have "
-                             "none); use nnx.Linear for a layer with one")
         for name in ("precision", "dot_general", "dot_general_cls", "preferred_element_type"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"pockjax.models.llama.Linear does not take {name}=; it computes "
@@ -376,11 +518,17 @@ class Linear(nnx.Linear):
         self.narrow = narrow
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _project(x, self.kernel[...], self.dtype, narrow=self.narrow)
+        y = _project(x, self.kernel[...], self.dtype, narrow=self.narrow)
+        if self.bias is None:
+            return y
+        # An explicit broadcast: sparse_grad narrows `broadcast_in_dim`, not the
+        # size-1 broadcasting inside `add`.
+        return y + jnp.broadcast_to(self.bias[...].astype(y.dtype), y.shape)
 
 
-def _linear(d_in: int, d_out: int, config: LlamaConfig, rngs: nnx.Rngs) -> Linear:
-    return Linear(d_in, d_out, use_bias=False, param_dtype=config.param_dtype,
+def _linear(d_in: int, d_out: int, config: LlamaConfig, rngs: nnx.Rngs,
+            bias: bool = False) -> Linear:
+    return Linear(d_in, d_out, use_bias=bias, param_dtype=config.param_dtype,
                   dtype=config.dtype, narrow=config.narrow_matmul, kernel_init=_INIT, rngs=rngs)
 
 
@@ -405,24 +553,56 @@ def apply_rope(x: jax.Array, cos, sin) -> jax.Array:
     return x * cos + rotated * sin
 
 
+class KVCache(NamedTuple):
+    """The keys and values `Llama.decode` has computed, each
+    [layers, batch, length, kv_heads, head_dim] (`Llama.init_cache`); position `p` of
+    a sequence holds the key/value of its token `p`. Positions not yet decoded hold
+    zeros, which the causal mask hides."""
+    k: jax.Array
+    v: jax.Array
+
+
 class Attention(nnx.Module):
     """Causal self-attention with rotary embeddings and grouped-query heads."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
-        self.q_proj = _linear(d, config.num_heads * hd, config, rngs)
-        self.k_proj = _linear(d, config.num_kv_heads * hd, config, rngs)
-        self.v_proj = _linear(d, config.num_kv_heads * hd, config, rngs)
-        self.o_proj = _linear(config.num_heads * hd, d, config, rngs)
+        biased = config.biased
+        self.q_proj = _linear(d, config.num_heads * hd, config, rngs, "q_proj" in biased)
+        self.k_proj = _linear(d, config.num_kv_heads * hd, config, rngs, "k_proj" in biased)
+        self.v_proj = _linear(d, config.num_kv_heads * hd, config, rngs, "v_proj" in biased)
+        self.o_proj = _linear(config.num_heads * hd, d, config, rngs, "o_proj" in biased)
 
     def __call__(self, x: jax.Array, cos, sin, mask) -> jax.Array:
+        return self._attend(*self._qkv(x, cos, sin), mask)
+
+    def decode(self, x: jax.Array, cos, sin, mask, cache: KVCache, layer: int,
+               position) -> tuple[jax.Array, KVCache]:
+        """`__call__` for `x` [B, T, D] at positions `position`..`position + T - 1`:
+        their keys and values are written into `cache` (layer `layer`) and the queries
+        attend over the whole cache; `mask` [T, cache length] says which entries each
+        query reads."""
+        q, k, v = self._qkv(x, cos, sin)
+        at = (layer, 0, position, 0, 0)
+        cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at),
+                        jax.lax.dynamic_update_slice(cache.v, v[None].astype(cache.v.dtype), at))
+        return self._attend(q, cache.k[layer], cache.v[layer], mask), cache
+
+    def _qkv(self, x, cos, sin):
         b, t, _ = x.shape
         kv, hd = self.num_kv_heads, self.head_dim
-        group = self.num_heads // kv
-        q = apply_rope(self.q_proj(x).reshape(b, t, kv * group, hd), cos, sin)
+        q = apply_rope(self.q_proj(x).reshape(b, t, self.num_heads, hd), cos, sin)
         k = apply_rope(self.k_proj(x).reshape(b, t, kv, hd), cos, sin)
         v = self.v_proj(x).reshape(b, t, kv, hd)
+        return q, k, v
+
+    def _attend(self, q, k, v, mask):
+        """Attention of queries `q` [B, T, heads, hd] over keys and values [B, S, kv, hd],
+        `mask` [T, S]."""
+        b, t = q.shape[:2]
+        kv, hd = self.num_kv_heads, self.head_dim
+        group = self.num_heads // kv
         # Query head h reads k/v head h // group: the same as repeating each k/v head
         # `group` times (HF's repeat_kv), without materialising the copies.
         q = q.reshape(b, t, kv, group, hd)
@@ -437,10 +617,10 @@ class MLP(nnx.Module):
     """SwiGLU: `down(silu(gate(x)) * up(x))`."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
-        d, f = config.hidden_size, config.intermediate_size
-        self.gate_proj = _linear(d, f, config, rngs)
-        self.up_proj = _linear(d, f, config, rngs)
-        self.down_proj = _linear(f, d, config, rngs)
+        d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.gate_proj = _linear(d, f, config, rngs, bias)
+        self.up_proj = _linear(d, f, config, rngs, bias)
+        self.down_proj = _linear(f, d, config, rngs, bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -461,10 +641,23 @@ class LlamaBlock(nnx.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
+    def decode(self, x: jax.Array, cos, sin, mask, cache: KVCache, layer: int,
+               position) -> tuple[jax.Array, KVCache]:
+        """`__call__` reading and extending the key/value cache (see `Attention.decode`)."""
+        attended, cache = self.attn.decode(self.attn_norm(x), cos, sin, mask, cache, layer,
+                                           position)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x)), cache
+
 
 class Llama(nnx.Module):
     """A LLaMA-family causal language model: `model(tokens [B, T]) -> logits [B, T, V]`
-    (float32), each position attending to itself and the ones before it."""
+    (float32), each position attending to itself and the ones before it (the last
+    `sliding_window` of them when the config has one).
+
+    `decode` runs the same model over a key/value cache (`init_cache`), a few tokens at
+    a time: `generate` prefills the prompt in one call and then decodes one token per step.
+    """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         self.config = config
@@ -477,13 +670,7 @@ class Llama(nnx.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, config, rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        if tokens.ndim != 2:
-            raise ValueError(f"Llama takes tokens [batch, length], got shape {tokens.shape}")
-        if not jnp.issubdtype(tokens.dtype, jnp.integer):
-            raise TypeError(f"Llama takes integer token ids, got {tokens.dtype}"
-                            f"{list(tokens.shape)}; convert them with .astype(jnp.int32)")
-        if not isinstance(tokens, jax.core.Tracer):
-            check_token_ids(tokens, self.config.vocab_size)
+        self._check_tokens(tokens, "Llama")
         length = tokens.shape[1]
         cfg = self.config
         if length > cfg.max_position_embeddings:
@@ -493,18 +680,121 @@ class Llama(nnx.Module):
         # Computed, not a constant: a stored boolean tensor is wrong on GPU targets
         # without 8-bit storage (see pockjax.export), and this fuses into the softmax.
         positions = jnp.arange(length)
-        mask = positions[:, None] >= positions[None, :]
+        mask = self._mask(positions, positions)
+        h = self._embed(tokens)
+        for layer in self.layers:
+            h = _remat_block(layer, h, cos, sin, mask) if cfg.remat == "block" else \
+                layer(h, cos, sin, mask)
+        return self._head(h)
+
+    def init_cache(self, batch: int, length: int) -> KVCache:
+        """An empty key/value cache for `batch` sequences of up to `length` tokens.
+
+        Its dtype is `config.dtype`, or else the widest parameter dtype (what the keys
+        and values are computed in).
+
+        Args:
+          batch: the number of sequences decoded together.
+          length: the most positions a sequence can reach (prompt and new tokens).
+
+        Returns:
+          A `KVCache` of zeros, each array [layers, batch, length, kv_heads, head_dim].
+
+        Raises:
+          ValueError: `length` exceeds `max_position_embeddings`.
+        """
+        cfg = self.config
+        if length > cfg.max_position_embeddings:
+            raise ValueError(f"Llama.init_cache: length {length} exceeds "
+                             f"max_position_embeddings={cfg.max_position_embeddings}")
+        dtype = cfg.dtype or jnp.result_type(
+            *(x.dtype for x in jax.tree.leaves(nnx.state(self, nnx.Param))))
+        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    def decode(self, tokens: jax.Array, cache: KVCache,
+               position: int | jax.Array) -> tuple[jax.Array, KVCache]:
+        """The logits of `tokens`, the continuation of sequences whose first `position`
+        tokens are in `cache`: the same values as `model(whole sequences)` gives at those
+        positions, up to rounding.
+
+        Args:
+          tokens: integer ids [B, T] for positions `position`..`position + T - 1`.
+          cache: the keys and values of positions before `position` (`init_cache`,
+            then what earlier calls returned).
+          position: where `tokens` start; an int or a traced int32 scalar (jit-friendly:
+            one compiled program serves every position).
+
+        Returns:
+          `(logits [B, T, V] float32, cache)`, the cache extended with `tokens`' keys
+          and values.
+
+        Raises:
+          ValueError: `tokens` are not [batch, length], hold ids outside the vocabulary
+            (checked when concrete), or do not fit the cache (its batch, or positions
+            past its length).
+          TypeError: `tokens` are not integers.
+        """
+        self._check_tokens(tokens, "Llama.decode")
+        h, cache = self._decode_hidden(tokens, cache, position)
+        return self._head(h), cache
+
+    def _decode_hidden(self, tokens, cache: KVCache, position):
+        """The final hidden states [B, T, D] of `decode` (before the norm and head)."""
+        cfg = self.config
+        batch, t = tokens.shape
+        length = cache.k.shape[2]
+        if cache.k.shape[:2] != (cfg.num_layers, batch):
+            raise ValueError(f"Llama.decode: the cache holds {cache.k.shape[1]} sequences of "
+                             f"{cache.k.shape[0]} layers; tokens are {batch} sequences for "
+                             f"{cfg.num_layers} layers; make it with "
+                             f"model.init_cache({batch}, length)")
+        if not isinstance(position, jax.core.Tracer) and int(position) + t > length:
+            raise ValueError(f"Llama.decode: tokens at positions {int(position)}.."
+                             f"{int(position) + t - 1} do not fit a cache of length {length}; "
+                             f"make it with model.init_cache({batch}, length) for a longer length")
+        position = jnp.asarray(position, jnp.int32)
+        cos, sin = rope_tables(length, cfg.head_dim, cfg.rope_theta)
+        cos = jax.lax.dynamic_slice_in_dim(jnp.asarray(cos), position, t)
+        sin = jax.lax.dynamic_slice_in_dim(jnp.asarray(sin), position, t)
+        mask = self._mask(position + jnp.arange(t, dtype=jnp.int32),
+                          jnp.arange(length, dtype=jnp.int32))
+        h = self._embed(tokens)
+        for i, layer in enumerate(self.layers):
+            h, cache = layer.decode(h, cos, sin, mask, cache, i, position)
+        return h, cache
+
+    def _check_tokens(self, tokens, where: str):
+        if tokens.ndim != 2:
+            raise ValueError(f"{where} takes tokens [batch, length], got shape {tokens.shape}")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(f"{where} takes integer token ids, got {tokens.dtype}"
+                            f"{list(tokens.shape)}; convert them with .astype(jnp.int32)")
+        if not isinstance(tokens, jax.core.Tracer):
+            check_token_ids(tokens, self.config.vocab_size)
+
+    def _mask(self, queries: jax.Array, keys: jax.Array) -> jax.Array:
+        """[len(queries), len(keys)]: which key positions each query position reads."""
+        mask = queries[:, None] >= keys[None, :]
+        window = self.config.sliding_window
+        # Without a window, or with one no sequence here can exceed, the plain causal
+        # mask: the same program as a model without the setting.
+        if window is not None and window < keys.shape[0]:
+            mask = mask & (queries[:, None] - keys[None, :] < window)
+        return mask
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
         # The looked-up rows only are cast (nnx.Embed would cast the whole table first).
         # Inside a compiled step ids cannot be checked: one outside the vocabulary reads
         # a row of NaN (a negative one would wrap around), so the loss shows it.
         valid = (tokens >= 0) & (tokens < cfg.vocab_size)
         h = jnp.take(self.embed.embedding[...], jnp.where(valid, tokens, 0), axis=0)
         h = jnp.where(valid[..., None], h, jnp.nan)
-        if cfg.dtype is not None:
-            h = h.astype(cfg.dtype)
-        for layer in self.layers:
-            h = _remat_block(layer, h, cos, sin, mask) if cfg.remat == "block" else \
-                layer(h, cos, sin, mask)
+        return h if cfg.dtype is None else h.astype(cfg.dtype)
+
+    def _head(self, h: jax.Array) -> jax.Array:
+        cfg = self.config
         h = self.norm(h)
         logits = (_project(h, self.embed.embedding[...], cfg.dtype, transposed=True,
                            narrow=cfg.narrow_matmul)
@@ -552,51 +842,144 @@ def num_params(config: LlamaConfig) -> int:
 
 
 def generate(model: Llama, prompt: jax.Array, max_new_tokens: int, *,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              stop_token: int | None = None) -> jax.Array:
-    """Greedy decoding: `prompt` [B, T0] followed by `max_new_tokens` argmax tokens.
+    """`prompt` followed by `max_new_tokens` tokens decoded with a key/value cache.
 
-    Each step runs the whole forward pass over a fixed buffer of T0 + max_new_tokens
-    tokens (no KV cache; causality makes the not-yet-written tail harmless), so the
-    loop compiles once. After a sequence emits `stop_token`, the rest of it is
-    `stop_token`.
+    The prompt is run in one call (`Llama.decode`), then one token per step inside a
+    compiled loop. The whole generation is one program, compiled once per model
+    structure, batch, prompt length, `max_new_tokens`, `stop_token` and greedy-or-not;
+    a second call with the same shapes reuses it (time that one for tokens/s).
+    The sequences of a batch share one prompt length (pad them to equal length yourself;
+    no attention mask is applied).
+
+    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    >>> generate(model, jnp.zeros((2, 3), jnp.int32), 5, temperature=0.8, top_p=0.9).shape
+    (2, 8)
+
+    Args:
+      model: the `Llama`.
+      prompt: integer ids [B, T0], T0 >= 1.
+      max_new_tokens: how many tokens to add (0 returns the prompt).
+      temperature: 0 for greedy decoding (the argmax); above 0, tokens are sampled from
+        `softmax(logits / temperature)`.
+      top_p: sampling keeps the smallest set of most likely tokens whose probability
+        reaches `top_p` (nucleus sampling); 1 keeps all. Ignored when greedy.
+      seed: the sampling seed; the same seed gives the same tokens. Ignored when greedy.
+      stop_token: once a sequence emits it, the rest of that sequence is `stop_token`,
+        and decoding ends early when every sequence has.
+
+    Returns:
+      Tokens [B, T0 + max_new_tokens], the prompt first.
+
+    Raises:
+      ValueError: a prompt that is not integer ids [B, T0 >= 1] or holds ids outside
+        the vocabulary, a negative `max_new_tokens`, a total length past
+        `max_position_embeddings`, a `temperature` below 0 or not finite, a `top_p`
+        outside (0, 1], a `stop_token` outside the vocabulary, or a `seed` that is not
+        an integer.
     """
     prompt = jnp.asarray(prompt)
+    vocab = model.config.vocab_size
     if prompt.ndim != 2 or not jnp.issubdtype(prompt.dtype, jnp.integer):
         raise ValueError(f"generate takes integer tokens [batch, length], got "
                          f"{prompt.dtype}{list(prompt.shape)}")
     if prompt.shape[1] == 0:
         raise ValueError("generate needs a prompt of at least one token")
-    check_token_ids(prompt, model.config.vocab_size, where=" in the prompt")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    check_token_ids(prompt, vocab, where=" in the prompt")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
+            or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0 and an integer, got {max_new_tokens!r}")
     total = prompt.shape[1] + max_new_tokens
     if total > model.config.max_position_embeddings:
         raise ValueError(f"generate: prompt ({prompt.shape[1]}) + max_new_tokens "
                          f"({max_new_tokens}) exceed max_position_embeddings="
                          f"{model.config.max_position_embeddings}")
+    if not (isinstance(temperature, (int, float, np.number)) and math.isfinite(temperature)
+            and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got "
+                         f"{temperature!r}")
+    if not (isinstance(top_p, (int, float, np.number)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {top_p!r}")
+    if stop_token is not None and not (isinstance(stop_token, (int, np.integer))
+                                       and 0 <= stop_token < vocab):
+        raise ValueError(f"stop_token={stop_token!r} is not a token id of the vocabulary "
+                         f"[0, {vocab})")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if max_new_tokens == 0:
+        return prompt
     graphdef, state = nnx.split(model)
-    return _generate(graphdef, state, prompt, int(max_new_tokens), stop_token)
+    return _generate(graphdef, state, prompt, jax.random.key(seed),
+                     jnp.float32(temperature), jnp.float32(top_p),
+                     max_new_tokens=int(max_new_tokens),
+                     stop_token=None if stop_token is None else int(stop_token),
+                     sample=temperature > 0)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _generate(graphdef, state, prompt, max_new_tokens, stop_token):
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "stop_token",
+                                             "sample"))
+def _generate(graphdef, state, prompt, key, temperature, top_p, *, max_new_tokens,
+              stop_token, sample):
+    model = nnx.merge(graphdef, state)
     batch, start = prompt.shape
-    buffer = jnp.pad(prompt, ((0, 0), (0, max_new_tokens)))
-    done = jnp.zeros((batch,), bool)
+    fill = 0 if stop_token is None else stop_token
+    # The tail starts as stop tokens, so stopping early leaves what running on would.
+    buffer = jnp.concatenate([prompt, jnp.full((batch, max_new_tokens), fill, prompt.dtype)],
+                             axis=1)
 
-    def step(t, carry):
-        buffer, done = carry
-        logits = nnx.merge(graphdef, state)(buffer)
-        token = jnp.argmax(jax.lax.dynamic_index_in_dim(logits, t - 1, axis=1, keepdims=False),
-                           axis=-1).astype(buffer.dtype)
+    def emit(i, hidden, buffer, done):
+        """Choose new token `i` from the last position's hidden state and write it."""
+        logits = model._head(hidden[:, -1:])[:, 0]
+        if sample:
+            token = _sample(logits, jax.random.fold_in(key, i), temperature, top_p)
+        else:
+            token = jnp.argmax(logits, axis=-1)
+        token = token.astype(buffer.dtype)
         if stop_token is not None:
             token = jnp.where(done, stop_token, token)
             done = done | (token == stop_token)
-        buffer = jax.lax.dynamic_update_index_in_dim(buffer, token, t, axis=1)
-        return buffer, done
+        return token, jax.lax.dynamic_update_index_in_dim(buffer, token, start + i, 1), done
 
-    buffer, _ = jax.lax.fori_loop(start, start + max_new_tokens, step, (buffer, done))
+    cache = model.init_cache(batch, start + max_new_tokens)
+    hidden, cache = model._decode_hidden(prompt, cache, 0)
+    token, buffer, done = emit(0, hidden, buffer, jnp.zeros((batch,), bool))
+
+    def more(carry):
+        i, _, _, done, _ = carry
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def step(carry):
+        i, token, buffer, done, cache = carry
+        hidden, cache = model._decode_hidden(token[:, None], cache, start + i - 1)
+        token, buffer, done = emit(i, hidden, buffer, done)
+        return i + 1, token, buffer, done, cache
+
+    _, _, buffer, _, _ = jax.lax.while_loop(more, step, (1, token, buffer, done, cache))
     return buffer
+
+
+def _sample(logits: jax.Array, key, temperature, top_p) -> jax.Array:
+    """A token per row of `logits` [B, V] from `softmax(logits / temperature)` restricted
+    to the top-`top_p` nucleus: the most likely tokens, in order, while the probability
+    before them is below `top_p` (so the most likely one always stays)."""
+    logits = logits / temperature
+
+    def nucleus(logits):
+        # Stable: among equal logits the lowest id ranks first, as argmax picks it.
+        order = jnp.argsort(-logits, axis=-1, stable=True)
+        ranked = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(ranked, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        choice = jax.random.categorical(key, jnp.where(before < top_p, ranked, -jnp.inf),
+                                        axis=-1)
+        return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+
+    def everything(logits):
+        return jax.random.categorical(key, logits, axis=-1)
+
+    # The sort is most of a small model's step: skipped when nothing is cut.
+    return jax.lax.cond(top_p < 1, nucleus, everything, logits)
 
 
 def cast_frozen(params, scheme, dtype=jnp.bfloat16, trained_dtype=jnp.float32):

@@ -234,10 +234,3 @@ def test_an_inf_in_the_first_element_stays_where_it_is():
     assert np.isinf(y[0, 0]).all() and np.isfinite(y[0, 1:]).all()
     g = jax.grad(lambda x: upcast_matmul(x, w)[1].sum())(x)
     assert np.isfinite(g).all()
-
-
-def test_llama_linear_refuses_a_bias():
-    from pockjax.models.llama import Linear
-
-    with pytest.raises(ValueError, match="has no bias"):
-        Linear(4, 5, use_bias=True, rngs=nnx.Rngs(0))
