@@ -16,6 +16,7 @@ _WHERE = {
     "Channels": "scheme",
     "sparse_grad": "transforms", "sparse_value_and_grad": "transforms", "trainable": "transforms",
     "apply_updates": "transforms", "TransformInfo": "transforms",
+    "TracedValueError": "transforms",
     "sparse_train": "train", "SparseTrainer": "train", "TrainState": "train",
     "TrainReport": "train", "fit": "train", "History": "train", "checkpoint_block": "train",
     "save": "checkpoint", "load": "checkpoint", "CheckpointError": "checkpoint",
@@ -65,5 +66,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from pockjax.scheme_search import SearchReport, search  # noqa: F401
     from pockjax.train import (History, SparseTrainer, TrainReport, TrainState,  # noqa: F401
                                checkpoint_block, fit, sparse_train)
-    from pockjax.transforms import (TransformInfo, apply_updates, sparse_grad,  # noqa: F401
-                                    sparse_value_and_grad, trainable)
+    from pockjax.transforms import (TracedValueError, TransformInfo,  # noqa: F401
+                                    apply_updates, sparse_grad, sparse_value_and_grad,
+                                    trainable)

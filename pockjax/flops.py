@@ -46,6 +46,7 @@ from jax.extend.core import primitives as P
 from jax.interpreters import partial_eval as pe
 
 from pockjax._jaxpr import consts_to_invars
+from pockjax.transforms.sparse_grad import GradProgram
 
 __all__ = ["FlopCount", "analyze_flops", "count_flops", "flops_of"]
 
@@ -77,15 +78,19 @@ class FlopCount:
 
 
 def count_flops(program) -> float:
-    """FLOPs of a jaxpr (`Jaxpr`, `ClosedJaxpr`, or a `jax.stages.Traced` from
-    `jax.jit(f).trace(...)`), loops counted times their trip count."""
+    """FLOPs of a jaxpr (`Jaxpr`, `ClosedJaxpr`, a `jax.stages.Traced` from
+    `jax.jit(f).trace(...)`, or the `GradProgram` of `sparse_grad(f, scheme).trace(...)`,
+    which computes the value and the gradients), loops counted times their trip count."""
     return analyze_flops(program).flops
 
 
 def flops_of(fn: Callable, *args, **kwargs) -> float:
-    """FLOPs of `fn(*args, **kwargs)` (a jitted function or a plain one; arrays or
-    `jax.ShapeDtypeStruct`s), counted on the jaxpr that `jax.jit` lowers."""
-    traced = (fn if hasattr(fn, "trace") else jax.jit(fn)).trace(*args, **kwargs)
+    """FLOPs of `fn(*args, **kwargs)` (a jitted function or any other callable, e.g. a
+    `pockjax.sparse_grad` function; arrays or `jax.ShapeDtypeStruct`s), counted on the
+    jaxpr that `jax.jit` lowers."""
+    # Only a jitted function's `trace` is a `jax.stages` trace; other callables have
+    # their own (`sparse_grad`'s returns its `GradProgram`).
+    traced = (fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)).trace(*args, **kwargs)
     return count_flops(traced)
 
 
@@ -94,13 +99,16 @@ def analyze_flops(program) -> FlopCount:
     could not be counted exactly."""
     if isinstance(program, jax.stages.Traced):
         program = program.jaxpr
+    elif isinstance(program, GradProgram):  # `sparse_grad(f, scheme).trace(*args)`
+        program = program.info.jaxpr
     if isinstance(program, jex.ClosedJaxpr):
         jaxpr, consts = program.jaxpr, list(program.consts)
     elif isinstance(program, jex.Jaxpr):
         jaxpr, consts = program, [None] * len(program.constvars)
     else:
-        raise TypeError(f"analyze_flops takes a Jaxpr, a ClosedJaxpr or a jax.stages.Traced "
-                        f"(jax.jit(f).trace(*args)), got {type(program).__name__}; to count a "
+        raise TypeError(f"analyze_flops takes a Jaxpr, a ClosedJaxpr, a jax.stages.Traced "
+                        f"(jax.jit(f).trace(*args)) or a sparse_grad GradProgram "
+                        f"(sparse_grad(f, scheme).trace(*args)), got {type(program).__name__}; to count a "
                         f"function, use flops_of(f, *args)")
     # Dead code is not compiled: drop it first (recursing into calls and loops).
     n_consts = len(jaxpr.constvars)

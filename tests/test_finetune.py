@@ -58,6 +58,13 @@ def _folder(tmp: Path, kind: str) -> Path:
             tie_word_embeddings=False, bos_token_id=fast.bos_token_id,
             eos_token_id=fast.eos_token_id)
         model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":  # q/k/v biases, tied embeddings
+        config = transformers.Qwen2Config(
+            vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            tie_word_embeddings=True, bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id)
+        model = transformers.Qwen2ForCausalLM(config)
     else:  # an architecture outside pockjax's own families: through pockjax.torch
         config = transformers.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=4,
                                          n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -77,7 +84,7 @@ def _folder(tmp: Path, kind: str) -> Path:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("models")
-    return {kind: _folder(tmp, kind) for kind in ("llama", "gpt2")}
+    return {kind: _folder(tmp, kind) for kind in ("llama", "qwen2", "gpt2")}
 
 
 def _jsonl(path: Path, records) -> Path:
@@ -188,10 +195,12 @@ def test_prompt_masking_learns_the_completion_and_not_the_prompt(folders, data, 
     assert unmasked.train_loss > 1.0, unmasked
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_finetune_lowers_the_validation_loss_and_saves_a_transformers_folder(folders, data,
-                                                                           tmp_path):
+                                                                           tmp_path, kind,
+                                                                           capsys):
     out = tmp_path / "run"
-    result = pj.finetune(folders["llama"], data["train"], out, valid=data["valid"],
+    result = pj.finetune(folders[kind], data["train"], out, valid=data["valid"],
                          scheme="last:1", epochs=6, batch=4, seq=32, lr=1e-2, eval_every=8,
                          progress=False)
     assert result.valid_loss < result.valid_loss_before - 0.5, result
@@ -207,9 +216,23 @@ def test_finetune_lowers_the_validation_loss_and_saves_a_transformers_folder(fol
         want = hf(torch.tensor(tokens)).logits.numpy()
     ours = load_model(final)
     np.testing.assert_allclose(np.asarray(ours.apply(ours.params, tokens)), want, atol=2e-5)
+    assert type(hf).__name__ == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[kind]
     tok = transformers.AutoTokenizer.from_pretrained(final)
     assert tok("alpha beta")["input_ids"] == transformers.AutoTokenizer.from_pretrained(
-        folders["llama"])("alpha beta")["input_ids"]
+        folders[kind])("alpha beta")["input_ids"]
+    # pockjax generate looks at the model: greedy text equal to transformers' generate.
+    from pockjax.cli import main
+    capsys.readouterr()
+    assert main(["generate", "--model", str(final), "--prompt", "alpha beta",
+                 "--max-tokens", "8"]) == 0
+    printed = capsys.readouterr()
+    assert "tokens/s" in printed.err
+    ids = tok("alpha beta", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = hf.generate(ids, max_new_tokens=8, do_sample=False,
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    assert printed.out.strip() == tok.decode(want[0, ids.shape[1]:],
+                                             skip_special_tokens=True).strip()
 
 
 def _params(folder: Path) -> dict[str, np.ndarray]:

@@ -219,6 +219,29 @@ def test_a_primitive_without_a_rule_counts_zero_and_is_named():
     assert count.flops == 0 and count.unknown_primitives == {"random_bits"}
 
 
+def test_a_sparse_grad_function_is_counted():
+    # sparse_grad's function has a `trace` of its own (returning its GradProgram): flops_of
+    # counts it like any other callable, count_flops takes the GradProgram.
+    params = {f"l{i}": jax.random.normal(KEYS[i], (64, 64)) / 8 for i in range(3)}
+    x = jax.random.normal(KEYS[5], (16, 64))
+
+    def loss(p, x):
+        for i in range(3):
+            x = jnp.tanh(x @ p[f"l{i}"])
+        return jnp.mean(x ** 2)
+
+    scheme = pj.Scheme({"l2": pj.Channels(count=4, axis="out")})  # the rest frozen
+    sg = pj.sparse_grad(loss, scheme)
+    ours = pj.flops_of(sg, params, x)
+    assert ours == pj.flops_of(lambda p, x: sg(p, x), params, x)
+    # the program computes the value too (sparse_grad drops it, and the count with it)
+    vg = pj.sparse_value_and_grad(loss, scheme)
+    assert pj.count_flops(sg.trace(params, x)) == pj.flops_of(vg, params, x) > ours
+    shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
+    assert pj.flops_of(sg, *shapes) == ours
+    assert 0 < ours < 0.5 * pj.flops_of(jax.grad(loss), params, x)
+
+
 def test_wrong_argument_says_what_to_pass():
     with pytest.raises(TypeError, match="flops_of"):
         pf.count_flops(lambda x: x)

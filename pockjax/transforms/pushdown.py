@@ -540,6 +540,10 @@ def _slice_pull(eqn, i, box):
     at most stride - 1 elements, while a partial box there would stop rules above that
     need the dim whole (a conv's spatial dims) and would split one producer into
     overlapping boxes (`x[0::2]` and `x[1::2]` of the same `x`).
+
+    An empty box needs an empty operand box; `start + s * stride` can lie past the
+    operand's end there (`associative_scan` takes `x[2::2]` of a length-2 axis), so it is
+    clamped to the operand.
     """
     starts, out_shape, in_shape = eqn.params["start_indices"], var_shape(eqn.outvars[0]), var_shape(eqn.invars[0])
     strides = eqn.params["strides"] or (1,) * len(box)
@@ -548,8 +552,10 @@ def _slice_pull(eqn, i, box):
         lo = a + s * k
         if k != 1 and (s, e) == (0, m):
             opbox.append((0, n))
+        elif e > s:
+            opbox.append((lo, lo + (e - s - 1) * k + 1))
         else:
-            opbox.append((lo, lo + (e - s - 1) * k + 1 if e > s else lo))
+            opbox.append((min(lo, n), min(lo, n)))
     return [(eqn.invars[0], tuple(opbox))]
 
 
@@ -560,7 +566,7 @@ def _slice_apply(ctx, eqn, i, box):
     strides = eqn.params["strides"]
     if strides is None or all(k == 1 for k in strides):
         return x
-    rel = [a + s * k - lo for a, k, (s, _), (lo, _) in zip(starts, strides, box, b)]
+    rel = [a + s * k - lo if e > s else 0 for a, k, (s, e), (lo, _) in zip(starts, strides, box, b)]
     return lax.slice(x, rel, [r + (e - s - 1) * k + 1 if e > s else r
                               for r, k, (s, e) in zip(rel, strides, box)], strides)
 

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import linecache
+import os
+import traceback
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -29,7 +32,8 @@ from jax.interpreters import partial_eval as pe
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.transforms import pushdown, scan_split
 
-__all__ = ["sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo"]
+__all__ = ["sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo",
+           "TracedValueError"]
 
 
 # --------------------------------------------------------------------------- views
@@ -144,6 +148,53 @@ class TransformInfo:
         return "\n".join(lines)
 
 
+class TracedValueError(TypeError):
+    """The differentiated function asked for the concrete value of a traced array: a
+    Python `if` on it, `int(x)`, `np.asarray(x)`. JAX's own error is its `__cause__`."""
+
+
+# What each of JAX's concretization errors means the user's code did.
+_CONCRETIZATION = (
+    (jax.errors.TracerBoolConversionError,
+     "branches in Python on a traced value (`if`, `while`, `and`/`or` or `bool()` on an array)"),
+    (jax.errors.TracerIntegerConversionError,
+     "uses a traced value as a Python index (`range(x)`, `a_list[x]`, `operator.index(x)`)"),
+    (jax.errors.TracerArrayConversionError,
+     "converts a traced value to a NumPy array (`np.asarray(x)` or a NumPy function on it)"),
+    (jax.errors.ConcretizationTypeError,
+     "needs the concrete value of a traced array (`float(x)`, `int(x)`, or a shape, size or "
+     "loop bound computed from an array)"),
+)
+_JAX_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, np))
+
+
+def _user_frame(err: BaseException):
+    """The innermost frame of `err`'s traceback outside JAX and NumPy: where the user's code
+    asked for the value."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not f.filename.startswith(_JAX_DIRS)]
+    return frames[-1] if frames else None
+
+
+def _traced_value_error(err: BaseException, fun) -> TracedValueError:
+    what = next(text for kind, text in _CONCRETIZATION if isinstance(err, kind))
+    name = getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None) or repr(fun)
+    frame = _user_frame(err)
+    where = ""
+    if frame is not None:
+        line = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+        where = f" at {frame.filename}:{frame.lineno} (in {frame.name})" + (f":\n    {line}" if line else "")
+    return TracedValueError(
+        f"the loss function `{name}` {what}{where}\n"
+        "sparse_grad traces the function once for every value of its array arguments (as "
+        "jax.grad and jax.jit do), so a Python decision cannot depend on an array's value. To "
+        "decide on data, compute both sides and pick with jnp.where(cond, a, b), or use "
+        "jax.lax.cond / jax.lax.while_loop; for a setting that is not data (a flag, a size, a "
+        "step count), pass it as a Python value, not an array: non-array arguments of a "
+        "sparse_grad function are static (under jax.jit, also name the argument in "
+        f"static_argnums). (JAX's {type(err).__name__} is chained above.)")
+
+
 def is_dynamic(x) -> bool:
     """Whether a non-differentiated argument leaf is traced as an array (else it is static).
     A `jax.ShapeDtypeStruct` stands for an array: tracing (`explain`, `trace`) needs shapes only."""
@@ -243,7 +294,10 @@ class SparseGradFn:
                     args[a] = sub
             else:
                 args[nums[0]] = diff
-            return fun(*args, **kwargs)
+            try:
+                return fun(*args, **kwargs)
+            except tuple(kind for kind, _ in _CONCRETIZATION) as err:
+                raise _traced_value_error(err, fun) from err
 
         out_info = {}
 

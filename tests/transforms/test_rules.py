@@ -10,7 +10,7 @@ from jax import lax
 import pockjax as pj
 from pockjax._jaxpr import is_var, var_shape
 from pockjax.transforms import pushdown
-from tests.helpers import assert_matches_dense, flops
+from tests.helpers import assert_matches_dense, assert_trees_close, flops
 
 K = jax.random.split(jax.random.PRNGKey(0), 8)
 X = jax.random.normal(K[0], (4, 8))
@@ -516,3 +516,86 @@ def test_a_primitive_without_a_rule_is_computed_whole_and_counted():
 def test_register_takes_primitives_not_names():
     with pytest.raises(TypeError, match="jax Primitive objects"):
         pushdown.register("tanh", pushdown._elementwise_pull, pushdown._elementwise_apply)
+
+
+# -- cumulative reductions (lax.associative_scan in their derivatives) ------------------------
+
+
+@pytest.mark.parametrize("cfg", [(0, 1, 2), (1, 2, 2), (0, 3, 2), (2, 2, 2), (1, 7, 3), (0, 0, 1)],
+                         ids=lambda c: "%d:%d:%d" % c)
+def test_slice_every_box_including_empty_ones(cfg):
+    # associative_scan's recursion takes empty strided slices (x[2::2] of a length-2 axis,
+    # after an even-length level), whose start lies past the operand's end: an empty box
+    # must map to an empty box inside the operand.
+    start, limit, stride = cfg
+    x = jnp.arange(1.0, 8.0)[:max(limit, 1)]
+    closed = jax.make_jaxpr(lambda x: lax.slice(jnp.tanh(x), (start,), (limit,), (stride,)))(x)
+    whole = lax.slice(jnp.tanh(x), (start,), (limit,), (stride,))
+    m = whole.shape[0]
+    for s in range(m + 1):
+        for e in range(s, m + 1):
+            new = pushdown.rewrite(closed, [[((s, e),)]])
+            assert jnp.array_equal(jex.jaxpr_as_fun(new)(x)[0], whole[s:e]), (s, e)
+
+
+CUMULATIVE = {"cummax": lax.cummax, "cummin": lax.cummin, "cumprod": lax.cumprod,
+              "cumsum": lax.cumsum, "cumlogsumexp": lax.cumlogsumexp}
+# Every length 1..9, each scanned along one axis of a [2, L, L] activation: the time axis
+# (1) or the weight's output channels (2, narrowed by Channels "out"), so that odd and
+# even lengths occur on both. (Each length is a separately compiled associative scan: all
+# lengths on both axes would double the test's compile time for no new case.)
+CUMULATIVE_AXES = {1: 1, 2: 1, 3: 2, 4: 2, 5: 1, 6: 1, 7: 2, 8: 2, 9: 1}
+
+
+def _cumulative_data():
+    """Per length L a weight [3, L] and an input [2, L, 3]. Exact zeros (a zero input row,
+    a zero weight entry) and ties (a repeated time step, a repeated weight column) are the
+    hard cases of max, min and prod."""
+    params, xs = {}, {}
+    for L in CUMULATIVE_AXES:
+        kw, kx = jax.random.split(jax.random.fold_in(K[0], L))
+        w = jax.random.normal(kw, (3, L)) / 2
+        w = w.at[:, L - 1].set(w[:, 0]).at[1, 0].set(0.0)
+        x = jax.random.normal(kx, (2, L, 3))
+        x = x.at[:, L // 2].set(x[:, 0]).at[1, L - 1].set(0.0)
+        params[f"w{L}"], xs[f"x{L}"] = w, x
+    return params, xs
+
+
+def _cumulative_loss(op):
+    cum = CUMULATIVE[op]
+
+    def loss(p, xs):
+        return sum(jnp.sum(cum(jnp.tanh(xs[f"x{L}"] @ p[f"w{L}"]), axis=axis) ** 2)
+                   for L, axis in CUMULATIVE_AXES.items())
+    return loss
+
+
+_DENSE_CUMULATIVE: dict = {}
+
+
+def _dense_cumulative(op):
+    """jax.grad of the op's loss, compiled once for all schemes (the compile dominates)."""
+    if op not in _DENSE_CUMULATIVE:
+        _DENSE_CUMULATIVE[op] = jax.jit(jax.grad(_cumulative_loss(op)))(*_cumulative_data())
+    return _DENSE_CUMULATIVE[op]
+
+
+@pytest.mark.parametrize("decision", [pj.Full(), pj.Channels(ratio=0.5, axis="out"),
+                                      pj.Channels(ratio=0.5, axis="in", last=True)],
+                         ids=["full", "out", "in"])
+@pytest.mark.parametrize("op", list(CUMULATIVE))
+def test_cumulative_every_length(op, decision):
+    scheme = pj.Scheme(default=decision)
+    params, xs = _cumulative_data()
+    got = jax.jit(pj.sparse_grad(_cumulative_loss(op), scheme))(params, xs)
+    assert_trees_close(got, pj.trainable(_dense_cumulative(op), scheme), rtol=1e-5, atol=1e-5)
+
+
+def test_cummax_after_a_trained_matmul():
+    # The reported case: an even-length scan with a trained weight upstream.
+    x = jax.random.normal(K[1], (5, 3)).at[2].set(0.0)
+    loss = lambda p, x: jnp.sum(lax.cummax(x @ p["w"], axis=1) ** 2)
+    params, scheme = {"w": jax.random.normal(K[2], (3, 8))}, pj.Scheme({"w": pj.Full()})
+    assert_trees_close(jax.jit(pj.sparse_grad(loss, scheme))(params, x),
+                       pj.trainable(jax.jit(jax.grad(loss))(params, x), scheme))

@@ -1,7 +1,10 @@
 """sparse_grad against dense jax.grad: API behaviour and property tests."""
+import traceback
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -9,6 +12,7 @@ from jax import lax
 
 import pockjax as pj
 from pockjax._jaxpr import describe_source
+from pockjax.transforms import TracedValueError
 from tests.helpers import assert_matches_dense, assert_trees_close, dense_view
 
 
@@ -240,3 +244,75 @@ def test_equations_the_pass_emits_keep_the_users_line():
     info = pj.sparse_grad(mlp_loss, SCHEME).explain(PARAMS, X)
     sources = {describe_source(e) for e in info.jaxpr.jaxpr.eqns}
     assert not [s for s in sources if "pushdown.py" in s], sources
+
+
+def _branches(p, x):
+    h = x @ p["dense_0"]["kernel"]
+    if jnp.sum(h) > 0:  # the line the error quotes
+        h = 2 * h
+    return jnp.mean(h ** 2)
+
+
+def _to_int(p, x):
+    n = int(jnp.sum(x > 0))  # the line the error quotes
+    return jnp.mean((x @ p["dense_0"]["kernel"]) ** 2) * n
+
+
+def _to_numpy(p, x):
+    h = np.asarray(x @ p["dense_0"]["kernel"])  # the line the error quotes
+    return jnp.mean(h ** 2)
+
+
+def _to_index(p, x):
+    scale = [1.0, 2.0, 3.0][jnp.argmax(x[0]) % 3]  # the line the error quotes
+    return jnp.mean((x @ p["dense_0"]["kernel"]) ** 2) * scale
+
+
+def _chain(err):
+    while err is not None:
+        yield err
+        err = err.__cause__ or err.__context__
+
+
+@pytest.mark.parametrize("fun,what,line,jax_error", [
+    (_branches, "branches in Python on a traced value", "if jnp.sum(h) > 0:",
+     jax.errors.TracerBoolConversionError),
+    (_to_int, "needs the concrete value of a traced array", "n = int(jnp.sum(x > 0))",
+     jax.errors.ConcretizationTypeError),
+    (_to_numpy, "converts a traced value to a NumPy array", "h = np.asarray(x @ p",
+     jax.errors.TracerArrayConversionError),
+    (_to_index, "uses a traced value as a Python index", "scale = [1.0, 2.0, 3.0][jnp.argmax",
+     jax.errors.TracerIntegerConversionError),
+], ids=["if", "int", "numpy", "index"])
+@pytest.mark.parametrize("transform", [pj.sparse_grad, pj.sparse_value_and_grad], ids=["grad", "value_and_grad"])
+def test_a_python_decision_on_a_traced_value_names_the_line_and_the_fix(transform, fun, what, line, jax_error):
+    with pytest.raises(TracedValueError) as info:
+        jax.jit(transform(fun, SCHEME))(PARAMS, X)
+    msg = str(info.value)
+    assert f"the loss function `{fun.__qualname__}` {what}" in msg, msg
+    assert f"{__file__}:" in msg and f"(in {fun.__name__}):\n    {line}" in msg, msg
+    assert "jnp.where(cond, a, b)" in msg and "jax.lax.cond" in msg and "static_argnums" in msg, msg
+    assert isinstance(info.value, TypeError)
+    assert any(type(e) is jax_error for e in _chain(info.value.__cause__)), list(_chain(info.value))
+    # the user's own frames stay in the chained error's traceback
+    assert any(fun.__code__.co_filename == f.filename and f.name == fun.__name__
+               for e in _chain(info.value) for f in traceback.extract_tb(e.__traceback__))
+
+
+def test_a_python_decision_on_a_traced_value_in_sparse_train():
+    trainer = pj.sparse_train(_branches, optimizer=optax.sgd(0.1), scheme=SCHEME)
+    with pytest.raises(TracedValueError, match="branches in Python on a traced value"):
+        trainer(trainer.init(PARAMS), X)
+
+
+def test_a_python_decision_on_a_static_argument_is_fine():
+    # The fix the error suggests for settings: a Python value is static.
+    def loss(p, x, double):
+        h = x @ p["dense_0"]["kernel"]
+        if double:
+            h = 2 * h
+        return jnp.mean(h ** 2)
+    want = dense_view(loss, SCHEME, PARAMS, X, True)
+    sg = pj.sparse_grad(loss, SCHEME)
+    assert_trees_close(sg(PARAMS, X, True), want)
+    assert_trees_close(jax.jit(sg, static_argnums=2)(PARAMS, X, True), want)
