@@ -45,8 +45,10 @@ system-deps:
 RUN_ENV = mkdir -p $${XDG_RUNTIME_DIR:=/tmp/pockjax-xdg} && export XDG_RUNTIME_DIR && \
 	  export POCKJAX_ARM64_RUNTIME=$(abspath $(ARM64_RUNTIME)) &&
 
+# Test files run on every core (pytest-xdist), each file whole in one worker so its
+# compiled fixtures are built once.
 test: venv arm64-runtime
-	$(RUN_ENV) $(PY) -m pytest -q tests
+	$(RUN_ENV) $(PY) -m pytest -q -n auto --dist loadfile tests
 
 # A tiny LLaMA: pretrained on generated text (cached in out/demo), sparse instruction
 # tuning, export for android-vulkan and host-cpu, and more steps in the artifacts.

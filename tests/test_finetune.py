@@ -357,3 +357,28 @@ def test_chat_data_with_bfloat16_frozen_weights_and_the_paper_scheme(folders, da
                               original["model.layers.1.self_attn.q_proj.weight"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(result.final)
     assert hf.config.vocab_size == original["model.embed_tokens.weight"].shape[0]
+
+
+def test_search_scheme_is_pockjax_search_under_the_budget(folders, data, tmp_path, monkeypatch):
+    # The wiring only (the search itself is tested in tests/test_search.py): the budget,
+    # training and held-out batches of the run's shape reach pj.search, and the scheme it
+    # returns is the one trained.
+    import pockjax.scheme_search as scheme_search
+
+    seen = {}
+
+    def search(factory, params, data_pair, budget, **kw):
+        seen.update(budget=budget, train=data_pair[0], heldout=data_pair[1], cache=kw["cache"])
+        scheme = pj.Scheme({"layers/1/mlp/up_proj/kernel": pj.Full()})
+        factory(scheme)  # the factory builds a trainer for a candidate scheme
+        return scheme, type("Report", (), {"chosen": ["layers/1/mlp/up_proj/kernel"]})()
+
+    monkeypatch.setattr(scheme_search, "search", search)
+    monkeypatch.setattr(pj, "search", search)
+    result = pj.finetune(folders["llama"], data["train"], tmp_path / "run", valid=data["valid"],
+                         scheme="search:40%", steps=2, batch=4, seq=32, progress=False)
+    assert seen["budget"] == "40%" and seen["train"][0]["tokens"].shape == (4, 32)
+    assert seen["heldout"] and seen["cache"].endswith("search-cache")
+    assert result.trainable_params == 48 * 96
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert "layers/1/mlp/up_proj/kernel" in run["scheme"]
