@@ -90,17 +90,16 @@ def load_model(folder, *, frozen_dtype: str = "float32") -> LoadedModel:
     """
     from pockjax.models import hf
 
+    from pockjax.checkpoint import CheckpointError
+
     folder = Path(folder)
-    config_file = folder / "config.json"
-    if not folder.is_dir() or not config_file.is_file():
-        raise FinetuneError(f"'{folder}' is not a Hugging Face model folder (no config.json); "
-                            f"--model takes the folder a model was downloaded or saved to")
     try:
-        config = json.loads(config_file.read_text())
-    except ValueError as e:
-        raise FinetuneError(f"'{config_file}' is not valid JSON: {e}") from None
+        config = hf.read_config(folder)
+    except CheckpointError as e:
+        raise FinetuneError(f"{e}; --model takes the folder a model was downloaded or "
+                            f"saved to") from None
     model_type = config.get("model_type")
-    families = getattr(hf, "SUPPORTED_FAMILIES", ("llama",))
+    families = hf.SUPPORTED_FAMILIES
     if frozen_dtype not in ("float32", "bfloat16"):
         raise FinetuneError(f"frozen dtype {frozen_dtype!r}: choose 'float32' or 'bfloat16'")
     if model_type in families:
@@ -850,8 +849,10 @@ def generate_text(folder, prompt: str, *, max_tokens: int = 64, temperature: flo
 def _kind(folder) -> str:
     from pockjax.models import hf
 
-    config_file = Path(folder) / "config.json"
-    if not config_file.is_file():
-        raise FinetuneError(f"'{folder}' is not a Hugging Face model folder (no config.json)")
-    families = getattr(hf, "SUPPORTED_FAMILIES", ("llama",))
-    return "flax" if json.loads(config_file.read_text()).get("model_type") in families else "torch"
+    from pockjax.checkpoint import CheckpointError
+
+    try:
+        config = hf.read_config(folder)
+    except CheckpointError as e:
+        raise FinetuneError(str(e)) from None
+    return "flax" if config.get("model_type") in hf.SUPPORTED_FAMILIES else "torch"

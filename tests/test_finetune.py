@@ -4,7 +4,6 @@ non-finite guard, the output folder in transformers, and every bad input's messa
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from safetensors.numpy import load_file
 
 import pockjax as pj
 from pockjax.data import DataError, batch_at, read_jsonl
-from pockjax.finetuning import FinetuneError, NonFiniteLoss, load_model
+from pockjax.finetuning import NonFiniteLoss, load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -51,20 +50,15 @@ def _folder(tmp: Path, kind: str) -> Path:
     fast = _tokenizer()
     vocab = len(fast)
     torch.manual_seed(0)
-    if kind == "llama":
-        config = transformers.LlamaConfig(
+    if kind in ("llama", "qwen2"):  # qwen2: q/k/v biases, tied embeddings
+        config_class, model_class = ((transformers.LlamaConfig, transformers.LlamaForCausalLM)
+                                     if kind == "llama" else
+                                     (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
+        model = model_class(config_class(
             vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-            tie_word_embeddings=False, bos_token_id=fast.bos_token_id,
-            eos_token_id=fast.eos_token_id)
-        model = transformers.LlamaForCausalLM(config)
-    elif kind == "qwen2":  # q/k/v biases, tied embeddings
-        config = transformers.Qwen2Config(
-            vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-            tie_word_embeddings=True, bos_token_id=fast.bos_token_id,
-            eos_token_id=fast.eos_token_id)
-        model = transformers.Qwen2ForCausalLM(config)
+            tie_word_embeddings=kind == "qwen2", bos_token_id=fast.bos_token_id,
+            eos_token_id=fast.eos_token_id))
     else:  # an architecture outside pockjax's own families: through pockjax.torch
         config = transformers.GPT2Config(vocab_size=vocab, n_embd=48, n_layer=2, n_head=4,
                                          n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -322,7 +316,7 @@ def test_bad_inputs_get_messages(folders, data, tmp_path, capsys):
     odd.mkdir()
     (odd / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
     fails("llama", "--model", odd, *base[2:], "--out", tmp_path / "c")
-    fails("is not a Hugging Face model folder", "--model", tmp_path / "nowhere", *base[2:],
+    fails("nowhere' is not a directory", "--model", tmp_path / "nowhere", *base[2:],
           "--out", tmp_path / "d")
     used = tmp_path / "used"
     used.mkdir()

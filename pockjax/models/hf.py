@@ -147,6 +147,30 @@ def _problems(expected: dict[str, _Tensor], found: dict, config: LlamaConfig) ->
     return problems
 
 
+def read_config(path: str | os.PathLike) -> dict:
+    """The `config.json` of a Hugging Face model folder, as a dict.
+
+    Raises:
+      CheckpointError: `path` is not a directory, has no `config.json`, or it is not JSON.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"'{directory}' is not a directory; a Hugging Face model "
+                              f"folder holds config.json and model.safetensors")
+    config_file = directory / CONFIG
+    if not config_file.is_file():
+        raise CheckpointError(f"'{config_file}' does not exist; a Hugging Face model "
+                              f"folder has the model's config.json beside its weights")
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"'{config_file}' is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"'{config_file}' holds a JSON {type(config).__name__}, "
+                              f"not the object of a model config")
+    return config
+
+
 def load_llama(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
                **overrides) -> Llama:
     """A `Llama` from a Hugging Face checkpoint directory of one of `SUPPORTED_FAMILIES`.
@@ -174,17 +198,8 @@ def load_llama(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
         misshapen tensors.
     """
     directory = Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"'{directory}' is not a directory; load_llama reads a Hugging "
-                              f"Face checkpoint directory (config.json + model.safetensors)")
     config_file = directory / CONFIG
-    if not config_file.is_file():
-        raise CheckpointError(f"'{config_file}' does not exist; a Hugging Face checkpoint "
-                              f"directory has the model's config.json beside its weights")
-    try:
-        hf_config = json.loads(config_file.read_text())
-    except ValueError as e:
-        raise CheckpointError(f"'{config_file}' is not valid JSON: {e}") from None
+    hf_config = read_config(directory)
     try:
         config = LlamaConfig.from_hf(hf_config,
                                      **({} if dtype is None else {"param_dtype": dtype}),

@@ -4,7 +4,6 @@ checkpoint, the family written back, sparse gradients through the biases, and th
 messages for what does not load."""
 from __future__ import annotations
 
-import functools
 import json
 
 import jax
@@ -19,9 +18,9 @@ from flax import nnx
 import pockjax as pj
 from pockjax.models.hf import SUPPORTED_FAMILIES, load_llama, save_llama
 from pockjax.models.llama import Linear, Llama, LlamaConfig, cast_frozen
+from tests.models.common import VOCAB, forward, random_tokens
 from tests.helpers import assert_matches_dense, assert_trees_close, dense_view
 
-VOCAB = 128
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
              rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
@@ -57,20 +56,6 @@ def hf_family_model(name: str, seed: int = 0):
 def hf_logits(model, tokens) -> np.ndarray:
     with torch.no_grad():
         return model(torch.tensor(tokens)).logits.float().numpy()
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, tokens):
-    return nnx.merge(graphdef, state)(tokens)
-
-
-def forward(model: Llama, tokens) -> np.ndarray:
-    graphdef, state = nnx.split(model)
-    return np.asarray(_forward(graphdef, state, jnp.asarray(tokens)))
-
-
-def random_tokens(shape, seed=0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, shape)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from flax import nnx
 
 from pockjax.models.hf import load_llama
 from pockjax.models.llama import Llama, LlamaConfig, _generate, _sample, generate
-from tests.models.test_families import VOCAB, forward, hf_family_model, random_tokens
+from tests.models.common import VOCAB, forward, random_tokens
+from tests.models.test_families import hf_family_model
 
 MODELS = {
     "llama": dict(),

@@ -2,7 +2,6 @@
 greedy decoding, and sparse gradients through it."""
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -22,24 +21,9 @@ from safetensors.numpy import load_file, save_file
 import pockjax as pj
 from pockjax.models.hf import load_llama, save_llama
 from pockjax.models.llama import Llama, LlamaConfig, generate, num_params
+from tests.models.common import VOCAB, forward, random_tokens
 from tests.helpers import assert_matches_dense
 
-VOCAB = 128
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(graphdef, state, tokens):
-    return nnx.merge(graphdef, state)(tokens)
-
-
-def forward(model: Llama, tokens) -> np.ndarray:
-    """The model's logits, compiled once per model structure (eager dispatch is slow)."""
-    graphdef, state = nnx.split(model)
-    return np.asarray(_forward(graphdef, state, jnp.asarray(tokens)))
-
-
-def random_tokens(shape, seed=0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, VOCAB, shape)
 
 
 def hf_model(tie: bool, dtype=torch.float32) -> transformers.LlamaForCausalLM:

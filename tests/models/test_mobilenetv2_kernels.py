@@ -257,7 +257,8 @@ def test_model_with_matmul_pointwise_equals_the_convolution_model(frozen_norms):
             def loss(params):
                 logits = nnx.merge(graphdef, params, jax.tree.map(lambda a: a, rest))(x)
                 return jnp.sum(jnp.sin(logits))
-            grads.append(jax.value_and_grad(loss)(params))
+            # Compiled: uncompiled, the whole network in float64 ran op by op for minutes.
+            grads.append(jax.jit(jax.value_and_grad(loss))(params))
         assert_trees_close(grads[0], grads[1], rtol=1e-9, atol=1e-11)
 
 
