@@ -403,7 +403,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
              eval_every: int | None = None, save_every: int | None = None, keep: int = 3,
              resume: bool = False, overwrite: bool = False, seed: int = 0,
              frozen_dtype: str = "float32", skip_nonfinite: bool = False,
-             progress: bool = True) -> FinetuneResult:
+             plot: bool = True, progress: bool = True) -> FinetuneResult:
     """Fine-tune the model in folder `model` on the JSONL file `data`; the run goes in
     folder `out` (see the module docstring for what it holds).
 
@@ -430,6 +430,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
       frozen_dtype: "float32" or "bfloat16" frozen weights (LLaMA families).
       skip_nonfinite: skip a step whose loss or gradient is not finite (counted) instead
         of stopping.
+      plot: draw `loss.png` at the end (matplotlib); the metrics log is written either way.
       progress: a progress bar and log lines on stderr.
 
     Returns:
@@ -532,10 +533,14 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
             total_nll, count = total_nll + float(s), count + float(n)
         return total_nll / count
 
+    began = None  # the training clock: set when the first step is dispatched
+
     def log_eval(state, step):
         value = evaluate(state)
         if value is not None:
-            run.log({"step": step, "valid_loss": value, "valid_ppl": math.exp(min(value, 700))})
+            seconds = 0.0 if began is None else round(time.perf_counter() - began, 3)
+            run.log({"step": step, "valid_loss": value, "valid_ppl": math.exp(min(value, 700)),
+                     "seconds": seconds})
             _say(progress, f"step {step}: valid loss {value:.4f} (perplexity "
                            f"{math.exp(min(value, 700)):.2f})")
         return value
@@ -619,7 +624,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     valid_after = log_eval(state, total)
     final = Path(out) / FINAL
     _write_final(loaded, state.params, final, frozen_dtype)
-    _plot(Path(out))
+    if plot:
+        _plot(Path(out))
     result = FinetuneResult(
         out=str(out), final=str(final), steps=total, start_step=start,
         train_loss=float(np.mean(recent)) if recent else float("nan"),
@@ -736,6 +742,8 @@ def add_arguments(p) -> None:
                    help="storage of the frozen weights (LLaMA families)")
     p.add_argument("--skip-nonfinite", action="store_true", help="skip a step whose loss or "
                    "gradient is not finite instead of stopping")
+    p.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw loss.png "
+                   "(matplotlib) at the end; metrics.jsonl is written either way")
 
 
 def main(args) -> int:
@@ -747,7 +755,8 @@ def main(args) -> int:
                           weight_decay=args.weight_decay, eval_every=args.eval_every,
                           save_every=args.save_every, keep=args.keep, resume=args.resume,
                           overwrite=args.overwrite, seed=args.seed,
-                          frozen_dtype=args.frozen_dtype, skip_nonfinite=args.skip_nonfinite)
+                          frozen_dtype=args.frozen_dtype, skip_nonfinite=args.skip_nonfinite,
+                          plot=args.plot)
     except Interrupted as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
         return 130

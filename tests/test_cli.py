@@ -56,7 +56,10 @@ def test_ctrl_c_from_the_terminal_while_iree_compiles(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, "-m", "pockjax.cli", "export", f"{EXAMPLE}:make",
                              "--out", str(out)], cwd=tmp_path, env=env, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True, start_new_session=True,
+                            # as from a terminal: a process started in the background (CI)
+                            # passes SIGINT on ignored, and Python keeps it so
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     try:
         for line in proc.stderr:

@@ -384,8 +384,19 @@ def test_fit_and_decorator_argument_errors():
         pj.sparse_train(optimizer=optax.sgd(0.1))(3)
 
 
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler, as in a terminal: a process started in the background
+    (as CI may start the tests) inherits SIGINT ignored."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("where", ["in the step", "between steps"])
-def test_ctrl_c_in_fit_returns_the_last_completed_state(where):
+def test_ctrl_c_in_fit_returns_the_last_completed_state(where, sigint_raises):
     # Ctrl-C (a real SIGINT) at the third step: fit returns the state after the steps
     # that completed; the state passed in was donated to the first step.
     import os
@@ -415,6 +426,41 @@ def test_ctrl_c_in_fit_returns_the_last_completed_state(where):
     want, _ = reference_steps(_mlp_loss, optax.adam(1e-2), MIXED, _mlp_params(), batches[:3])
     assert_trees_close(state.params, want)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_fit_leaves_an_ignored_sigint_ignored():
+    # A process that ignores SIGINT (started in the background) keeps ignoring it: fit
+    # neither turns it into an interrupt nor changes the handler.
+    import os
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-2), scheme=MIXED)
+
+        def step(state, batch):
+            os.kill(os.getpid(), signal.SIGINT)
+            return trainer(state, batch)
+
+        state, history = pj.fit(step, trainer.init(_mlp_params()), _batches(3), progress=False)
+        assert not history.interrupted and history.steps == 3
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_a_held_ctrl_c_goes_to_the_handler_installed_before(sigint_raises):
+    import os
+    import signal
+
+    from pockjax._interrupt import InterruptAfter
+
+    seen = []
+    signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    with InterruptAfter():
+        os.kill(os.getpid(), signal.SIGINT)
+        assert seen == []  # held while the step is dispatched
+    assert seen == [signal.SIGINT]
 
 
 @pytest.mark.parametrize("where", ["input", "masked input", "none"])

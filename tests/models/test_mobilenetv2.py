@@ -151,7 +151,12 @@ def test_depthwise_shifts_equal_the_grouped_convolution():
     forward and backward, at stride 1 and 2 (same weights from the same seed). In float64:
     this model's float32 gradients at initialisation are off by up to 1.6% of the largest
     one whichever way the convolution runs (batch norm makes them ill-conditioned)."""
-    loss = lambda m, x: jnp.mean(m(x) ** 2)
+    def loss(m, x):
+        y = m(x)
+        return jnp.mean(y ** 2), y
+
+    # One compiled program a method: the logits come out of the gradient's forward pass.
+    both = nnx.jit(nnx.grad(loss, has_aux=True))
     out = {}
     with jax.enable_x64(True):
         x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3), jnp.float64)
@@ -160,7 +165,8 @@ def test_depthwise_shifts_equal_the_grouped_convolution():
                             rngs=nnx.Rngs(0))
             nnx.update(m, jax.tree_util.tree_map(lambda a: a.astype(jnp.float64),
                                                  nnx.state(m)))
-            out[method] = (nnx.jit(lambda m, x: m(x))(m, x), nnx.jit(nnx.grad(loss))(m, x))
+            grads, logits = both(m, x)
+            out[method] = (logits, grads)
         assert out["shifts"][0].dtype == jnp.float64
     np.testing.assert_allclose(out["shifts"][0], out["conv"][0], rtol=1e-10, atol=1e-12)
     g_s, g_c = ([np.asarray(g) for g in jax.tree_util.tree_leaves(nnx.to_pure_dict(out[k][1]))]
