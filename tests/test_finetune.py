@@ -367,8 +367,10 @@ def test_search_scheme_is_pockjax_search_under_the_budget(folders, data, tmp_pat
         factory(scheme)  # the factory builds a trainer for a candidate scheme
         return scheme, type("Report", (), {"chosen": ["layers/1/mlp/up_proj/kernel"]})()
 
-    monkeypatch.setattr(scheme_search, "search", search)
+    # pockjax's own name first: reading it loads the real function, which monkeypatch
+    # puts back afterwards (read after the module's, it would be the stub, kept for good)
     monkeypatch.setattr(pj, "search", search)
+    monkeypatch.setattr(scheme_search, "search", search)
     result = pj.finetune(folders["llama"], data["train"], tmp_path / "run", valid=data["valid"],
                          scheme="search:40%", steps=2, batch=4, seq=32, progress=False)
     assert seen["budget"] == "40%" and seen["train"][0]["tokens"].shape == (4, 32)
