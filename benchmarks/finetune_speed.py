@@ -84,7 +84,7 @@ def row(name: str, folder: Path, args) -> None:
                        "tokens": sum(tokens[args.warmup:]), "final_loss": result.train_loss})
         return
     from pockjax.data import batch_examples, pad_batch, read_jsonl
-    from pockjax.finetuning import _scheme, load_model, lm_loss
+    from pockjax.finetuning import load_model, lm_loss, scheme_from_spec
     from pockjax.tokenizer import Tokenizer
 
     loaded = load_model(folder)
@@ -94,7 +94,7 @@ def row(name: str, folder: Path, args) -> None:
     steps = args.warmup + args.steps
     examples = [batch_examples(data, s, args.batch, seed=0) for s in range(steps)]
     batches = [pad_batch(e, args.batch, args.seq, pad) for e in examples]
-    scheme = _scheme(args.scheme, loaded.params, loaded.num_layers)
+    scheme = scheme_from_spec(args.scheme, loaded.params, loaded.num_layers)
 
     def loss(p, b):
         return lm_loss(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"])

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 __all__ = ["finetune", "FinetuneError", "NonFiniteLoss", "Interrupted", "FinetuneResult",
-           "load_model", "lm_loss", "SCHEMES", "SCHEDULES"]
+           "load_model", "lm_loss", "scheme_from_spec", "SCHEMES", "SCHEDULES"]
 
 SCHEMES = ("paper", "paper:K", "full", "last:N", "search:BUDGET", "FILE.json")
 SCHEDULES = ("cosine", "linear", "constant")
@@ -202,7 +202,10 @@ def _nll_sum(logits, tokens, mask):
 # --------------------------------------------------------------------------- schemes
 
 
-def _scheme(spec: str, params, num_layers: int, *, search: Callable | None = None):
+def scheme_from_spec(spec: str, params, num_layers: int, *, search: Callable | None = None):
+    """The scheme `finetune(scheme=spec)` trains, for a model's `params` with `num_layers`
+    blocks: "full", "paper" / "paper:K", "last:N", a scheme JSON file, or "search:BUDGET"
+    (which calls `search(budget)`). A bad spec raises `FinetuneError` naming it."""
     import pockjax as pj
 
     spec = str(spec)
@@ -493,7 +496,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         return _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr,
                               Path(out) / "search-cache", progress)
 
-    chosen = _scheme(scheme, loaded.params, loaded.num_layers, search=search)
+    chosen = scheme_from_spec(scheme, loaded.params, loaded.num_layers, search=search)
     params = loaded.params
     if frozen_dtype != "float32":
         from pockjax.models.llama import cast_frozen

@@ -13,7 +13,7 @@ from flax import nnx
 import pockjax as pj
 from pockjax.nnx import frozen_norms_in_inference_mode
 from pockjax.models import MobileNetV2
-from tests.helpers import assert_trees_close, dense_view
+from tests.helpers import MOBILENETV2_STAGES, assert_trees_close, dense_view
 
 CLASSES = 10
 
@@ -21,7 +21,8 @@ CLASSES = 10
 def model_with_statistics():
     """A small MobileNetV2 whose running statistics and norms are not the identity, with
     a dead ReLU channel (first) and a saturated one (last) in every batch norm."""
-    m = MobileNetV2(CLASSES, width_mult=0.35, input_size=32, rngs=nnx.Rngs(0))
+    m = MobileNetV2(CLASSES, width_mult=0.35, input_size=32, settings=MOBILENETV2_STAGES,
+                    rngs=nnx.Rngs(0))
     for _, node in nnx.graph.iter_graph(m):
         if isinstance(node, nnx.BatchNorm):
             c = node.mean.shape[0]
@@ -72,7 +73,7 @@ def test_a_partly_trained_norm_keeps_training_mode():
 def test_an_nnx_filter_is_accepted_as_the_scheme():
     m = model_with_statistics()
     switched = frozen_norms_in_inference_mode(m, nnx.PathContains("classifier"))
-    assert len(switched) == 52 and "blocks/16/project/bn" in switched
+    assert len(switched) == 19 and "blocks/5/project/bn" in switched  # every batch norm
 
 
 @pytest.mark.parametrize("norms", [False, True])
@@ -92,13 +93,11 @@ def test_folded_step_equals_unfolded_running_statistics(norms):
             params = jax.tree.map(lambda a: a.astype(jnp.float64), params)
             rest = jax.tree.map(lambda a: a.astype(jnp.float64), rest)
             loss = loss_of(graphdef, rest)
-            losses.append(loss(params, batch))
+            losses.append(jax.jit(loss)(params, batch))
             grads.append((loss, params))
         np.testing.assert_allclose(losses[1], losses[0], rtol=1e-12)
         (loss_unfolded, params), (loss_folded, _) = grads
         want = dense_view(loss_unfolded, scheme, params, batch)
-        got = pj.sparse_grad(loss_folded, scheme)(params, batch)
-        assert_trees_close(got, want, rtol=1e-9, atol=1e-12)
         assert_trees_close(jax.jit(pj.sparse_grad(loss_folded, scheme))(params, batch), want,
                            rtol=1e-9, atol=1e-12)
 
@@ -110,7 +109,8 @@ def test_trainer_keeps_frozen_statistics_and_matches_plain_jax():
     reference = model_with_statistics()
     frozen_norms_in_inference_mode(reference, scheme, fold=False)
     batch = adversarial_batch()
-    want = optax.softmax_cross_entropy_with_integer_labels(reference(batch[0]), batch[1]).mean()
+    want = optax.softmax_cross_entropy_with_integer_labels(
+        nnx.jit(lambda m, x: m(x))(reference, batch[0]), batch[1]).mean()
 
     def loss_fn(model, batch):
         return optax.softmax_cross_entropy_with_integer_labels(model(batch[0]), batch[1]).mean()
@@ -118,8 +118,8 @@ def test_trainer_keeps_frozen_statistics_and_matches_plain_jax():
     graphdef, params, rest = pj.nnx.split(m)
     with jax.enable_x64(True):
         as64 = lambda tree: jax.tree.map(lambda a: a.astype(jnp.float64), tree)
-        folded = loss_of(graphdef, as64(rest))(as64(params), (batch[0].astype(jnp.float64),
-                                                              batch[1]))
+        folded = jax.jit(loss_of(graphdef, as64(rest)))(as64(params),
+                                                        (batch[0].astype(jnp.float64), batch[1]))
     trainer = pj.nnx.Trainer(m, loss_fn, optimizer=optax.adam(1e-3), scheme=scheme)
     before = jax.tree.map(np.asarray, trainer.rest)
     got = trainer(batch)["loss"]

@@ -4,7 +4,8 @@
 >>> from flax import nnx
 >>> from pockjax.models.mobilenetv2 import MobileNetV2
 >>> model = MobileNetV2(10, width_mult=0.35, input_size=32, rngs=nnx.Rngs(0))
->>> model(jnp.zeros((2, 32, 32, 3))).shape
+>>> logits = nnx.jit(lambda m, x: m(x))(model, jnp.zeros((2, 32, 32, 3)))
+>>> logits.shape
 (2, 10)
 
 Inputs are NHWC float32. Parameter paths, as schemes glob them:
@@ -69,25 +70,39 @@ def make_divisible(value: float, divisor: int = 8) -> int:
     return rounded
 
 
-def blocks_with_expansion() -> tuple[int, ...]:
-    """Indices of the blocks that have an `expand` (first point-wise) conv, i.e. t > 1.
+def blocks_with_expansion(settings=INVERTED_RESIDUAL_SETTINGS) -> tuple[int, ...]:
+    """Indices of the blocks that have an `expand` (first point-wise) conv, i.e. t > 1,
+    for the stages `settings` (see `MobileNetV2`).
 
     The same for every width and input size.
 
     >>> blocks_with_expansion()[:3]
     (1, 2, 3)
     """
-    expands = [t != 1 for t, _, n, _ in INVERTED_RESIDUAL_SETTINGS for _ in range(n)]
+    expands = [t != 1 for t, _, n, _ in settings for _ in range(n)]
     return tuple(i for i, e in enumerate(expands) if e)
 
 
-def _strides(input_size: int) -> tuple[int, list[int]]:
+def _check_settings(settings) -> tuple[tuple[int, int, int, int], ...]:
+    try:
+        rows = tuple(tuple(int(v) for v in row) for row in settings)
+    except (TypeError, ValueError):
+        rows = None
+    if not rows or any(len(r) != 4 or r[0] < 1 or r[1] < 1 or r[2] < 1 or r[3] not in (1, 2)
+                       for r in rows):
+        raise ValueError("MobileNetV2 needs settings as rows (expansion t >= 1, channels c >= 1, "
+                         f"repeats n >= 1, stride s in (1, 2)), got {settings!r}")
+    return rows
+
+
+def _strides(input_size: int, settings=INVERTED_RESIDUAL_SETTINGS) -> tuple[int, list[int]]:
     """The stem's stride and each stage's first stride for `input_size`.
 
-    Starting from the standard total stride 32, the earliest stride-2 layers (the stem,
-    then the stages in order) become stride 1 until `input_size // total_stride >= 4`.
+    Starting from the standard total stride (32 for the standard stages), the earliest
+    stride-2 layers (the stem, then the stages in order) become stride 1 until
+    `input_size // total_stride >= 4`.
     """
-    strides = [2] + [s for _, _, _, s in INVERTED_RESIDUAL_SETTINGS]
+    strides = [2] + [s for _, _, _, s in settings]
     total = 1
     for s in strides:
         total *= s
@@ -467,7 +482,10 @@ class MobileNetV2(nnx.Module):
     before the classifier in training mode (it then draws from `rngs`' "dropout" stream).
     `depthwise` picks how the depth-wise convolutions run (see `DepthwiseConv`):
     "shifts" (the default, fast on XLA's CPU backend) or "conv"; `pointwise` how the 1x1
-    convolutions do: "matmul" (the default, see `pointwise_conv`) or "conv".
+    convolutions do: "matmul" (the default, see `pointwise_conv`) or "conv". `settings`
+    lists the stages as rows (expansion t, output channels c, repeats n, first stride s);
+    the default is the paper's 17 blocks (`INVERTED_RESIDUAL_SETTINGS`), and fewer rows
+    give a shallower network of the same block kinds.
 
     Inputs of any other shape raise a `ValueError` naming the expected and found shapes.
     Under `nnx.eval_shape` construction allocates nothing (shapes, parameter counts).
@@ -475,7 +493,8 @@ class MobileNetV2(nnx.Module):
 
     def __init__(self, num_classes: int = 1000, *, width_mult: float = 1.0, input_size: int = 224,
                  in_channels: int = 3, dropout: float = 0.0, depthwise: str = "shifts",
-                 pointwise: str = "matmul", rngs: nnx.Rngs):
+                 pointwise: str = "matmul", settings=INVERTED_RESIDUAL_SETTINGS,
+                 rngs: nnx.Rngs):
         if input_size < _MIN_FEATURE_SIZE:
             raise ValueError(f"MobileNetV2 needs input_size >= {_MIN_FEATURE_SIZE}, "
                              f"got {input_size}")
@@ -483,14 +502,15 @@ class MobileNetV2(nnx.Module):
             raise ValueError(f"MobileNetV2 needs width_mult > 0, got {width_mult}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"MobileNetV2 needs 0 <= dropout < 1, got {dropout}")
+        self.settings = _check_settings(settings)
         self.num_classes, self.width_mult = num_classes, width_mult
         self.input_size, self.in_channels = input_size, in_channels
 
-        stem_stride, stage_strides = _strides(input_size)
+        stem_stride, stage_strides = _strides(input_size, self.settings)
         channels = make_divisible(_STEM_CHANNELS * width_mult)
         self.stem = ConvBN(in_channels, channels, 3, stride=stem_stride, rngs=rngs)
         blocks = []
-        for (t, c, n, _), stride in zip(INVERTED_RESIDUAL_SETTINGS, stage_strides):
+        for (t, c, n, _), stride in zip(self.settings, stage_strides):
             out = make_divisible(c * width_mult)
             for i in range(n):
                 blocks.append(InvertedResidual(channels, out, stride=stride if i == 0 else 1,

@@ -138,7 +138,10 @@ def mobilenetv2():
 
     from pockjax.models.mobilenetv2 import MobileNetV2
 
-    model = MobileNetV2(4, width_mult=0.35, input_size=16, in_channels=1, rngs=nnx.Rngs(0))
+    from tests.helpers import MOBILENETV2_STAGES
+
+    model = MobileNetV2(4, width_mult=0.35, input_size=16, in_channels=1,
+                        settings=MOBILENETV2_STAGES, rngs=nnx.Rngs(0))
 
     def loss(model, batch):
         x, y = batch

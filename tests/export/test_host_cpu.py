@@ -54,7 +54,10 @@ def test_nnx_mobilenetv2_with_batch_statistics(tmp_path):
 
     from pockjax.models.mobilenetv2 import MobileNetV2
 
-    model = MobileNetV2(4, width_mult=0.35, input_size=16, in_channels=1, rngs=nnx.Rngs(0))
+    from tests.helpers import MOBILENETV2_STAGES
+
+    model = MobileNetV2(4, width_mult=0.35, input_size=16, in_channels=1,
+                        settings=MOBILENETV2_STAGES, rngs=nnx.Rngs(0))
 
     def loss(model, batch):
         x, y = batch

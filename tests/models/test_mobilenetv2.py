@@ -13,7 +13,7 @@ from flax import nnx
 import pockjax as pj
 from pockjax.models.mobilenetv2 import (INVERTED_RESIDUAL_SETTINGS, ConvBN, MobileNetV2,
                                         blocks_with_expansion, make_divisible)
-from tests.helpers import assert_matches_dense
+from tests.helpers import MOBILENETV2_STAGES, assert_matches_dense
 
 WIDTH, SIZE, CLASSES, BATCH = 0.35, 32, 10, 4
 
@@ -70,6 +70,13 @@ def _materialize(abstract: MobileNetV2, seed: int = 0) -> MobileNetV2:
 def model() -> MobileNetV2:
     """A small model in training mode; tests work on `nnx.clone`s of it."""
     return _materialize(_abstract(num_classes=CLASSES, width_mult=WIDTH, input_size=SIZE))
+
+
+@pytest.fixture(scope="module")
+def short_model() -> MobileNetV2:
+    """The same, with fewer blocks of the same kinds, for the tests that compile gradients."""
+    return _materialize(_abstract(num_classes=CLASSES, width_mult=WIDTH, input_size=SIZE,
+                                  settings=MOBILENETV2_STAGES))
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +169,7 @@ def test_depthwise_shifts_equal_the_grouped_convolution():
         x = jax.random.normal(jax.random.key(0), (2, 32, 32, 3), jnp.float64)
         for method in ("shifts", "conv"):
             m = MobileNetV2(CLASSES, width_mult=0.35, input_size=32, depthwise=method,
-                            rngs=nnx.Rngs(0))
+                            settings=MOBILENETV2_STAGES, rngs=nnx.Rngs(0))
             nnx.update(m, jax.tree_util.tree_map(lambda a: a.astype(jnp.float64),
                                                  nnx.state(m)))
             grads, logits = both(m, x)
@@ -216,10 +223,26 @@ def test_wrong_input_shape_names_expected_and_found(model, shape, hint):
     ({"input_size": 3}, "input_size >= 4"),
     ({"width_mult": 0.0}, "width_mult > 0"),
     ({"dropout": 1.0}, "dropout < 1"),
+    ({"settings": ()}, "settings as rows"),
+    ({"settings": ((6, 24, 2),)}, r"settings as rows .*got \(\(6, 24, 2\),\)"),
+    ({"settings": ((6, 24, 2, 3),)}, r"stride s in \(1, 2\)"),
 ])
 def test_bad_configuration_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _abstract(**kwargs)
+
+
+def test_fewer_stages_build_a_shallower_network_of_the_same_blocks():
+    m = _abstract(num_classes=CLASSES, width_mult=WIDTH, input_size=SIZE,
+                  settings=MOBILENETV2_STAGES)
+    assert len(m.blocks) == sum(n for _, _, n, _ in MOBILENETV2_STAGES) == 6
+    assert blocks_with_expansion(MOBILENETV2_STAGES) == (1, 2, 3, 4, 5)
+    assert [b.expand is not None for b in m.blocks] == [False] + [True] * 5
+    assert [b.depthwise.conv.strides[0] for b in m.blocks] == [1, 2, 1, 2, 1, 1]
+    assert [b.residual for b in m.blocks] == [False, False, True, False, True, False]
+    assert m.total_stride == 8
+    rules = [p for p, _ in pj.schemes.mobilenetv2(m, last=2, classifier=False).rules]
+    assert rules == ["blocks/4/expand/conv/kernel", "blocks/5/expand/conv/kernel"]
 
 
 # --------------------------------------------------------------------------- torch reference
@@ -378,7 +401,7 @@ def test_dropout_is_random_in_training_only(model, batch):
 # --------------------------------------------------------------------------- sparse gradients
 
 
-LAST_EXPANSIONS = blocks_with_expansion()[-4:]
+LAST_EXPANSIONS = blocks_with_expansion(MOBILENETV2_STAGES)[-4:]
 
 
 def _pockengine(decision) -> pj.Scheme:
@@ -398,13 +421,13 @@ SCHEMES = {
 
 
 @pytest.fixture(scope="module")
-def training_loss(model):
+def training_loss(short_model):
     """Cross-entropy through `merge` in training mode, with the split parameters.
 
     The loss is jitted so the dense reference gradient compiles once instead of
     dispatching op by op; sparse_grad inlines the jit.
     """
-    graphdef, params, rest = pj.nnx.split(model)
+    graphdef, params, rest = pj.nnx.split(short_model)
 
     @jax.jit
     def loss(params, batch):
@@ -435,7 +458,8 @@ def test_sparse_gradient_matches_sliced_dense(training_loss, batch, name):
         assert info.rules.get("dot_general", 0) >= len(LAST_EXPANSIONS)
 
 
-def test_sparse_gradient_through_the_chunked_depthwise_weight_gradient(model, batch, monkeypatch):
+def test_sparse_gradient_through_the_chunked_depthwise_weight_gradient(short_model, batch,
+                                                                       monkeypatch):
     """Large layers take the depth-wise weight gradient over chunks of images in a loop
     (forced here for every layer, one image per chunk): sparse_grad through that loop,
     with depth-wise kernels trained whole and by channels, equals the sliced dense
@@ -444,11 +468,11 @@ def test_sparse_gradient_through_the_chunked_depthwise_weight_gradient(model, ba
 
     monkeypatch.setattr(M, "_WEIGHT_GRAD_CHUNK_BYTES", 1)
     monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
-    last = blocks_with_expansion()[-1]
+    last = blocks_with_expansion(MOBILENETV2_STAGES)[-1]
     scheme = pj.Scheme({"blocks/1/depthwise/conv/kernel": pj.Channels(ratio=0.5, axis="out"),
                         f"blocks/{last}/depthwise/conv/kernel": pj.Full(),
                         "blocks/2/depthwise/bn/scale": pj.Full()}, default=pj.Frozen())
-    graphdef, params, rest = pj.nnx.split(model)
+    graphdef, params, rest = pj.nnx.split(short_model)
 
     def loss(params, batch):  # traced anew: the chunk settings above apply
         x, y = batch
@@ -472,8 +496,8 @@ def test_sparse_gradient_through_the_chunked_depthwise_weight_gradient(model, ba
 # --------------------------------------------------------------------------- training
 
 
-def test_trainer_trains_sparse_scheme_and_carries_batch_stats(model, batch):
-    m = nnx.clone(model)
+def test_trainer_trains_sparse_scheme_and_carries_batch_stats(short_model, batch):
+    m = nnx.clone(short_model)
     scheme = _pockengine(pj.Channels(ratio=0.25, axis="in"))
     before_params, before_rest = (_flat(t) for t in pj.nnx.split(m)[1:])
 

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from pockjax.models import mobilenetv2 as M
-from tests.helpers import assert_trees_close
+from tests.helpers import MOBILENETV2_STAGES, assert_trees_close
 
 
 def grouped_conv(x, w, stride):
@@ -28,9 +28,12 @@ def adversarial_images(shape, key=0):
     return jnp.asarray(x)
 
 
-@pytest.mark.parametrize("stride,h,w", [(1, 9, 7), (2, 9, 9), (2, 8, 8), (2, 8, 7), (1, 1, 1),
-                                        (2, 1, 2), (2, 2, 3)])
-def test_depthwise_gradients_equal_the_grouped_convolution(stride, h, w):
+# Compiled, and uncompiled (op by op, as a user calling the function outside jit) for one
+# shape per stride: uncompiled, each case compiled every operation's shapes (~30 s).
+@pytest.mark.parametrize("stride,h,w,eager", [(1, 9, 7, True), (2, 9, 9, False), (2, 8, 8, False),
+                                              (2, 8, 7, True), (1, 1, 1, False), (2, 1, 2, False),
+                                              (2, 2, 3, False)])
+def test_depthwise_gradients_equal_the_grouped_convolution(stride, h, w, eager):
     with jax.enable_x64(True):
         x = adversarial_images((2, h, w, 5))
         kernel = jax.random.normal(jax.random.key(1), (3, 3, 5), jnp.float64)
@@ -39,11 +42,11 @@ def test_depthwise_gradients_equal_the_grouped_convolution(stride, h, w):
         def loss(f):
             return lambda x, k: jnp.sum(jnp.sin(f(x, k, stride)) * jnp.arange(5.0))
 
-        want = jax.value_and_grad(loss(grouped_conv), (0, 1))(x, kernel)
-        got = jax.value_and_grad(loss(M.depthwise_conv), (0, 1))(x, kernel)
-        got_jit = jax.jit(jax.value_and_grad(loss(M.depthwise_conv), (0, 1)))(x, kernel)
-        assert_trees_close(got, want, rtol=1e-10, atol=1e-10)
-        assert_trees_close(got_jit, want, rtol=1e-10, atol=1e-10)
+        want = jax.jit(jax.value_and_grad(loss(grouped_conv), (0, 1)))(x, kernel)
+        got = jax.value_and_grad(loss(M.depthwise_conv), (0, 1))
+        assert_trees_close(jax.jit(got)(x, kernel), want, rtol=1e-10, atol=1e-10)
+        if eager:
+            assert_trees_close(got(x, kernel), want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("images_per_chunk", [1, 2, 3])
@@ -62,7 +65,7 @@ def test_depthwise_weight_gradient_in_chunks_of_images(monkeypatch, stride, imag
         def loss(f):
             return lambda x, k: jnp.sum(jnp.tanh(f(x, k, stride)) * jnp.arange(5.0))
 
-        want = jax.value_and_grad(loss(grouped_conv), (0, 1))(x, kernel)
+        want = jax.jit(jax.value_and_grad(loss(grouped_conv), (0, 1)))(x, kernel)
         grad = jax.value_and_grad(loss(M.depthwise_conv), (0, 1))
         assert "scan" in str(jax.make_jaxpr(grad)(x, kernel))  # the chunked path ran
         assert_trees_close(jax.jit(grad)(x, kernel), want, rtol=1e-10, atol=1e-10)
@@ -245,7 +248,7 @@ def test_model_with_matmul_pointwise_equals_the_convolution_model(frozen_norms):
         grads = []
         for pointwise in ("matmul", "conv"):
             m = M.MobileNetV2(5, width_mult=0.35, input_size=32, pointwise=pointwise,
-                              rngs=nnx.Rngs(0))
+                              settings=MOBILENETV2_STAGES, rngs=nnx.Rngs(0))
             if frozen_norms:
                 for _, node in nnx.graph.iter_graph(m):
                     if isinstance(node, M.ConvBN):

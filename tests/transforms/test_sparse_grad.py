@@ -148,7 +148,7 @@ def test_property_random_mlps(sizes, data, act):
     scheme = random_scheme(ds, paths)
     x = jax.random.normal(jax.random.PRNGKey(7), (3, sizes[0]))
     f = {"gelu": jax.nn.gelu, "relu": jax.nn.relu, "tanh": jnp.tanh}[act]
-    assert_matches_dense(lambda p, x: mlp_loss(p, x, f), scheme, params, x)
+    assert_matches_dense(lambda p, x: mlp_loss(p, x, f), scheme, params, x, eager=False)
 
 
 def conv(x, w, groups=1):
@@ -175,7 +175,7 @@ def test_property_random_convnets(chans, data, depthwise):
     paths = list(params)
     scheme = random_scheme([data.draw(decision) for _ in paths], paths)
     x = jax.random.normal(keys[0], (2, 6, 6, 3))
-    assert_matches_dense(loss, scheme, params, x)
+    assert_matches_dense(loss, scheme, params, x, eager=False)
 
 
 def attention_params(key, d):
@@ -208,7 +208,7 @@ def test_property_random_attention_blocks(heads, data):
     scheme = random_scheme(ds, paths)
     x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, d))
     loss = lambda p, x: jnp.mean(attention_block(p, attention_block(p, x, heads), heads) ** 2)
-    assert_matches_dense(loss, scheme, params, x, rtol=1e-5, atol=1e-6)
+    assert_matches_dense(loss, scheme, params, x, rtol=1e-5, atol=1e-6, eager=False)
 
 
 # -- explain(): fallbacks name the user's line ---------------------------------------------
