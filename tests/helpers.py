@@ -83,7 +83,7 @@ def temp_bytes(fn, *args) -> int:
 # MobileNetV2's stages for tests that compile training steps: 6 blocks instead of 17, with
 # every block kind of the full network (no expansion; expansion at stride 2; stride 1
 # with a residual; a stride-1 stage start that changes the channels). Compiling the
-# full network's step took 1-4 minutes a test; architecture tests keep the full one.
+# full network's step is most of such a test's time; architecture tests keep 17 blocks.
 MOBILENETV2_STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 2, 2), (6, 64, 1, 1))
 
 

@@ -266,8 +266,8 @@ def _view(decisions, treedef, tree):
 
 @functools.lru_cache(maxsize=64)
 def _compiled(fun, value_and_grad=False):
-    """`jax.jit(fun)` (of its `jax.value_and_grad`), made once per function: run op by op,
-    the reference took twice as long as the trainer it checks."""
+    """`jax.jit(fun)` (of its `jax.value_and_grad`), made once per function, so that the
+    reference does not dispatch op by op."""
     return jax.jit(jax.value_and_grad(fun) if value_and_grad else fun)
 
 

@@ -29,7 +29,7 @@ def adversarial_images(shape, key=0):
 
 
 # Compiled, and uncompiled (op by op, as a user calling the function outside jit) for one
-# shape per stride: uncompiled, each case compiled every operation's shapes (~30 s).
+# shape per stride: uncompiled, each case compiles every operation for its shapes.
 @pytest.mark.parametrize("stride,h,w,eager", [(1, 9, 7, True), (2, 9, 9, False), (2, 8, 8, False),
                                               (2, 8, 7, True), (1, 1, 1, False), (2, 1, 2, False),
                                               (2, 2, 3, False)])
