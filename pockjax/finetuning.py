@@ -36,7 +36,11 @@ import numpy as np
 __all__ = ["finetune", "FinetuneError", "NonFiniteLoss", "Interrupted", "FinetuneResult",
            "load_model", "lm_loss", "scheme_from_spec", "SCHEMES", "SCHEDULES"]
 
-SCHEMES = ("paper", "paper:K", "full", "last:N", "search:BUDGET", "FILE.json")
+SCHEMES = ("paper", "paper:K", "full", "last:N", "blockwise:K", "blockwise:K:N", "lora:R",
+           "search:BUDGET", "FILE.json")
+FRONTENDS = ("auto", "flax", "torch")
+# LoRA's targets for `--scheme lora:R`: every linear layer of a LLaMA block.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCHEDULES = ("cosine", "linear", "constant")
 RUN = "run.json"
 CHECKPOINTS = "checkpoints"
@@ -44,7 +48,8 @@ METRICS = "metrics.jsonl"
 FINAL = "final"
 # Options that change what a run computes: a resumed run must have the same ones.
 _RESULT_OPTIONS = ("model", "data", "scheme", "total_steps", "batch", "seq", "lr", "warmup",
-                   "schedule", "seed", "frozen_dtype", "skip_nonfinite", "weight_decay")
+                   "schedule", "seed", "frozen_dtype", "skip_nonfinite", "weight_decay",
+                   "frontend")
 
 
 class FinetuneError(RuntimeError):
@@ -75,7 +80,8 @@ class LoadedModel:
     description: str
 
 
-def load_model(folder, *, frozen_dtype: str = "float32") -> LoadedModel:
+def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
+               lora: int | None = None, seed: int = 0) -> LoadedModel:
     """The model of a Hugging Face folder: LLaMA-family configs (`model_type` in
     `pockjax.models.hf.SUPPORTED_FAMILIES`) as the Flax `Llama`, any other causal LM
     through `pockjax.torch` (needs torch and transformers).
@@ -84,6 +90,11 @@ def load_model(folder, *, frozen_dtype: str = "float32") -> LoadedModel:
       folder: a folder with `config.json` and `model.safetensors` (or shards).
       frozen_dtype: "float32", or "bfloat16" to keep the weights in bfloat16 (computed
         in float32); `finetune` then casts the trained ones back to float32 masters.
+      frontend: "auto" (as above), "flax" (LLaMA families only) or "torch" (any causal
+        LM transformers builds, LLaMA's too, through `pockjax.torch`).
+      lora: a rank: LoRA adapters (`pockjax.models.lora`, alpha = 2 x rank, `a` drawn
+        from `seed`) on every linear layer of the blocks (Flax models); `save` writes
+        the weights with the adapters merged.
 
     Raises:
       FinetuneError: the folder is not a model folder, or its architecture cannot load.
@@ -102,12 +113,22 @@ def load_model(folder, *, frozen_dtype: str = "float32") -> LoadedModel:
     families = hf.SUPPORTED_FAMILIES
     if frozen_dtype not in ("float32", "bfloat16"):
         raise FinetuneError(f"frozen dtype {frozen_dtype!r}: choose 'float32' or 'bfloat16'")
-    if model_type in families:
-        return _flax_model(folder, frozen_dtype)
+    if frontend not in FRONTENDS:
+        raise FinetuneError(f"--frontend {frontend!r}: choose one of {', '.join(FRONTENDS)}")
+    if frontend == "flax" and model_type not in families:
+        raise FinetuneError(f"--frontend flax: '{folder}' is a {model_type!r} model and "
+                            f"pockjax's Flax models load {', '.join(families)}; use "
+                            f"--frontend torch (or auto)")
+    if model_type in families and frontend != "torch":
+        return _flax_model(folder, frozen_dtype, lora, seed)
+    if lora is not None:
+        raise FinetuneError(f"--scheme lora:{lora} is implemented for pockjax's Flax models "
+                            f"({', '.join(families)}); this model runs through pockjax.torch")
     return _torch_model(folder, model_type, families, frozen_dtype)
 
 
-def _flax_model(folder: Path, frozen_dtype: str) -> LoadedModel:
+def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
+                seed: int = 0) -> LoadedModel:
     import jax.numpy as jnp
 
     from pockjax import nnx as pj_nnx
@@ -119,13 +140,23 @@ def _flax_model(folder: Path, frozen_dtype: str) -> LoadedModel:
                            compute_dtype=None if frozen_dtype == "float32" else jnp.float32)
     except CheckpointError as e:
         raise FinetuneError(str(e)) from None
+    if lora is not None:
+        from flax import nnx
+
+        from pockjax.models.lora import apply_lora, merge_lora
+        try:
+            apply_lora(model, rank=lora, alpha=2.0 * lora, targets=LORA_TARGETS,
+                       rngs=nnx.Rngs(seed))
+        except ValueError as e:
+            raise FinetuneError(f"--scheme lora:{lora}: {e}") from None
     graphdef, params, rest = pj_nnx.split(model)
 
     def apply(p, tokens):
         return pj_nnx.merge(graphdef, p, rest)(tokens)
 
     def save(p, out):
-        save_llama(pj_nnx.merge(graphdef, p, rest), out, tokenizer=folder)
+        module = pj_nnx.merge(graphdef, p, rest)
+        save_llama(merge_lora(module) if lora is not None else module, out, tokenizer=folder)
 
     c = model.config
     return LoadedModel("flax", params, apply, c.vocab_size, c.num_layers, save,
@@ -204,8 +235,10 @@ def _nll_sum(logits, tokens, mask):
 
 def scheme_from_spec(spec: str, params, num_layers: int, *, search: Callable | None = None):
     """The scheme `finetune(scheme=spec)` trains, for a model's `params` with `num_layers`
-    blocks: "full", "paper" / "paper:K", "last:N", a scheme JSON file, or "search:BUDGET"
-    (which calls `search(budget)`). A bad spec raises `FinetuneError` naming it."""
+    blocks: "full", "paper" / "paper:K", "last:N", a scheme JSON file, "search:BUDGET"
+    (which calls `search(budget)`), or the schedule "blockwise:K" / "blockwise:K:N"
+    (`pockjax.schemes.blockwise`: the blocks, N at a time, each trained for K steps in
+    turn from the last). A bad spec raises `FinetuneError` naming it."""
     import pockjax as pj
 
     spec = str(spec)
@@ -217,6 +250,18 @@ def scheme_from_spec(spec: str, params, num_layers: int, *, search: Callable | N
             return pj.schemes.transformer(params, last=last)
         if spec.startswith("last:"):
             return pj.schemes.last_blocks(params, _count(spec, "last:N"))
+        if spec.startswith("lora:"):
+            # The adapters are the model's (load_model(lora=R)); the scheme trains them.
+            _count(spec, "lora:R")
+            return pj.schemes.lora()
+        if spec.startswith("blockwise:"):
+            parts = spec.split(":")
+            if len(parts) not in (2, 3):
+                raise FinetuneError(f"--scheme {spec!r}: blockwise:K or blockwise:K:N (K steps "
+                                    f"a turn, N blocks a turn)")
+            every = _count(":".join(parts[:2]), "blockwise:K")
+            group = _count("blockwise:" + parts[2], "blockwise:K:N") if len(parts) == 3 else 1
+            return pj.schemes.blockwise(params, every=every, group=group)
         if spec.startswith("search:"):
             if search is None:
                 raise FinetuneError("search schemes need the data: use finetune()")
@@ -240,7 +285,7 @@ def _count(spec: str, form: str) -> int:
     except ValueError:
         k = 0
     if k <= 0:
-        raise FinetuneError(f"--scheme {spec!r}: {form} takes a positive whole number of blocks")
+        raise FinetuneError(f"--scheme {spec!r}: {form} takes a positive whole number")
     return k
 
 
@@ -313,7 +358,7 @@ class _Run:
     @staticmethod
     def _check_same(before: dict, now: dict) -> None:
         for k in _RESULT_OPTIONS:
-            if before.get(k) != now.get(k):
+            if before.get(k, "auto" if k == "frontend" else None) != now.get(k):
                 raise FinetuneError(f"cannot resume: this run used {k}={before.get(k)!r}, now "
                                     f"{k}={now.get(k)!r}; resume with the same options, or "
                                     f"pass --overwrite to start again")
@@ -338,12 +383,13 @@ class _Run:
         return path
 
     def restore(self, like):
-        """The newest checkpoint that loads, or None; a damaged newer one is named."""
+        """The newest checkpoint that loads, or None; a damaged newer one is named.
+        `like` is a state, or a function of the checkpoint's step giving one."""
         import pockjax as pj
 
         for step, path in reversed(self.checkpoints()):
             try:
-                return pj.load(path, like=like), path
+                return pj.load(path, like=like(step) if callable(like) else like), path
             except pj.CheckpointError as e:
                 print(f"pockjax finetune: skipping checkpoint {path.name}: {e}", file=sys.stderr)
         return None, None
@@ -406,7 +452,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
              eval_every: int | None = None, save_every: int | None = None, keep: int = 3,
              resume: bool = False, overwrite: bool = False, seed: int = 0,
              frozen_dtype: str = "float32", skip_nonfinite: bool = False,
-             plot: bool = True, progress: bool = True) -> FinetuneResult:
+             frontend: str = "auto", plot: bool = True,
+             progress: bool = True) -> FinetuneResult:
     """Fine-tune the model in folder `model` on the JSONL file `data`; the run goes in
     folder `out` (see the module docstring for what it holds).
 
@@ -419,8 +466,11 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         training and at the end (loss and perplexity).
       scheme: "paper" (PockEngine's transformer scheme on the last half of the blocks),
         "paper:K" (on the last K), "full", "last:N" (the last N blocks in full),
-        "search:BUDGET" (`pockjax.search` under a budget such as "40%" or "4GiB"), or a
-        scheme JSON file (`Scheme.to_json`).
+        "blockwise:K" / "blockwise:K:N" (the blocks take turns, N at a time, K steps
+        each: `pockjax.schemes.blockwise`), "lora:R" (LoRA of rank R on every linear
+        layer of the blocks, merged into the weights in `final/`), "search:BUDGET"
+        (`pockjax.search` under a budget such as "40%" or "4GiB"), or a scheme JSON file
+        (`Scheme.to_json`).
       steps: training steps; or `epochs`: passes over the data (default 1 epoch).
       batch, seq: examples per step and tokens per example (longer ones are cut).
       lr, warmup, schedule, weight_decay: AdamW's learning rate, linear warm-up steps,
@@ -431,6 +481,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
       overwrite: start again in `out`, deleting its run.
       seed: the data order's seed.
       frozen_dtype: "float32" or "bfloat16" frozen weights (LLaMA families).
+      frontend: "auto", "flax" or "torch": which model code runs (`load_model`).
       skip_nonfinite: skip a step whose loss or gradient is not finite (counted) instead
         of stopping.
       plot: draw `loss.png` at the end (matplotlib); the metrics log is written either way.
@@ -450,6 +501,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     import pockjax as pj
     from pockjax.data import (DataError, batch_at, batch_examples, eval_batches, pad_batch,
                               read_jsonl, steps_per_epoch)
+    from pockjax.schedule import Schedule
     from pockjax.tokenizer import Tokenizer, TokenizerError
     from pockjax._interrupt import InterruptAfter
 
@@ -471,7 +523,12 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     if resume and overwrite:
         raise FinetuneError("give --resume or --overwrite, not both")
 
-    loaded = load_model(model, frozen_dtype=frozen_dtype)
+    lora = _count(str(scheme), "lora:R") if str(scheme).startswith("lora:") else None
+    if lora is not None and frozen_dtype != "float32":
+        raise FinetuneError(f"--scheme {scheme} with --frozen-dtype {frozen_dtype} is not "
+                            f"implemented; use --frozen-dtype float32")
+    loaded = load_model(model, frozen_dtype=frozen_dtype, frontend=frontend, lora=lora,
+                        seed=seed)
     try:
         tokenizer = Tokenizer.from_folder(model)
     except TokenizerError as e:
@@ -497,16 +554,21 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                               Path(out) / "search-cache", progress)
 
     chosen = scheme_from_spec(scheme, loaded.params, loaded.num_layers, search=search)
+    scheduled = isinstance(chosen, Schedule)
     params = loaded.params
+    if scheduled and frozen_dtype != "float32":
+        raise FinetuneError(f"--scheme {scheme} changes which weights train, so every weight "
+                            f"needs its float32 value: use --frozen-dtype float32")
     if frozen_dtype != "float32":
         from pockjax.models.llama import cast_frozen
         params = cast_frozen(params, chosen)
 
     options = _options_of(model=os.path.abspath(model), data=_fingerprint(data),
-                          scheme=chosen.to_json(), total_steps=total, batch=batch, seq=seq,
+                          scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
+                          total_steps=total, batch=batch, seq=seq,
                           lr=lr, warmup=warmup, schedule=schedule, seed=seed,
                           frozen_dtype=frozen_dtype, skip_nonfinite=skip_nonfinite,
-                          weight_decay=weight_decay)
+                          weight_decay=weight_decay, frontend=frontend)
     run = _Run(Path(out), options, resume=resume, overwrite=overwrite)
 
     optimizer = optax.adamw(_schedule(lr, warmup, total, schedule), weight_decay=weight_decay)
@@ -514,12 +576,15 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                               skip_nonfinite=skip_nonfinite)
     state = trainer.init(params, copy=False)
     info = trainer.explain(state, batch_at(train, 0, batch, seq, seed=seed, pad_id=pad))
+    turn = (f" (in turns of {chosen.every} steps; {len(chosen.schemes)} schemes, the first "
+            f"shown)" if scheduled else "")
     _say(progress, f"scheme {scheme}: {info.trainable_params:,} of {info.total_params:,} "
-                   f"parameters train; {total} steps of {batch} x {seq} tokens "
+                   f"parameters train{turn}; {total} steps of {batch} x {seq} tokens "
                    f"({per_epoch} per epoch)")
     start = 0
     if resume:
-        restored, path = run.restore(state)
+        like = ((lambda s: trainer.init(params, copy=False, step=s)) if scheduled else state)
+        restored, path = run.restore(like)
         if restored is not None:
             state, start = restored, int(restored.step)
             _say(progress, f"resumed from {path.name} (step {start} of {total})")
@@ -720,7 +785,9 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="the run's folder (checkpoints, metrics.jsonl, "
                    "loss.png, final/)")
     p.add_argument("--scheme", default="paper", help="paper (PockEngine's transformer scheme, "
-                   "last half of the blocks) | paper:K | full | last:N | search:BUDGET "
+                   "last half of the blocks) | paper:K | full | last:N | blockwise:K[:N] (the "
+                   "blocks, N at a time, each trained K steps in turn) | lora:R (LoRA of rank "
+                   "R on every linear layer, merged at the end) | search:BUDGET "
                    "(e.g. search:40%% or search:4GiB) | FILE.json (default: paper)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int, help="training steps")
@@ -743,6 +810,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the data order")
     p.add_argument("--frozen-dtype", default="float32", choices=("float32", "bfloat16"),
                    help="storage of the frozen weights (LLaMA families)")
+    p.add_argument("--frontend", default="auto", choices=FRONTENDS, help="the model code: "
+                   "auto (pockjax's Flax LLaMA for LLaMA families, pockjax.torch for other "
+                   "causal LMs), flax, or torch (transformers' own module for any family)")
     p.add_argument("--skip-nonfinite", action="store_true", help="skip a step whose loss or "
                    "gradient is not finite instead of stopping")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw loss.png "
@@ -759,7 +829,7 @@ def main(args) -> int:
                           save_every=args.save_every, keep=args.keep, resume=args.resume,
                           overwrite=args.overwrite, seed=args.seed,
                           frozen_dtype=args.frozen_dtype, skip_nonfinite=args.skip_nonfinite,
-                          plot=args.plot)
+                          frontend=args.frontend, plot=args.plot)
     except Interrupted as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
         return 130

@@ -24,6 +24,7 @@ from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError
     glob_to_regex, leaves_with_paths
 
 __all__ = ["bias_only", "blocks", "last_blocks", "transformer", "mobilenetv2", "lora",
+           "schedule", "blockwise",
            "param_paths", "params_of", "register_params_of"]
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -223,3 +224,20 @@ def _torchvision_mobilenetv2(paths, last, ratio, axis, norms, classifier) -> Sch
 def lora(names: Sequence[str] = ("lora_a", "lora_b")) -> Scheme:
     """Only the LoRA adapters train (see `pockjax.models.lora`)."""
     return Scheme({f"**/{n}": Full() for n in names}, default=Frozen())
+
+
+def schedule(schemes: Sequence[Scheme], *, every: int, order: str = "cycle", seed: int = 0):
+    """A `pockjax.schedule.Schedule`: `schemes` take turns, each training for `every`
+    steps, in the list's order ("cycle") or a random order each round ("random").
+    `sparse_train(..., scheme=schedule)` trains it."""
+    from pockjax.schedule import Schedule
+    return Schedule(tuple(schemes), every, order, seed)
+
+
+def blockwise(params, *, every: int, group: int = 1, order: str = "descending",
+              seed: int = 0, extra: Sequence[str] = (), name: str | None = None):
+    """Every block in turn, `group` at a time, each for `every` steps: see
+    `pockjax.schedule.blockwise`."""
+    from pockjax.schedule import blockwise as _blockwise
+    return _blockwise(params, every=every, group=group, order=order, seed=seed, extra=extra,
+                      name=name)

@@ -820,13 +820,15 @@ class TrainReport:
 
 
 def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransformation | None = None,
-                 scheme: Scheme | None = None, has_aux: bool = False, donate: bool = True,
+                 scheme: Any = None, has_aux: bool = False, donate: bool = True,
                  mesh: jax.sharding.Mesh | None = None, data_axis="data", param_axis=None,
                  param_specs=None, batch_specs=None, remat: Any = None,
                  skip_nonfinite: bool = False):
     """Turn `loss(params, batch)` into a `SparseTrainer`.
 
-    `scheme` defaults to training everything (`Scheme(default=Full())`). Use as
+    `scheme` defaults to training everything (`Scheme(default=Full())`); a
+    `pockjax.schedule.Schedule` (`pj.schemes.schedule`, `pj.schemes.blockwise`) gives a
+    `ScheduledTrainer`, whose schemes take turns. Use as
     `@sparse_train(optimizer=..., scheme=...)` or `sparse_train(loss, optimizer=...)`.
 
     With `mesh` the step runs on all its devices (`pockjax.sharding`): the batch is
@@ -872,11 +874,17 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
         raise TypeError("param_axis, param_specs and batch_specs need a mesh: sparse_train(..., mesh=jax.make_mesh("
                         "(4,), ('data',)), param_axis='data')")
 
+    from pockjax.schedule import Schedule, ScheduledTrainer
+
+    schedule = scheme if isinstance(scheme, Schedule) else None
+
     def wrap(f):
         if not callable(f):
             raise TypeError(f"sparse_train decorates a loss function, got {type(f).__name__}")
-        return SparseTrainer(f, optimizer, scheme, has_aux=has_aux, donate=donate, layout=layout,
-                             remat=remat, skip_nonfinite=skip_nonfinite)
+        trainer = SparseTrainer(f, optimizer, schedule.schemes[0] if schedule else scheme,
+                                has_aux=has_aux, donate=donate, layout=layout, remat=remat,
+                                skip_nonfinite=skip_nonfinite)
+        return ScheduledTrainer(trainer, schedule) if schedule else trainer
 
     return wrap if fun is None else wrap(fun)
 

@@ -6,7 +6,7 @@ import pytest
 
 MODULES = ["pockjax.scheme", "pockjax.schemes", "pockjax.nnx", "pockjax.train",
            "pockjax.models.lora", "pockjax.models.llama", "pockjax.models.mobilenetv2",
-           "pockjax.models.hf", "pockjax.sharding"]
+           "pockjax.models.hf", "pockjax.sharding", "pockjax.schedule"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -4,6 +4,7 @@ non-finite guard, the output folder in transformers, and every bad input's messa
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -332,6 +333,16 @@ def test_bad_inputs_get_messages(folders, data, tmp_path, capsys):
     fails("matched no parameter", *base, "--scheme", scheme, "--out", tmp_path / "h")
     fails("argument --epochs: not allowed with argument --steps", *base, "--epochs", 1,
           "--out", tmp_path / "i")
+    fails("lora:R takes a positive whole number", *base, "--scheme", "lora:0",
+          "--out", tmp_path / "j")
+    fails("blockwise:K takes a positive whole number", *base, "--scheme", "blockwise:x",
+          "--out", tmp_path / "k")
+    fails("use --frozen-dtype float32", *base, "--scheme", "blockwise:2", "--frozen-dtype",
+          "bfloat16", "--out", tmp_path / "l")
+    gpt2 = ["--model", folders["gpt2"], *base[2:]]
+    fails("use --frontend torch", *gpt2, "--frontend", "flax", "--out", tmp_path / "m")
+    fails("implemented for pockjax's Flax models", *gpt2, "--scheme", "lora:4",
+          "--out", tmp_path / "n")
 
 
 def test_chat_data_with_bfloat16_frozen_weights_and_the_paper_scheme(folders, data, tmp_path):
@@ -379,3 +390,78 @@ def test_search_scheme_is_pockjax_search_under_the_budget(folders, data, tmp_pat
     assert result.trainable_params == 48 * 96
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert "layers/1/mlp/up_proj/kernel" in run["scheme"]
+
+
+def _valid_loss(folder, valid, seq=32, batch=4):
+    """The held-out loss of a saved folder, computed here (pockjax's forward pass)."""
+    import optax
+
+    from pockjax.data import eval_batches, read_jsonl
+
+    loaded = load_model(folder)
+    tok = pj.Tokenizer.from_folder(folder)
+    pad = tok.pad_id if tok.pad_id is not None else tok.eos_id
+    total = count = 0.0
+    for b in eval_batches(read_jsonl(valid, tok, seq, vocab_size=loaded.vocab_size), batch, seq,
+                          pad):
+        logits = loaded.apply(loaded.params, b["tokens"])
+        nll = optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], b["tokens"][:, 1:])
+        total += float((nll * b["mask"][:, 1:]).sum())
+        count += float(b["mask"][:, 1:].sum())
+    return total / count
+
+
+def test_lora_scheme_trains_adapters_and_saves_them_merged(folders, data, tmp_path):
+    result = pj.finetune(folders["llama"], data["train"], tmp_path / "run", valid=data["valid"],
+                         scheme="lora:4", steps=12, batch=4, seq=32, lr=1e-2, progress=False)
+    assert result.valid_loss < result.valid_loss_before
+    # Adapters on the 7 linear layers of 2 blocks, (in + out) x rank each: q and o are
+    # 48 -> 48, k and v 48 -> 24 (2 key/value heads of 12), gate, up and down 48 <-> 96.
+    lora_params = 2 * 4 * (2 * (48 + 48) + 2 * (48 + 24) + 3 * (48 + 96))
+    assert result.trainable_params == lora_params
+    saved, original = _params(Path(result.final)), _params(folders["llama"])
+    assert saved.keys() == original.keys()  # merged: a plain LLaMA folder
+    np.testing.assert_array_equal(saved["model.embed_tokens.weight"],
+                                  original["model.embed_tokens.weight"])
+    assert not np.array_equal(saved["model.layers.0.mlp.up_proj.weight"],
+                              original["model.layers.0.mlp.up_proj.weight"])
+    # The merged folder scores what the adapted model scored at the end of the run.
+    np.testing.assert_allclose(_valid_loss(result.final, data["valid"]), result.valid_loss,
+                               rtol=1e-5)
+
+
+def test_torch_frontend_trains_the_same_llama_as_the_flax_one(folders, data, tmp_path):
+    common = dict(scheme="last:1", steps=4, batch=4, seq=32, lr=1e-2, progress=False)
+    flax_run = pj.finetune(folders["llama"], data["train"], tmp_path / "flax", **common)
+    torch_run = pj.finetune(folders["llama"], data["train"], tmp_path / "torch",
+                            frontend="torch", **common)
+    assert torch_run.trainable_params == flax_run.trainable_params
+    a, b = _params(Path(flax_run.final)), _params(Path(torch_run.final))
+    for k in a:
+        np.testing.assert_allclose(b[k], a[k], rtol=1e-4, atol=1e-6, err_msg=k)
+    changed = [k for k in a if not np.array_equal(a[k], _params(folders["llama"])[k])]
+    assert changed and all(k.startswith("model.layers.1.") for k in changed), changed
+
+
+def test_blockwise_schedule_trains_every_block_and_resumes_mid_turn(folders, data, tmp_path):
+    common = dict(scheme="blockwise:2", steps=6, batch=4, seq=32, lr=1e-2, save_every=1,
+                  keep=10, progress=False)
+    whole = pj.finetune(folders["llama"], data["train"], tmp_path / "whole", **common)
+    a, original = _params(Path(whole.final)), _params(folders["llama"])
+    for layer in (0, 1):  # the last block trains first, then block 0, then block 1 again
+        assert not np.array_equal(a[f"model.layers.{layer}.mlp.up_proj.weight"],
+                                  original[f"model.layers.{layer}.mlp.up_proj.weight"])
+    np.testing.assert_array_equal(a["model.embed_tokens.weight"],
+                                  original["model.embed_tokens.weight"])
+    # The same run stopped after step 3 (in block 0's turn) and resumed.
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    shutil.rmtree(cut / "final")
+    for path in (cut / "checkpoints").glob("step-*.safetensors"):
+        if int(path.stem.split("-")[1]) > 3:
+            path.unlink()
+    resumed = pj.finetune(folders["llama"], data["train"], cut, resume=True, **common)
+    assert resumed.start_step == 3
+    b = _params(Path(resumed.final))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)

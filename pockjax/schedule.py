@@ -1,0 +1,250 @@
+"""Scheme schedules: which parameters train changes with the step.
+
+A `Schedule` is a list of schemes that take turns, each training for `every` steps
+(block-coordinate fine-tuning in the manner of LISA and BAdam: at any moment only one
+group of blocks has gradients, masters and optimizer state, so memory is that of the
+largest scheme in the list, while over the run every block trains).
+
+`sparse_train(loss, optimizer=..., scheme=schedule)` returns a `ScheduledTrainer`. It
+compiles one step per distinct scheme, the first time that scheme's turn comes, and
+reuses it on every later turn. At a switch the optimizer state starts again for the
+new scheme's leaves (Adam's moments at zero and its bias correction from step 1), as
+BAdam does; keeping every leaf's state across switches would hold the optimizer state
+of every leaf that ever trains, which is full training's memory. Learning-rate
+schedules inside the optax chain (`optax.scale_by_schedule`, `inject_hyperparams`)
+continue from the global step, so the rate follows the run, not the turn.
+
+>>> import jax.numpy as jnp, optax, pockjax as pj
+>>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+>>> schedule = pj.schemes.schedule([pj.Scheme({"a": pj.Full()}),
+...                                 pj.Scheme({"b": pj.Full()})], every=2)
+>>> [schedule.index(step) for step in range(6)]
+[0, 0, 1, 1, 0, 0]
+>>> trainer = pj.sparse_train(lambda p, x: jnp.sum((p["a"] * p["b"] - x) ** 2),
+...                           optimizer=optax.sgd(0.1), scheme=schedule)
+>>> state = trainer.init(params)
+>>> for _ in range(3):
+...     state, metrics = trainer(state, jnp.zeros(2))
+>>> int(state.step), state.scheme == schedule.schemes[1]
+(3, True)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import numpy as np
+
+from pockjax.scheme import Scheme, SchemeError
+
+__all__ = ["Schedule", "ScheduledTrainer"]
+
+ORDERS = ("cycle", "random")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Schemes that take turns: `schemes[index(step)]` trains at (0-based) step `step`.
+
+    Args:
+      schemes: the schemes, in turn order.
+      every: steps each turn lasts.
+      order: "cycle" (the list's order, again and again) or "random" (each round, every
+        scheme once, in an order drawn from `seed` and the round number, as LISA and
+        BAdam's random order).
+      seed: the random order's seed.
+    """
+
+    schemes: tuple[Scheme, ...]
+    every: int
+    order: str = "cycle"
+    seed: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "schemes", tuple(self.schemes))
+        if not self.schemes or not all(isinstance(s, Scheme) for s in self.schemes):
+            raise SchemeError(f"a schedule takes a non-empty list of Schemes, got "
+                              f"{[type(s).__name__ for s in self.schemes]}")
+        if not isinstance(self.every, (int, np.integer)) or self.every < 1:
+            raise SchemeError(f"a schedule's `every` is the steps a turn lasts: a positive "
+                              f"whole number, got {self.every!r}")
+        if self.order not in ORDERS:
+            raise SchemeError(f"a schedule's order is one of {ORDERS}, got {self.order!r}")
+
+    def index(self, step: int) -> int:
+        """Which scheme trains at (0-based) step `step`."""
+        turn, n = int(step) // self.every, len(self.schemes)
+        if self.order == "cycle":
+            return turn % n
+        order = np.random.default_rng([self.seed, turn // n]).permutation(n)
+        return int(order[turn % n])
+
+    def at(self, step: int) -> Scheme:
+        """The scheme that trains at (0-based) step `step`."""
+        return self.schemes[self.index(step)]
+
+    def resolve(self, params) -> None:
+        """Check every scheme against `params` (raises `SchemeError` naming the bad one)."""
+        for i, scheme in enumerate(self.schemes):
+            try:
+                scheme.resolve(params)
+            except SchemeError as e:
+                raise SchemeError(f"the schedule's scheme {i}: {e}") from None
+
+    def to_json(self) -> str:
+        import json
+        return json.dumps({"every": self.every, "order": self.order, "seed": self.seed,
+                           "schemes": [json.loads(s.to_json()) for s in self.schemes]})
+
+    def __repr__(self) -> str:
+        return (f"Schedule({len(self.schemes)} schemes, every={self.every}, "
+                f"order={self.order!r})")
+
+
+def _continue_schedules(opt_state, step: int):
+    """`opt_state` with the step counts of its learning-rate schedules set to `step`
+    (Adam's own count stays where init put it: its moments start again)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    kinds = (optax.ScaleByScheduleState, optax.InjectHyperparamsState,
+             optax.InjectStatefulHyperparamsState)
+
+    def one(node):
+        if isinstance(node, kinds):
+            return node._replace(count=jnp.full_like(node.count, step))
+        return node
+
+    return jax.tree_util.tree_map(one, opt_state, is_leaf=lambda x: isinstance(x, kinds))
+
+
+class ScheduledTrainer:
+    """A `SparseTrainer` per scheme of a `Schedule`, switched as the step count passes
+    each turn's end. Made by `sparse_train(..., scheme=schedule)`; used like a
+    `SparseTrainer`: `state = trainer.init(params)`, `state, metrics = trainer(state,
+    batch)`. A state always holds the scheme it was last stepped with
+    (`state.scheme`)."""
+
+    def __init__(self, trainer, schedule: Schedule):
+        self.schedule = schedule
+        self._base = trainer
+        self._trainers: list[Any] = []   # one per distinct scheme, in first-seen order
+        self._which: list[int] = []      # schedule index -> position in _trainers
+        for scheme in schedule.schemes:
+            for k, t in enumerate(self._trainers):
+                if t.scheme == scheme:
+                    self._which.append(k)
+                    break
+            else:
+                self._which.append(len(self._trainers))
+                self._trainers.append(trainer.replace(scheme=scheme))
+        self._last = None        # the state the last call returned, and its step count:
+        self._last_step = 0      # the next call reads no step count back from the device
+
+    @property
+    def scheme(self) -> Schedule:
+        return self.schedule
+
+    @property
+    def trainers(self) -> list:
+        """The `SparseTrainer` of each distinct scheme."""
+        return list(self._trainers)
+
+    def trainer_at(self, step: int):
+        """The `SparseTrainer` that runs (0-based) step `step`."""
+        return self._trainers[self._which[self.schedule.index(step)]]
+
+    def init(self, params, *, copy: bool = True, step: int = 0):
+        """The state to start (or resume) at `step`: that of the scheme whose turn ran
+        the step before it (`SparseTrainer.init`; `copy` as there)."""
+        self.schedule.resolve(params)
+        trainer = self.trainer_at(max(step - 1, 0))
+        state = trainer.init(params, copy=copy)
+        if step:
+            state = self._at_step(state, step)
+        return state
+
+    @staticmethod
+    def _at_step(state, step: int):
+        import jax.numpy as jnp
+        return state.replace(step=jnp.full_like(state.step, step),
+                             opt_state=_continue_schedules(state.opt_state, step))
+
+    def switch(self, state, step: int):
+        """`state` made for the scheme that runs step `step`: the same parameters, new
+        optimizer state for that scheme's leaves. With `donate` (the default) the old
+        optimizer state is deleted first, as a step would, so two never coexist."""
+        trainer = self.trainer_at(step)
+        if state.scheme == trainer.scheme:
+            return state
+        if self._base.donate:
+            import jax
+            for x in jax.tree_util.tree_leaves(state.opt_state):
+                if hasattr(x, "delete") and not x.is_deleted():
+                    x.delete()
+        new = trainer.init(state.params, copy=False)
+        return self._at_step(new, step)
+
+    def __call__(self, state, batch):
+        if state is self._last:
+            step = self._last_step
+        else:  # a state from elsewhere (a restored checkpoint): read its count once
+            step = int(state.step)
+        state = self.switch(state, step)
+        state, metrics = self.trainer_at(step)(state, batch)
+        self._last, self._last_step = state, step + 1
+        return state, metrics
+
+    def explain(self, state, batch):
+        """The explanation (`SparseTrainer.explain`) of the scheme `state` holds."""
+        return self._trainer_of(state).explain(state, batch)
+
+    def report(self, state, batch, **kw):
+        """`SparseTrainer.report` of the scheme `state` holds."""
+        return self._trainer_of(state).report(state, batch, **kw)
+
+    def _trainer_of(self, state):
+        for t in self._trainers:
+            if t.scheme == state.scheme:
+                return t
+        raise SchemeError(f"this state was made for {state.scheme!r}, which is not in "
+                          f"{self.schedule!r}")
+
+    def __repr__(self) -> str:
+        return f"ScheduledTrainer({self.schedule!r}, {len(self._trainers)} distinct schemes)"
+
+
+def blockwise(params, *, every: int, group: int = 1, order: str = "descending",
+              seed: int = 0, extra: Sequence[str] = (), name: str | None = None) -> Schedule:
+    """Every block of the model in turn, `group` blocks at a time, each group trained in
+    full for `every` steps (block-coordinate descent over the blocks).
+
+    Args:
+      params: the model's parameters (or a module `pockjax.schemes.params_of` takes).
+      every: steps a group trains before the next one's turn.
+      group: blocks per group (the last group may be smaller).
+      order: "descending" (the last group first: the blocks nearest the output, whose
+        gradients cost least), "ascending", or "random" (`Schedule`'s random order).
+      seed: the random order's seed.
+      extra: glob patterns trained in every turn as well (e.g. the final norm).
+      name: the blocks' container, as `pockjax.schemes.blocks`.
+    """
+    from pockjax import schemes as _schemes
+
+    names = _schemes.blocks(params, name)
+    if not isinstance(group, (int, np.integer)) or group < 1:
+        raise SchemeError(f"blockwise: group is the blocks trained together, a positive "
+                          f"whole number, got {group!r}")
+    if order not in ("descending", "ascending", "random"):
+        raise SchemeError(f"blockwise: order is 'descending', 'ascending' or 'random', got "
+                          f"{order!r}")
+    groups = [names[i:i + group] for i in range(0, len(names), group)]
+    if order == "descending":
+        groups = groups[::-1]
+    from pockjax.scheme import Frozen, Full
+    also = _schemes._keep_matching([(p, Full()) for p in extra], _schemes.param_paths(params),
+                                   f"extra patterns {list(extra)}") if extra else []
+    schemes = [Scheme([(f"{b}/**", Full()) for b in g] + also, default=Frozen())
+               for g in groups]
+    return Schedule(tuple(schemes), every, "random" if order == "random" else "cycle", seed)
