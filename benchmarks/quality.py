@@ -1,0 +1,1014 @@
+"""Quality of sparse fine-tuning: every method from the same pretrained model, on the
+same batches and token budget, on two tasks the pretraining never saw.
+
+    python -m benchmarks quality [--quick] [--out FILE] [--work DIR] [--task-dir PATH]
+        [--methods NAME,NAME]
+
+The model is `benchmarks/pretrain.py`'s LLaMA pretrained on the Python standard library;
+the tasks (`benchmarks/quality_data.py`) are domain adaptation to numpy's sources
+(held-out loss) and writing a function's body from its signature and docstring, taken
+from sympy (held-out loss on the body, and exact match of the body's first line under
+greedy decoding). The methods (`METHODS`, one entry a row) are PyTorch full fine-tuning
+as the quality reference, peft LoRA, and pockjax's schemes through `pockjax.finetune`.
+
+Protocol, per method and task: the learning rate is chosen on the validation split
+from a sweep (`Method.rates`, one seed, `sweep_steps`), then `seeds` runs at that rate
+train `steps` steps each; the table gives their mean and spread. All runs see the same
+batches: pockjax's runs are `pockjax.finetune`'s (`pockjax.data.batch_at`, the seed
+fixing the order), and the PyTorch runs build the same ones with `pockjax.data` (which
+loads no JAX, so PyTorch's memory is measured alone), with the same masked token-mean
+loss, AdamW settings and learning-rate schedule. Every final model is saved as a Hugging
+Face folder and scored by one evaluator (pockjax's forward pass), so the metrics are
+computed the same way for all.
+
+Each row (a method, both tasks) runs in its own process (`benchmarks.common.run_row`):
+training first, peak memory read for each run (the process's high-water mark, reset
+before it starts), evaluation last. Each finished run leaves `train.json` and, for
+the chosen rate, `eval.json` in its folder under `--work`; a second call skips what is
+finished, so an interrupted benchmark resumes where it stopped.
+
+Results: `--out` (default `benchmarks/results/quality.md`) and the `.json` and `.png`
+beside it: per method and task the test loss (nats per token), the pretraining
+corpus's held-out loss after fine-tuning (forgetting), exact match, s/step, tokens/s,
+peak RSS, trained parameters, and time to quality (wall-clock until the validation
+loss is within 2% of PyTorch full fine-tuning's final one); the chart plots validation
+loss against wall-clock time for every method.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import pretrain as pretraining  # noqa: E402
+from benchmarks import quality_data  # noqa: E402
+from benchmarks.common import (ROOT, commit, peak_rss_mib, report_result, run_row,  # noqa: E402
+                               versions)
+
+TASKS = ("domain", "instruct")
+# Every linear layer of a LLaMA block: LoRA's targets and the Channels rows' weights.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUALITY_MARGIN = 0.02  # time to quality: validation loss within 2% of the reference's final
+
+# Learning-rate grids: rows that train every weight, and rows that train few parameters
+# (which want larger steps). The quick preset sweeps the last two of a grid.
+FULL_RATES = (1e-4, 3e-4, 1e-3)
+FEW_RATES = (3e-4, 1e-3, 3e-3)
+
+PRESETS = {
+    # Minutes on a 2-core CPU: a test of the pipeline, not a measurement.
+    "quick": dict(pretrain="quick", steps=16, sweep_steps=16, seeds=1, rates_in_sweep=2,
+                  blockwise_every=4,
+                  eval_points=4, batch=8, warmup_frac=0.1, sample_pct=30,
+                  caps={"train": 2000, "valid": 32, "test": 64}, eval_batch=16,
+                  search=dict(steps=10, lr=1e-3, last_blocks=1, parts=("mlp/**",),
+                              ratios=()),
+                  row_timeout=900),
+    # Sized for about two hours on an idle 2-core CPU (pretraining's half hour apart),
+    # from the measured step and compile times of each row's kind at this size. The
+    # search's candidates are the weights of the last half of the blocks, each in full
+    # and at 1/4 of its input channels: the library's default (every weight, at 1/8,
+    # 1/4 and 1/2 too) would take about an hour a task.
+    "full": dict(pretrain="full", steps=80, sweep_steps=30, seeds=3, rates_in_sweep=3,
+                 blockwise_every=4,
+                 eval_points=8, batch=8, warmup_frac=0.1, sample_pct=100,
+                 caps={"train": 4000, "valid": 32, "test": 128}, eval_batch=16,
+                 search=dict(steps=10, lr=1e-3, last_blocks=3, parts=("**",), ratios=(0.25,)),
+                 row_timeout=4 * 3600),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One row of the table: `kind` picks the runner (`RUNNERS`); `scheme` is what
+    `pockjax.finetune` trains (its own strings, or "@name" for a scheme built here by
+    `build_scheme`); `rank` is LoRA's; `rates` the sweep's grid; `quick` puts the row in
+    the quick preset; `frontend` is finetune's (the model code that runs)."""
+
+    name: str
+    kind: str
+    scheme: str = ""
+    rank: int = 0
+    rates: tuple[float, ...] = ()
+    quick: bool = True
+    frontend: str = "auto"
+
+
+METHODS = [
+    Method("pretrained (no fine-tuning)", "pretrained"),
+    Method("torch full (AdamW)", "torch", rates=FULL_RATES),
+    Method("peft LoRA r8", "peft", rank=8, rates=FEW_RATES),
+    Method("peft LoRA r16", "peft", rank=16, rates=FEW_RATES, quick=False),
+    Method("pockjax full", "pockjax", "full", rates=FULL_RATES),
+    Method("pockjax last:1", "pockjax", "last:1", rates=FEW_RATES, quick=False),
+    Method("pockjax last:2", "pockjax", "last:2", rates=FEW_RATES, quick=False),
+    Method("pockjax last:4", "pockjax", "last:4", rates=FULL_RATES, quick=False),
+    Method("pockjax paper", "pockjax", "paper", rates=FEW_RATES),
+    Method("pockjax bias+norms", "pockjax", "@bias-norms", rates=FEW_RATES, quick=False),
+    Method("pockjax channels in 1/4", "pockjax", "@channels-in", rates=FEW_RATES, quick=False),
+    Method("pockjax channels out 1/4", "pockjax", "@channels-out", rates=FEW_RATES, quick=False),
+    Method("pockjax search:LoRA-r8", "pockjax", "@search:lora-r8", rates=FEW_RATES),
+    Method("pockjax search:50%", "pockjax", "@search:50%", rates=FEW_RATES, quick=False),
+    Method("pockjax LoRA r8", "pockjax", "lora:8", rank=8, rates=FEW_RATES, quick=False),
+    # One block at a time, each for `every` steps, from the last block back (the preset's
+    # `blockwise_every`: about 3 turns per block over a run).
+    Method("pockjax blockwise", "pockjax", "@blockwise", rates=FULL_RATES, quick=False),
+    # PockEngine's scheme on transformers' own LlamaForCausalLM through pockjax.torch.
+    Method("pockjax.torch paper", "pockjax", "paper", rates=FEW_RATES, quick=False,
+           frontend="torch"),
+]
+REFERENCE = "torch full (AdamW)"
+
+
+def slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-").replace("--", "-")
+
+
+def method_named(name: str) -> Method:
+    for m in METHODS:
+        if m.name == name or slug(m.name) == name:
+            return m
+    sys.exit(f"quality benchmark: no method {name!r}; the methods are: "
+             + ", ".join(slug(m.name) for m in METHODS))
+
+
+# --------------------------------------------------------------------------- the runs
+
+
+_LOG: list[Path] = []  # the row's log file, set by row_main
+
+
+def _log(text: str) -> None:
+    """A progress line on stderr and in the row's `log.txt`."""
+    line = f"[{time.strftime('%H:%M:%S')}] {text}"
+    print(line, file=sys.stderr, flush=True)
+    for path in _LOG:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def run_dir(cfg: dict, method: Method, task: str, lr: float, seed: int, steps: int) -> Path:
+    return Path(cfg["runs"]) / slug(method.name) / task / f"lr{lr:g}-seed{seed}-steps{steps}"
+
+
+def eval_every(steps: int, cfg: dict) -> int | None:
+    """Steps between validations: `eval_points` along the runs whose curves are plotted
+    (the chosen rate's), only at the start and the end of shorter sweep runs."""
+    return max(1, steps // cfg["eval_points"]) if steps == cfg["steps"] else None
+
+
+def lr_at(step: int, lr: float, warmup: int, total: int) -> float:
+    """`pockjax.finetune`'s cosine schedule (linear warm-up, then cosine decay to 0) at
+    optimizer step `step` (0-based): what the PyTorch runs set before each step."""
+    if step < warmup:
+        return lr * step / warmup
+    decay = max(total - warmup, 1)
+    return lr * 0.5 * (1 + math.cos(math.pi * min(step - warmup, decay) / decay))
+
+
+def warmup_steps(steps: int, cfg: dict) -> int:
+    return int(round(cfg["warmup_frac"] * steps))
+
+
+def read_metrics(path: Path) -> dict:
+    """A run's `metrics.jsonl` (`pockjax.finetune`'s format, which the PyTorch runs
+    write too) as step times, tokens and the validation curve (each evaluation at the
+    training clock's reading when it ran, 0 before the first step)."""
+    train, valid = [], []
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if r.get("loss") is not None:
+            train.append(r)
+        if "valid_loss" in r:
+            valid.append(r)
+    at = {r["step"]: r["seconds"] for r in train}
+    at[0] = 0.0
+    curve = [[r.get("seconds", at.get(r["step"], float("nan"))), r["step"], r["valid_loss"]]
+             for r in valid]
+    # Step 1 holds compilation (pockjax); the median is robust to the steps that
+    # include an evaluation.
+    durations = [b["seconds"] - a["seconds"] for a, b in zip(train[1:], train[2:])]
+    step_s = statistics.median(durations) if durations else float("nan")
+    tokens = [r["tokens"] for r in train[1:]]
+    nan = float("nan")
+    return {"steps": len(train), "s_per_step": step_s,
+            "tokens_per_s": statistics.mean(tokens) / step_s if tokens and step_s > 0 else nan,
+            "tokens": sum(r["tokens"] for r in train),
+            "seconds": train[-1]["seconds"] if train else 0.0,
+            "final_train_loss": statistics.mean(r["loss"] for r in train[-5:]) if train else nan,
+            "valid_curve": curve, "final_valid_loss": curve[-1][2] if curve else nan}
+
+
+def reset_peak_rss() -> None:
+    """Reset the process's high-water mark (`VmHWM`) to its current RSS (Linux 4.0+), so
+    the next reading is this run's peak, not an earlier run's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def one_run(cfg: dict, method: Method, task: str, lr: float, seed: int, steps: int,
+            scheme: str | None) -> dict:
+    """Train one run (cached: a folder with `train.json` is read back); its summary."""
+    out = run_dir(cfg, method, task, lr, seed, steps)
+    done = out / "train.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    shutil.rmtree(out, ignore_errors=True)  # a run cut short starts again
+    out.mkdir(parents=True)
+    _log(f"{method.name} / {task}: lr {lr:g}, seed {seed}, {steps} steps")
+    reset_peak_rss()
+    try:
+        extra = RUNNERS[method.kind](cfg, method, task, lr, seed, steps, out, scheme)
+    except FloatingPointError as e:
+        # Kept as a result: a rate that diverges loses the sweep; running it again would
+        # diverge again.
+        extra = {"diverged": str(e)}
+    peak = peak_rss_mib()
+    summary = {"method": method.name, "task": task, "lr": lr, "seed": seed, "steps": steps,
+               **read_metrics(out / "metrics.jsonl"), "peak_rss_mib": peak, **extra}
+    if "diverged" in summary:
+        summary["final_valid_loss"] = float("nan")
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    (out / "train.json").write_text(json.dumps(summary, indent=1) + "\n")
+    diverged = f"; diverged: {extra['diverged']}" if "diverged" in extra else ""
+    _log(f"  valid {summary['final_valid_loss']:.4f}, {summary['s_per_step']:.3f} s/step, "
+         f"peak {peak:.0f} MiB{diverged}")
+    return summary
+
+
+def train_pockjax(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:
+    """A run of `pockjax.finetune` with scheme `scheme` (a finetune scheme string or a
+    scheme JSON file)."""
+    import pockjax as pj
+    from pockjax.finetuning import NonFiniteLoss
+
+    data = cfg["tasks"][task]
+    try:
+        result = pj.finetune(cfg["pretrained"], data["train"], out, valid=data["valid"],
+                             scheme=scheme, steps=steps, batch=cfg["batch"], seq=cfg["seq"],
+                             lr=lr, warmup=warmup_steps(steps, cfg), schedule="cosine",
+                             eval_every=eval_every(steps, cfg), keep=1, seed=seed,
+                             overwrite=True, plot=False, progress=False,
+                             frontend=method.frontend)
+    except NonFiniteLoss as e:
+        raise FloatingPointError(str(e)) from None
+    return {"trained_params": result.trainable_params, "total_params": result.total_params,
+            "final": result.final}
+
+
+def train_torch(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:
+    """A PyTorch run of the pretrained folder (transformers' LlamaForCausalLM; with a
+    peft LoRA of rank `method.rank` on every linear layer for kind "peft") on
+    `pockjax.finetune`'s batches: `pockjax.data`'s, built by the calls finetune makes
+    (`batch_examples` + `pad_batch`, which are `batch_at`). `pockjax.data` and
+    `pockjax.tokenizer` load no JAX, so the process's memory is PyTorch's alone."""
+    import torch
+    import transformers
+
+    from pockjax.data import batch_examples, eval_batches, pad_batch, read_jsonl
+    from pockjax.tokenizer import Tokenizer
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(cfg["pretrained"],
+                                                              dtype=torch.float32)
+    if method.kind == "peft":
+        import peft
+
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=method.rank, lora_alpha=2 * method.rank, lora_dropout=0.0,
+            target_modules=list(LINEARS)))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    try:  # fused AdamW runs on CPU from PyTorch 2.4
+        opt, impl = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True), "fused"
+    except (RuntimeError, TypeError):
+        opt, impl = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, foreach=True), "foreach"
+    tok = Tokenizer.from_folder(cfg["pretrained"])
+    pad = tok.pad_id if tok.pad_id is not None else (tok.eos_id or 0)  # as finetune pads
+    seq, batch, vocab = cfg["seq"], cfg["batch"], model.config.vocab_size
+    train = read_jsonl(cfg["tasks"][task]["train"], tok, seq, vocab_size=vocab)
+    valid = list(eval_batches(read_jsonl(cfg["tasks"][task]["valid"], tok, seq,
+                                         vocab_size=vocab), batch, seq, pad))
+
+    def loss_of(tokens, mask, reduce=True):
+        logits = model(input_ids=tokens, use_cache=False).logits
+        nll = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().flatten(0, 1), tokens[:, 1:].flatten(),
+            reduction="none").view(mask[:, 1:].shape)
+        w = mask[:, 1:]
+        return (nll * w).sum() / w.sum().clamp(min=1.0) if reduce else ((nll * w).sum(), w.sum())
+
+    def evaluate() -> float:
+        total = count = 0.0
+        with torch.no_grad():
+            for b in valid:
+                s, n = loss_of(torch.from_numpy(b["tokens"]).long(),
+                               torch.from_numpy(b["mask"]), False)
+                total, count = total + float(s), count + float(n)
+        return total / count
+
+    every, warmup = eval_every(steps, cfg) or steps, warmup_steps(steps, cfg)
+    with open(out / "metrics.jsonl", "w") as log:
+        def write(record):
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+
+        write({"step": 0, "valid_loss": evaluate(), "seconds": 0.0})
+        began = time.perf_counter()
+        clock = lambda: round(time.perf_counter() - began, 3)
+        for i in range(steps):
+            examples = batch_examples(train, i, batch, seed=seed)
+            b = pad_batch(examples, batch, seq, pad)
+            rate = lr_at(i, lr, warmup, steps)
+            for group in opt.param_groups:
+                group["lr"] = rate
+            loss = loss_of(torch.from_numpy(b["tokens"]).long(), torch.from_numpy(b["mask"]))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            value = loss.item()
+            if not math.isfinite(value):
+                raise FloatingPointError(f"step {i + 1}: the loss is {value}; lower the learning "
+                                         f"rate ({lr:g})")
+            write({"step": i + 1, "loss": value, "lr": rate,
+                   "tokens": sum(len(e.ids) for e in examples),
+                   "seconds": round(time.perf_counter() - began, 3)})
+            if (i + 1) % every == 0 and i + 1 < steps:
+                write({"step": i + 1, "valid_loss": evaluate(), "seconds": clock()})
+        write({"step": steps, "valid_loss": evaluate(), "seconds": clock()})
+    trained = sum(p.numel() for p in params)
+    if method.kind == "peft":
+        model = model.merge_and_unload()
+    total = sum(p.numel() for p in model.parameters())
+    final = out / "final"
+    model.save_pretrained(final)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(cfg["pretrained"]) / name, final / name)
+    return {"trained_params": trained, "total_params": total, "optimizer": f"AdamW ({impl})",
+            "final": str(final)}
+
+
+def train_nothing(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:
+    """The pretrained model itself, scored like the others (a run of 0 steps)."""
+    (out / "metrics.jsonl").write_text("")
+    return {"trained_params": 0, "total_params": None, "final": cfg["pretrained"]}
+
+
+RUNNERS = {"pockjax": train_pockjax, "torch": train_torch, "peft": train_torch,
+           "pretrained": train_nothing}
+
+
+# --------------------------------------------------------------------------- schemes
+
+
+def build_scheme(cfg: dict, spec: str, task: str) -> str:
+    """What `pockjax.finetune(scheme=...)` gets for a method's `scheme`: its own strings
+    as they are; "@name" a scheme JSON file built here (cached under the runs folder)."""
+    if not spec.startswith("@"):
+        return spec
+    name = spec[1:]
+    if name == "blockwise":
+        return f"blockwise:{cfg['blockwise_every']}"
+    if name.startswith("search:"):
+        return search_scheme(cfg, name.split(":", 1)[1], task)
+    path = Path(cfg["runs"]) / "schemes" / f"{name}.json"
+    if path.is_file():
+        return str(path)
+    import pockjax as pj
+    from pockjax.finetuning import load_model
+
+    params = load_model(cfg["pretrained"]).params
+    if name == "bias-norms":
+        # LLaMA has no biases; its 1-D "scale"s are the RMSNorms'. bias_only keeps only
+        # the names the model has.
+        scheme = pj.schemes.bias_only(params, names=("bias", "scale"))
+    elif name in ("channels-in", "channels-out"):
+        # A quarter of the input (or output) channels of every linear layer of every block.
+        scheme = pj.schemes.transformer(params, attention=LINEARS[:4], mlp=LINEARS[4:],
+                                        ratio=0.25, axis=name.split("-")[1])
+    else:
+        raise ValueError(f"no scheme named {spec!r}; add it to build_scheme")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(scheme.to_json())
+    return str(path)
+
+
+def lora_budget_bytes(cfg: dict, rank: int = 8) -> int:
+    """LoRA's step memory as the search measures every budget: XLA's compiled peak
+    (arguments + outputs - donated + temporaries) of pockjax's step for the pretrained
+    model with rank-`rank` adapters on every linear layer (`pockjax.models.lora`).
+    peft's process RSS would not do: it counts PyTorch's runtime, which the search's
+    compiled steps do not."""
+    import jax
+    import optax
+    from flax import nnx
+
+    import pockjax as pj
+    from pockjax.finetuning import lm_loss
+    from pockjax.models.hf import load_llama
+    from pockjax.models.lora import apply_lora
+
+    model = apply_lora(load_llama(cfg["pretrained"]), rank=rank, alpha=2.0 * rank,
+                       targets=list(LINEARS), rngs=nnx.Rngs(0))
+    graphdef, params, rest = pj.nnx.split(model)
+
+    def loss(p, b):
+        return lm_loss(pj.nnx.merge(graphdef, p, rest)(b["tokens"]), b["tokens"], b["mask"])
+
+    trainer = pj.sparse_train(loss, optimizer=optax.adamw(1e-3), scheme=pj.schemes.lora())
+    batch = {"tokens": jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"]), "int32"),
+             "mask": jax.ShapeDtypeStruct((cfg["batch"], cfg["seq"]), "float32")}
+    traced = trainer.trace(jax.eval_shape(trainer.init, params), batch)
+    return pj.compiled_memory(traced.lower().compile())["peak"]
+
+
+def search_scheme(cfg: dict, budget: str, task: str) -> str:
+    """`pockjax.search` under `budget` ("lora-r8": LoRA r8's step memory; else a
+    finetune budget such as "50%"), run once per task as `pockjax.finetune`'s
+    search:BUDGET runs it (the first training batches, scored on the validation data),
+    over the preset's candidates (the weights of the last `last_blocks` blocks matching
+    `parts`, in full and at `ratios` of their input channels); the candidates' runs are
+    cached and shared by both budgets. Returns the chosen scheme as a JSON file, which
+    every learning rate and seed then trains."""
+    folder = Path(cfg["runs"]) / "search" / task
+    path = folder / f"{slug(budget)}.json"
+    if path.is_file():
+        return str(path)
+    import optax
+
+    import pockjax as pj
+    from pockjax.data import batch_at, eval_batches, read_jsonl
+    from pockjax.finetuning import lm_loss, load_model
+
+    settings = cfg["search"]
+    if budget == "lora-r8":
+        value = lora_budget_bytes(cfg, 8)
+    else:
+        value = budget
+    loaded = load_model(cfg["pretrained"])
+    tok = pj.Tokenizer.from_folder(cfg["pretrained"])
+    pad = tok.pad_id if tok.pad_id is not None else (tok.eos_id or 0)
+    seq, batch = cfg["seq"], cfg["batch"]
+    train = read_jsonl(cfg["tasks"][task]["train"], tok, seq, vocab_size=loaded.vocab_size)
+    valid = read_jsonl(cfg["tasks"][task]["valid"], tok, seq, vocab_size=loaded.vocab_size)
+    train_batches = [batch_at(train, i, batch, seq, seed=0, pad_id=pad)
+                     for i in range(settings["steps"])]
+    heldout = list(eval_batches(valid, batch, seq, pad))[:4]
+
+    def loss(p, b):
+        return lm_loss(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"])
+
+    def factory(scheme):
+        return pj.sparse_train(loss, optimizer=optax.adamw(settings["lr"]), scheme=scheme)
+
+    last = pj.schemes.blocks(loaded.params)[-settings["last_blocks"]:]
+    include = [f"{b}/{part}" for b in last for part in settings["parts"]]
+    t0 = time.perf_counter()
+    scheme, report = pj.search(factory, loaded.params, (train_batches, heldout), budget=value,
+                               steps=settings["steps"], cache=str(folder / "cache"),
+                               progress=False, include=include, ratios=settings["ratios"])
+    folder.mkdir(parents=True, exist_ok=True)
+    info = {"budget": budget, "budget_bytes": report.budget_bytes,
+            "full_bytes": report.full_bytes, "forward_bytes": report.forward_bytes,
+            "measured_bytes": report.measured_bytes, "chosen": report.chosen,
+            "candidates": len(report.results), "seconds": time.perf_counter() - t0}
+    (folder / f"{slug(budget)}.info.json").write_text(json.dumps(info, indent=1) + "\n")
+    path.write_text(scheme.to_json())
+    _log(f"search {budget} on {task}: {len(report.results)} candidates, chose "
+              f"{', '.join(report.chosen)} ({info['seconds']:.0f} s)")
+    return str(path)
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@dataclasses.dataclass
+class ExactMatchCheck:
+    """What greedy decoding must produce for one example: the argmax at each position
+    of `exact` equals its token, and the token predicted at `boundary[0]` starts with
+    `boundary[1]` (the rest of the line and its newline: the next line begins)."""
+
+    ids: list[int]                       # the example as read_jsonl tokenizes it
+    exact: list[tuple[int, int]]         # (position whose argmax is checked, token)
+    boundary: tuple[int, str]
+
+
+def exact_match_check(tok, prompt: str, completion: str) -> ExactMatchCheck:
+    """The check for the first non-blank line of `completion` after `prompt`, at the
+    positions `pockjax.data.read_jsonl` gives them (prompt, completion, end token; the
+    logits at position t predict token t + 1)."""
+    head = tok.encode(prompt, add_special_tokens=True)
+    ids, offsets = tok.encode_with_offsets(completion)
+    _, end = quality_data.first_line_span(completion)
+    exact, boundary = [], None
+    for k, (a, b) in enumerate(offsets):
+        if b <= end:
+            exact.append((len(head) + k - 1, ids[k]))
+        else:
+            boundary = (len(head) + k - 1, completion[a:end + 1])
+            break
+    if boundary is None:  # the line runs to the end: the end token follows it
+        boundary = (len(head) + len(ids) - 1, None)
+    return ExactMatchCheck(head + ids + [tok.eos_id], exact, boundary)
+
+
+def exact_matches(checks: list[ExactMatchCheck], argmax, tok) -> list[bool]:
+    """Per example, whether greedy decoding reproduces its first line, from the argmax
+    of a teacher-forced pass (`argmax[i][t]`: the most likely token after position t)."""
+    hits = []
+    for check, pred in zip(checks, argmax):
+        ok = all(int(pred[pos]) == token for pos, token in check.exact)
+        pos, text = check.boundary
+        if ok:
+            ok = (int(pred[pos]) == tok.eos_id if text is None else
+                  tok.decode([int(pred[pos])], skip_special_tokens=False).startswith(text))
+        hits.append(bool(ok))
+    return hits
+
+
+class Evaluator:
+    """Scores a Hugging Face folder with pockjax's forward pass, the same computation
+    for every method: the test split's loss (tokens the loss counts, summed over the
+    split, as `pockjax.finetune`'s validation), the pretraining corpus's held-out loss,
+    and for task "instruct" exact match of the body's first line.
+
+    Exact match is read off one teacher-forced pass: greedy decoding reproduces the
+    reference's tokens exactly when each is the argmax given the reference before it,
+    so "the first line's tokens are each the argmax, and the argmax after them starts
+    the next line" is greedy decoding's answer (for the reference's own tokenization of
+    the line; a model that spelled the line with other tokens would count as a miss).
+    """
+
+    def __init__(self, cfg: dict):
+        import jax
+        import numpy as np
+        import optax
+
+        import pockjax as pj
+        from pockjax.data import read_jsonl
+        from pockjax.models.hf import load_llama
+
+        self.cfg, self.np = cfg, np
+        self.tok = pj.Tokenizer.from_folder(cfg["pretrained"])
+        self.pad = self.tok.pad_id if self.tok.pad_id is not None else (self.tok.eos_id or 0)
+        model = load_llama(cfg["pretrained"])
+        self.graphdef, _, self.rest = pj.nnx.split(model)
+        vocab, seq = model.config.vocab_size, cfg["seq"]
+        self.sets = {task: read_jsonl(cfg["tasks"][task]["test"], self.tok, seq, vocab_size=vocab)
+                     for task in TASKS}
+        self.sets["corpus"] = read_jsonl(cfg["corpus_heldout"], self.tok, seq, vocab_size=vocab)
+        self.checks = self._exact_match_checks(cfg["tasks"]["instruct"]["test"])
+
+        def stats(params, tokens, mask):
+            logits = pj.nnx.merge(self.graphdef, params, self.rest)(tokens)
+            nll = optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1].astype("float32"), tokens[:, 1:])
+            w = mask[:, 1:]
+            return (nll * w).sum(), w.sum(), logits.argmax(-1)
+
+        self.stats = jax.jit(stats)
+
+    def _exact_match_checks(self, path) -> list:
+        lines = Path(path).read_text().splitlines()
+        examples = self.sets["instruct"].examples
+        if len(examples) != len(lines):
+            raise RuntimeError(f"{path}: {len(lines)} records but {len(examples)} examples; "
+                               f"every example must fit the sequence length (rebuild the data)")
+        checks = []
+        for line, example in zip(lines, examples):
+            record = json.loads(line)
+            check = exact_match_check(self.tok, record["prompt"], record["completion"])
+            if list(example.ids) != check.ids:
+                raise RuntimeError("the evaluator tokenizes an example differently from "
+                                   "pockjax.data.read_jsonl; rebuild the data")
+            checks.append(check)
+        return checks
+
+    def _pass(self, params, dataset):
+        """Summed loss and count over `dataset`, and the argmax of every example."""
+        from pockjax.data import eval_batches
+
+        np, b = self.np, self.cfg["eval_batch"]
+        total = count = 0.0
+        argmax = []
+        for batch in eval_batches(dataset, b, self.cfg["seq"], self.pad):
+            s, n, a = self.stats(params, batch["tokens"], batch["mask"])
+            total, count = total + float(s), count + float(n)
+            argmax += list(np.asarray(a))
+        return total / count, argmax[:len(dataset)]
+
+    def __call__(self, folder, task: str) -> dict:
+        import pockjax as pj
+        from pockjax.models.hf import load_llama
+
+        params = pj.nnx.split(load_llama(folder))[1]
+        test_loss, argmax = self._pass(params, self.sets[task])
+        corpus_loss, _ = self._pass(params, self.sets["corpus"])
+        out = {"test_loss": test_loss, "corpus_loss": corpus_loss}
+        if task == "instruct":
+            hits = exact_matches(self.checks, argmax, self.tok)
+            out["exact_match"] = sum(hits) / len(hits)
+            out["exact_match_n"] = len(hits)
+        return out
+
+
+# --------------------------------------------------------------------------- a row
+
+
+def row_main(name: str, config: str) -> None:
+    """One row's process: every run of the method on both tasks (the sweep, then the
+    seeds at the chosen rate), then the evaluation of the chosen rate's runs."""
+    cfg = json.loads(Path(config).read_text())
+    method = method_named(name)
+    _LOG.append(Path(cfg["runs"]) / slug(method.name) / "log.txt")
+    _LOG[0].parent.mkdir(parents=True, exist_ok=True)
+    finals = []
+    for task in TASKS:
+        if method.kind == "pretrained":
+            finals.append(one_run(cfg, method, task, 0.0, 0, 0, None))
+            continue
+        scheme = build_scheme(cfg, method.scheme, task) if method.kind == "pockjax" else None
+        rates = method.rates[-cfg["rates_in_sweep"]:]
+        sweep = {lr: one_run(cfg, method, task, lr, 0, cfg["sweep_steps"],
+                             scheme)["final_valid_loss"] for lr in rates}
+        finite = {lr: v for lr, v in sweep.items() if math.isfinite(v)}
+        if not finite:
+            raise RuntimeError(f"{method.name} / {task}: every learning rate of {rates} "
+                               f"diverged; add smaller ones to the method's rates")
+        chosen = min(finite, key=finite.get)
+        folder = Path(cfg["runs"]) / slug(method.name) / task
+        (folder / "chosen.json").write_text(json.dumps(
+            {"lr": chosen, "sweep": {f"{k:g}": v for k, v in sweep.items()},
+             "scheme": scheme}, indent=1) + "\n")
+        for seed in range(cfg["seeds"]):
+            finals.append(one_run(cfg, method, task, chosen, seed, cfg["steps"], scheme))
+    evaluator = None
+    for run in finals:
+        out = run_dir(cfg, method, run["task"], run["lr"], run["seed"], run["steps"])
+        if (out / "eval.json").is_file() or "diverged" in run:
+            continue
+        evaluator = evaluator or Evaluator(cfg)
+        scores = evaluator(run["final"], run["task"])
+        (out / "eval.json").write_text(json.dumps(scores, indent=1) + "\n")
+    # The models are scored: only the runs' records are kept.
+    for path in (Path(cfg["runs"]) / slug(method.name)).glob("*/*/final"):
+        shutil.rmtree(path, ignore_errors=True)
+    report_result({"row": method.name, "runs": len(finals)})
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def _mean_sd(values) -> tuple[float, float]:
+    values = [v for v in values if v is not None]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def time_to_quality(curve, target: float) -> float | None:
+    """Seconds until the validation loss first reaches `target`, or None."""
+    for seconds, _, loss in curve:
+        if loss <= target:
+            return seconds
+    return None
+
+
+def collect(cfg: dict, methods) -> list[dict]:
+    """Every row's records from the runs folder: per method and task, the chosen rate,
+    the sweep, the seeds' train and eval records and their summary."""
+    rows = []
+    for method in methods:
+        for task in TASKS:
+            folder = Path(cfg["runs"]) / slug(method.name) / task
+            row = {"method": method.name, "task": task, "kind": method.kind,
+                   "scheme": method.scheme}
+            if method.kind == "pretrained":
+                lr, sweep, seeds, steps = 0.0, {}, 1, 0
+            else:
+                chosen = folder / "chosen.json"
+                if not chosen.is_file():
+                    rows.append({**row, "error": "not run"})
+                    continue
+                info = json.loads(chosen.read_text())
+                lr, sweep, seeds, steps = info["lr"], info["sweep"], cfg["seeds"], cfg["steps"]
+            runs, error = [], None
+            for seed in range(seeds):
+                out = run_dir(cfg, method, task, lr, seed, steps)
+                train = out / "train.json"
+                if train.is_file() and "diverged" in json.loads(train.read_text()):
+                    error = f"seed {seed} diverged at lr {lr:g}"
+                elif not (out / "eval.json").is_file():
+                    error = "not finished"
+                if error:
+                    break
+                runs.append({**json.loads(train.read_text()),
+                             **json.loads((out / "eval.json").read_text())})
+            if error:
+                rows.append({**row, "error": error})
+                continue
+            row.update(lr=lr, sweep=sweep, runs=runs)
+            rows.append(row)
+    return rows
+
+
+def summarize(rows: list[dict]) -> None:
+    """Means and spreads over seeds, forgetting and time to quality, in place."""
+    base = {r["task"]: r for r in rows if r["kind"] == "pretrained" and "runs" in r}
+    ref = {r["task"]: r for r in rows if r["method"] == REFERENCE and "runs" in r}
+    for r in rows:
+        if "runs" not in r:
+            continue
+        runs = r["runs"]
+        s = {}
+        s["test_loss"], s["test_loss_sd"] = _mean_sd([x["test_loss"] for x in runs])
+        s["corpus_loss"], s["corpus_loss_sd"] = _mean_sd([x["corpus_loss"] for x in runs])
+        if r["task"] in base:
+            s["forgetting"] = s["corpus_loss"] - base[r["task"]]["runs"][0]["corpus_loss"]
+        if r["task"] == "instruct":
+            s["exact_match"], s["exact_match_sd"] = _mean_sd([x["exact_match"] for x in runs])
+        if r["kind"] != "pretrained":
+            s["valid_loss"], _ = _mean_sd([x["final_valid_loss"] for x in runs])
+            s["s_per_step"] = statistics.median(x["s_per_step"] for x in runs)
+            s["tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in runs)
+            s["peak_rss_mib"] = max(x["peak_rss_mib"] for x in runs)
+            s["trained_params"] = runs[0]["trained_params"]
+            if r["task"] in ref:
+                target = (1 + QUALITY_MARGIN) * statistics.mean(
+                    x["final_valid_loss"] for x in ref[r["task"]]["runs"])
+                times = [time_to_quality(x["valid_curve"], target) for x in runs]
+                reached = [t for t in times if t is not None]
+                s["quality_target"] = target
+                # The pretrained model may already be within the margin (a task it
+                # nearly knows, or a short run): then the column says nothing.
+                s["target_met_at_start"] = runs[0]["valid_curve"][0][2] <= target
+                s["time_to_quality_s"] = statistics.median(reached) if reached else None
+                s["reached"] = f"{len(reached)}/{len(times)}"
+        r["summary"] = s
+
+
+def _fmt(mean, sd, digits=4, seeds=1) -> str:
+    if mean is None or not math.isfinite(mean):
+        return "-"
+    return f"{mean:.{digits}f} ± {sd:.{digits}f}" if seeds > 1 else f"{mean:.{digits}f}"
+
+
+def markdown(rows, meta) -> str:
+    p, cfg = meta["preset"], meta["config"]
+    pre = meta["pretrain"]
+    lines = [
+        f"# Fine-tuning quality: pockjax's schemes against PyTorch and peft "
+        f"({'quick preset' if p == 'quick' else 'full preset'})", "",
+        f"Run {meta['date']}, commit {meta['commit']}. {meta['cpu']}, {meta['cores']} cores; "
+        f"{meta['versions']}.", "",
+        f"**Model**: pockjax's LLaMA, {pre['settings']['layers']} blocks, width "
+        f"{pre['settings']['hidden']}, vocabulary {pre['corpus']['vocab_size']} "
+        f"({pre['parameters']:,} parameters), pretrained by `python -m benchmarks pretrain"
+        f"{' --quick' if p == 'quick' else ''}` for {pre['steps']} steps of "
+        f"{pre['settings']['batch']} x {pre['settings']['seq']} tokens on the standard library "
+        f"of {pre['corpus']['interpreter']} ({pre['corpus']['pretraining_files']['files']} files, "
+        f"{pre['corpus']['tokens']['train_files']:,} tokens, file list sha256 "
+        f"`{pre['corpus']['pretraining_files']['list_sha256'][:16]}`); its held-out loss "
+        f"{pre['heldout_loss']:.4f}.",
+        f"**Tasks** (held out from pretraining, split by file): *domain*, the sources of "
+        f"{meta['tasks']['domain']['source']} {meta['tasks']['domain']['version']} "
+        f"(test: {meta['tasks']['domain']['records']['test']} records of up to {cfg['seq']} "
+        f"tokens); *instruct*, signature + docstring -> body of "
+        f"{meta['tasks']['instruct']['source']} {meta['tasks']['instruct']['version']}'s "
+        f"functions (loss on the body only; test: {meta['tasks']['instruct']['records']['test']} "
+        f"functions).",
+        f"**Protocol**: each method and task: learning rate chosen on the validation split "
+        f"({cfg['rates_in_sweep']} rates, seed 0, {cfg['sweep_steps']} steps), then "
+        f"{cfg['seeds']} seed(s) x {cfg['steps']} steps of {cfg['batch']} x {cfg['seq']} "
+        f"tokens at that rate, AdamW, cosine schedule with {int(cfg['warmup_frac'] * 100)}% "
+        f"warm-up; the same batches for every method. Mean ± sample standard deviation over "
+        f"seeds.", "",
+        "Columns: *test loss* on the task's test split (nats/token); *corpus loss*: the "
+        "pretraining corpus's held-out files after fine-tuning, and its change from the "
+        "pretrained model's (forgetting); *exact match*: the body's first line under greedy "
+        "decoding; *s/step*, *tokens/s*: medians of the steps after the first (pockjax's "
+        "first step compiles); *peak RSS*: the process's high-water mark during a run, "
+        "runtime included (max over seeds); *time to quality*: wall-clock from the first "
+        f"step until the validation loss is within {QUALITY_MARGIN:.0%} of {REFERENCE}'s final "
+        "one (compilation and periodic validation included), \"never\" otherwise; \"at "
+        "start\" where the pretrained model is already within it.", ""]
+    for task in TASKS:
+        em = task == "instruct"
+        lines += [f"## Task: {task}", "",
+                  "| method | lr | test loss | corpus loss (forgetting) | "
+                  + ("exact match | " if em else "")
+                  + "s/step | tokens/s | peak RSS MiB | trained params | time to quality |",
+                  "|---|---:|---:|---:|" + ("---:|" if em else "") + "---:|---:|---:|---:|---:|"]
+        for r in (r for r in rows if r["task"] == task):
+            if "runs" not in r:
+                lines.append(f"| {r['method']} | {r['error']} |" + " |" * (7 + em))
+                continue
+            s, n = r["summary"], len(r["runs"])
+            forget = (f" ({s['forgetting']:+.4f})" if "forgetting" in s else "")
+            cells = [r["method"], f"{r['lr']:g}" if r["lr"] else "-",
+                     _fmt(s["test_loss"], s["test_loss_sd"], 4, n),
+                     _fmt(s["corpus_loss"], s["corpus_loss_sd"], 4, n) + forget]
+            if em:
+                cells.append(_fmt(100 * s["exact_match"], 100 * s["exact_match_sd"], 1, n) + "%")
+            if r["kind"] == "pretrained":
+                cells += ["-", "-", "-", "0", "-"]
+            else:
+                ttq = s.get("time_to_quality_s")
+                when = "never" if ttq is None else f"{ttq:.1f} s"
+                if "quality_target" not in s:
+                    when = "- (no reference row)"
+                elif s["target_met_at_start"]:
+                    when = "at start"
+                elif ttq is not None and s["reached"] != f"{n}/{n}":
+                    when += f" ({s['reached']} seeds)"
+                cells += [f"{s['s_per_step']:.3f}", f"{s['tokens_per_s']:,.0f}",
+                          f"{s['peak_rss_mib']:.0f}", f"{s['trained_params']:,}", when]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    notes = meta.get("notes", [])
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+def plot(rows, path: Path) -> None:
+    """Validation loss against wall-clock seconds, seed 0 of every method, one panel a
+    task, with the time-to-quality target."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4.5))
+    for ax, task in zip(axes, TASKS):
+        target = None
+        for r in rows:
+            if r["task"] != task or "runs" not in r or r["kind"] == "pretrained":
+                continue
+            curve = r["runs"][0]["valid_curve"]
+            ax.plot([c[0] for c in curve], [c[2] for c in curve], "o-", ms=3, lw=1,
+                    label=r["method"], ls="--" if r["kind"] in ("torch", "peft") else "-")
+            target = r["summary"].get("quality_target")
+        if target:
+            ax.axhline(target, color="#555", lw=0.8, ls=":",
+                       label=f"within {QUALITY_MARGIN:.0%} of {REFERENCE}")
+        ax.set_title(f"task: {task}")
+        ax.set_xlabel("wall-clock seconds (first step's compilation included)")
+        ax.set_ylabel("validation loss (nats/token)")
+    axes[-1].legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Rows run in their own processes; finished runs are cached under --work and "
+               "skipped when the command is run again.")
+    ap.add_argument("--quick", action="store_true",
+                    help="the small preset: a tiny model, 1 seed, 2 learning rates, "
+                         f"{PRESETS['quick']['steps']} steps, the rows marked quick (minutes)")
+    ap.add_argument("--out", help="the Markdown table; the .json and .png go beside it "
+                                  "(default benchmarks/results/quality.md, or quality_quick.md "
+                                  "with --quick)")
+    ap.add_argument("--work", default=pretraining.DEFAULT_WORK,
+                    help="cache folder: data, the pretrained model, every run "
+                         f"(default {pretraining.DEFAULT_WORK})")
+    ap.add_argument("--task-dir", help="a folder of Python files to use as the domain task "
+                                       "instead of numpy's sources")
+    ap.add_argument("--methods", help="comma-separated method names (as in the table, or "
+                                      "their slugs such as pockjax-last-1) to run; default all "
+                                      "of the preset's")
+    ap.add_argument("--row", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.row:
+        row_main(args.row, args.config)
+        return 0
+
+    if args.task_dir:
+        quality_data.check_task_dir(args.task_dir)
+    preset = "quick" if args.quick else "full"
+    settings = PRESETS[preset]
+    out = Path(args.out or os.path.join(ROOT, "benchmarks", "results",
+                                        "quality_quick.md" if args.quick else "quality.md"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work).resolve()
+    methods = [m for m in METHODS if m.quick or preset == "full"]
+    if args.methods:
+        methods = [method_named(n.strip()) for n in args.methods.split(",")]
+        if not any(m.kind == "pretrained" for m in methods):
+            methods.insert(0, METHODS[0])
+    t_start = time.perf_counter()
+
+    # 1. The pretrained model (its own process: JAX stays out of this one).
+    flag = ["--quick"] if preset == "quick" else []
+    subprocess.run([sys.executable, "-m", "benchmarks.pretrain", *flag, "--work", str(work)],
+                   check=True, cwd=ROOT)
+    where = pretraining.folders(work, settings["pretrain"])
+    pre = json.loads((where["model"] / "pretrain.json").read_text())
+    seq = pre["settings"]["seq"]
+
+    # 2. The tasks.
+    task_key = [settings["caps"], settings["sample_pct"], seq, str(args.task_dir),
+                pre["corpus"]["pretraining_files"]["content_sha256"]]
+    task_folder = work / f"tasks-{pretraining.settings_hash(task_key)}"
+    tasks = quality_data.build_tasks(task_folder, where["model"], seq=seq,
+                                     caps=settings["caps"], task_dir=args.task_dir,
+                                     sample_pct=settings["sample_pct"])
+    cfg = {k: v for k, v in settings.items() if k not in ("caps", "row_timeout", "sample_pct")}
+    cfg.update(seq=seq, pretrained=str(where["model"]),
+               corpus_heldout=str(where["corpus"] / "heldout.jsonl"),
+               tasks={t: {s: str(task_folder / t / f"{s}.jsonl") for s in quality_data.SPLITS}
+                      for t in TASKS})
+    runs = work / f"runs-{pretraining.settings_hash([cfg, tasks['settings']])}"
+    cfg["runs"] = str(runs)
+    runs.mkdir(parents=True, exist_ok=True)
+    config = runs / "config.json"
+    config.write_text(json.dumps(cfg, indent=1) + "\n")
+    print(f"quality: runs in {runs}", file=sys.stderr, flush=True)
+
+    # 3. Every row in its own process.
+    errors = {}
+    for method in methods:
+        t0 = time.perf_counter()
+        log = runs / slug(method.name) / "log.txt"
+        print(f"quality: {method.name} (progress in {log})", file=sys.stderr, flush=True)
+        result = run_row(["-m", "benchmarks.quality", "--row", method.name, "--config",
+                          str(config)], timeout=settings["row_timeout"])
+        if "error" in result:
+            errors[method.name] = result["error"]
+        print(f"quality: {method.name}: {result.get('error') or 'done'} "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
+    # 4. The table, the data and the chart.
+    rows = collect(cfg, methods)
+    summarize(rows)
+    for r in rows:
+        if r["method"] in errors:
+            r["error"] = errors[r["method"]]
+            r.pop("runs", None)
+    meta = {"preset": preset, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": commit(), "cpu": cpu_model(), "cores": os.cpu_count(),
+            "versions": f"Python {platform.python_version()}, " + versions(
+                ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft", "tokenizers",
+                 "numpy", "sympy")),
+            "config": cfg, "pretrain": pre, "tasks": {t: tasks[t] for t in TASKS},
+            "seconds": time.perf_counter() - t_start, "notes": notes(cfg, rows)}
+    out.write_text(markdown(rows, meta))
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    plot(rows, out.with_suffix(".png"))
+    print(out.read_text())
+    print(f"quality: {time.perf_counter() - t_start:.0f} s; wrote {out} and its .json, .png",
+          file=sys.stderr)
+    return 1 if errors else 0
+
+
+def notes(cfg: dict, rows) -> list[str]:
+    """What the table's rows need said: the optimizer PyTorch used, the searches."""
+    out = []
+    impl = {r["runs"][0].get("optimizer") for r in rows
+            if "runs" in r and r["kind"] in ("torch", "peft")}
+    if impl - {None}:
+        out.append(f"PyTorch rows: torch.optim {', '.join(sorted(impl - {None}))}; peft LoRA "
+                   f"with alpha = 2 x rank on {', '.join(LINEARS)} (lm_head frozen), merged "
+                   f"into the weights before scoring.")
+    for info in sorted(Path(cfg["runs"]).glob("search/*/*.info.json")):
+        i = json.loads(info.read_text())
+        out.append(f"search {i['budget']} on task {info.parent.name}: budget "
+                   f"{i['budget_bytes'] / 2**20:.1f} MiB of compiled step memory (full "
+                   f"fine-tuning {i['full_bytes'] / 2**20:.1f} MiB), {i['candidates']} "
+                   f"candidates, {i['seconds']:.0f} s (not in the time to quality); trains "
+                   f"{', '.join(i['chosen'])}.")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""The quality benchmark (`benchmarks/quality.py`): its data, its pretrained model and
+one run of its quick preset end to end.
+
+The quick run trains a tiny model for a few steps, so the tests check what must hold at
+any size: every row has finite numbers, fine-tuning lowers the held-out loss below the
+pretrained model's, PyTorch and pockjax full fine-tuning (same batches, loss, optimizer
+and schedule) land on the same loss, a second run reuses every finished run, and the
+teacher-forced exact match is greedy decoding's answer.
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import pretrain, quality, quality_data
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_quick(work: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", "quality", "--quick", "--work",
+                           str(work), "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=3600)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One run of `python -m benchmarks quality --quick` into a fresh folder."""
+    tmp = tmp_path_factory.mktemp("quality")
+    work, out = tmp / "work", tmp / "quality.md"
+    proc = _run_quick(work, out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    return {"work": work, "out": out, "json": result, "stderr": proc.stderr}
+
+
+def _rows(quick, method=None):
+    return [r for r in quick["json"]["rows"] if method is None or r["method"] == method]
+
+
+def _row(quick, method, task):
+    [row] = [r for r in _rows(quick, method) if r["task"] == task]
+    return row
+
+
+# --------------------------------------------------------------------------- the quick run
+
+
+def test_every_row_has_finite_numbers(quick):
+    expected = [m.name for m in quality.METHODS if m.quick]
+    rows = _rows(quick)
+    assert [(r["method"], r["task"]) for r in rows] == \
+        [(m, t) for m in expected for t in quality.TASKS]
+    for r in rows:
+        assert "error" not in r, (r["method"], r["task"], r.get("error"))
+        s = r["summary"]
+        keys = ["test_loss", "corpus_loss", "forgetting"]
+        keys += ["exact_match"] if r["task"] == "instruct" else []
+        if r["kind"] != "pretrained":
+            keys += ["valid_loss", "s_per_step", "tokens_per_s", "peak_rss_mib"]
+            assert s["trained_params"] > 0
+            assert r["lr"] in quality.method_named(r["method"]).rates
+            assert len(r["runs"]) == quick["json"]["meta"]["config"]["seeds"]
+            curve = r["runs"][0]["valid_curve"]
+            assert len(curve) >= 3 and curve[0][0] == 0.0
+            assert all(b[0] >= a[0] for a, b in zip(curve, curve[1:])), "time goes forward"
+        for k in keys:
+            assert math.isfinite(s[k]), (r["method"], r["task"], k, s[k])
+        if r["task"] == "instruct":
+            assert 0.0 <= s["exact_match"] <= 1.0
+            assert r["runs"][0]["exact_match_n"] > 0
+
+
+def test_full_finetuning_beats_the_pretrained_model(quick):
+    for task in quality.TASKS:
+        before = _row(quick, "pretrained (no fine-tuning)", task)["summary"]["test_loss"]
+        for method in ("torch full (AdamW)", "pockjax full"):
+            after = _row(quick, method, task)["summary"]["test_loss"]
+            assert after < before - 0.02, (method, task, before, after)
+
+
+def test_torch_and_pockjax_full_finetuning_agree(quick):
+    """The same batches, masked loss, AdamW settings and schedule from the same weights:
+    the two implementations choose the same rate and end at the same losses."""
+    for task in quality.TASKS:
+        torch_row = _row(quick, "torch full (AdamW)", task)
+        jax_row = _row(quick, "pockjax full", task)
+        assert torch_row["lr"] == jax_row["lr"]
+        for key in ("test_loss", "corpus_loss", "valid_loss"):
+            a, b = torch_row["summary"][key], jax_row["summary"][key]
+            assert abs(a - b) < 2e-3 * abs(a), (task, key, a, b)
+        assert torch_row["summary"]["trained_params"] == jax_row["summary"]["trained_params"]
+
+
+def test_torch_schedule_is_finetunes(quick):
+    """The PyTorch runs set the learning rate `pockjax.finetune` logs for each step."""
+    cfg = quick["json"]["meta"]["config"]
+    row = _row(quick, "pockjax full", "domain")
+    method = quality.method_named("pockjax full")
+    run = quality.run_dir(cfg, method, "domain", row["lr"], 0, cfg["steps"])
+    logged = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rates = [(r["step"], r["lr"]) for r in logged if "lr" in r]
+    assert len(rates) == cfg["steps"]
+    warmup = quality.warmup_steps(cfg["steps"], cfg)
+    for step, lr in rates:
+        assert lr == pytest.approx(quality.lr_at(step - 1, row["lr"], warmup, cfg["steps"]),
+                                   rel=1e-5, abs=1e-12)
+
+
+def test_table_json_and_chart(quick):
+    text = quick["out"].read_text()
+    for task in quality.TASKS:
+        assert f"## Task: {task}" in text
+    for m in quality.METHODS:
+        if m.quick:
+            assert text.count(f"| {m.name} |") == len(quality.TASKS), m.name
+    meta = quick["json"]["meta"]
+    assert meta["cpu"] and "jax" in meta["versions"] and "torch" in meta["versions"]
+    corpus = meta["pretrain"]["corpus"]
+    assert len(corpus["pretraining_files"]["list_sha256"]) == 64
+    assert corpus["tokens"]["train_files"] > 0 and corpus["interpreter"].startswith(
+        sys.implementation.name)
+    assert meta["tasks"]["instruct"]["source"] == "sympy"
+    png = quick["out"].with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_second_run_reuses_every_finished_run(quick):
+    runs = sorted(quick["work"].glob("runs-*/**/train.json"))
+    assert runs
+    before = {p: p.stat().st_mtime_ns for p in runs}
+    out = quick["out"].with_name("again.md")
+    proc = _run_quick(quick["work"], out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p: p.stat().st_mtime_ns for p in runs} == before
+    again = json.loads(out.with_suffix(".json").read_text())
+    assert [r.get("summary") for r in again["rows"]] == \
+        [r.get("summary") for r in quick["json"]["rows"]]
+
+
+def test_pretrained_folder_loads_in_transformers_with_equal_logits(quick):
+    import torch
+    import transformers
+
+    import pockjax as pj
+    from pockjax.models.hf import load_llama
+
+    folder = pretrain.folders(quick["work"], "quick")["model"]
+    record = json.loads((folder / "pretrain.json").read_text())
+    assert record["heldout_loss"] < record["heldout_loss_before"] - 1.0
+    tok = pj.Tokenizer.from_folder(folder)
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
+    text = "def f(x):\n    return x + 1  # ü\n"
+    ids = tok.encode(text)
+    assert hf_tok(text)["input_ids"] == ids and hf_tok.eos_token == quality_data.EOS
+    tokens = np.array([ids, ids[::-1]], np.int32)
+    ours = np.asarray(load_llama(folder)(tokens))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = hf(torch.from_numpy(tokens).long()).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_exact_match_is_greedy_decodings_answer(quick):
+    """A line the model writes greedily is a hit, the same line changed is a miss, and
+    on the test examples the teacher-forced answer equals greedy decoding's."""
+    import jax.numpy as jnp
+
+    import pockjax as pj
+    from pockjax.models.hf import load_llama
+    from pockjax.models.llama import generate
+
+    folder = pretrain.folders(quick["work"], "quick")["model"]
+    tok, model = pj.Tokenizer.from_folder(folder), load_llama(folder)
+    cfg = quick["json"]["meta"]["config"]
+    test_file = Path(cfg["tasks"]["instruct"]["test"])
+    records = [json.loads(line) for line in test_file.read_text().splitlines()]
+    own_lines = 0
+    room = model.config.max_position_embeddings
+    for record in [r for r in records if len(tok.encode(r["prompt"])) <= room - 24][:6]:
+        head = tok.encode(record["prompt"])
+        out = np.asarray(generate(model, jnp.asarray([head]), room - len(head)))[0, len(head):]
+        text = tok.decode(out.tolist(), skip_special_tokens=False)
+        start, end = quality_data.first_line_span(text)
+        wrote_line = end < len(text) and text[start:end].strip()
+
+        def hit(completion):
+            check = quality.exact_match_check(tok, record["prompt"], completion)
+            argmax = np.asarray(model(jnp.asarray([check.ids])).argmax(-1))
+            return quality.exact_matches([check], argmax, tok)[0]
+
+        reference = record["completion"]
+        r_start, r_end = quality_data.first_line_span(reference)
+        greedy_hit = bool(wrote_line) and text[:end] == reference[:r_end]
+        assert hit(reference) == greedy_hit
+        if wrote_line:
+            own_lines += 1
+            assert hit(text[:end + 1] + "    pass\n")
+            assert not hit(text[:end] + "X\n    pass\n")
+    assert own_lines >= 1, "the model wrote no line to check against"
+
+
+# --------------------------------------------------------------------------- the data
+
+
+def test_splits_are_by_file_and_fixed():
+    paths = [f"pkg/mod{i}.py" for i in range(2000)]
+    splits = [quality_data.split_of(p) for p in paths]
+    assert splits == [quality_data.split_of(p) for p in paths]
+    share = {s: splits.count(s) / len(paths) for s in quality_data.SPLITS}
+    assert 0.75 < share["train"] < 0.85 and 0.07 < share["valid"] < 0.13
+
+
+def test_corpus_leaves_out_tests_and_held_out_files():
+    root, train, held = quality_data.corpus_files()
+    assert train and held and not set(train) & set(held)
+    assert 0.02 < len(held) / (len(train) + len(held)) < 0.08
+    for rel in train + held:
+        assert not set(Path(rel).parts[:-1]) & quality_data.SKIP_DIRS, rel
+    assert root == quality_data.stdlib_root()
+
+
+def test_functions_cut_at_the_docstring():
+    source = '''
+import x
+
+@decorator
+def add(a,
+        b=1):
+    """Add.
+
+    More text.
+    """
+    if a:
+        return a + b
+    return b
+
+def no_doc(a):
+    return a
+
+class C:
+    def only_doc(self):
+        """Nothing after it."""
+
+    def method(self):
+        \'\'\'One line.\'\'\'
+        return self.x
+'''
+    pairs = quality_data.functions(source)
+    assert pairs == [
+        ('def add(a,\n        b=1):\n    """Add.\n\n    More text.\n    """',
+         "\n    if a:\n        return a + b\n    return b\n"),
+        ("def method(self):\n    '''One line.'''", "\n    return self.x\n")]
+    assert quality_data.first_line_span(pairs[0][1]) == (1, 10)
+
+
+def test_text_records_fit_the_sequence():
+    tok = quality_data.train_tokenizer(["def f(x):\n    return x * 2\n" * 50], 300)
+    text = "".join(f"def f{i}(x):\n    return x + {i}\n" for i in range(200))
+    records = quality_data.text_records([text], tok, 32)
+    assert len(records) > 10
+    assert all(len(tok.encode(r).ids) <= 31 for r in records)
+    assert "".join(records) == text[:len("".join(records))]
+
+
+def test_task_dir_becomes_the_domain_task(tmp_path):
+    src = tmp_path / "src"
+    for i in range(60):
+        (src / f"m{i % 7}").mkdir(parents=True, exist_ok=True)
+        (src / f"m{i % 7}" / f"f{i}.py").write_text(
+            "".join(f"def g{i}_{j}(x):\n    return x * {j}\n\n" for j in range(200)))
+    (src / "tests").mkdir()
+    (src / "tests" / "test_skip.py").write_text("def test(): pass\n")
+    tok_folder = tmp_path / "tok"
+    quality_data.write_tokenizer(quality_data.train_tokenizer(["def g(x): return x\n"] * 20, 300),
+                                 tok_folder, 512)
+    manifest = quality_data.build_tasks(tmp_path / "tasks", tok_folder, seq=512,
+                                        caps={"train": 50, "valid": 10, "test": 10},
+                                        task_dir=str(src), sample_pct=10)
+    domain = manifest["domain"]
+    assert domain["source"] == "src"
+    assert sum(domain["files"][s]["files"] for s in quality_data.SPLITS) == 60
+    assert domain["records"]["train"] == 50 and domain["records"]["test"] > 0
+    assert manifest["instruct"]["source"] == "sympy"
+    lines = (tmp_path / "tasks" / "instruct" / "train.jsonl").read_text().splitlines()
+    assert lines and set(json.loads(lines[0])) == {"prompt", "completion"}
+
+
+def test_bad_arguments_name_the_fix(tmp_path):
+    with pytest.raises(SystemExit, match="no such folder; give a folder"):
+        quality.main(["--quick", "--work", str(tmp_path), "--task-dir", str(tmp_path / "none")])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no .py files"):
+        quality.main(["--quick", "--work", str(tmp_path), "--task-dir", str(tmp_path / "empty")])
+    with pytest.raises(SystemExit, match="no method 'pockjax lora'; the methods are: .*full"):
+        quality.main(["--quick", "--work", str(tmp_path), "--methods", "pockjax lora"])
+    assert not list(tmp_path.glob("pretrain-*")), "nothing is trained before the checks"
+
+
+def test_time_to_quality():
+    curve = [[0.0, 0, 3.0], [5.0, 10, 2.5], [9.0, 20, 2.0]]
+    assert quality.time_to_quality(curve, 2.5) == 5.0
+    assert quality.time_to_quality(curve, 1.0) is None
