@@ -241,10 +241,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
 
 
-def save_llama(model: Llama, path: str | os.PathLike, *, tokenizer=None) -> None:
+def save_llama(model: Llama, path: str | os.PathLike, *, tokenizer=None,
+               max_shard_bytes: int = 2 << 30) -> None:
     """Write `model` as a Hugging Face checkpoint directory: `config.json` and
     `model.safetensors`, each written to a temporary file and renamed into place (a
     sharded checkpoint's index in the directory is removed, so the new file is read).
+    A model larger than `max_shard_bytes` is written as shards
+    (`model-00001-of-0000N.safetensors`) and their index, as transformers writes them;
+    only one shard's tensors are held in host memory at a time.
     The config names the model's family (`config.model_type`) and its class, so
     `transformers.AutoModelForCausalLM.from_pretrained(path)` and `load_llama` read it.
 
@@ -273,27 +277,61 @@ def save_llama(model: Llama, path: str | os.PathLike, *, tokenizer=None) -> None
                               f"{' ...' if len(extra) > 6 else ''}; fold adapters into the "
                               f"weights first (pockjax.models.lora.merge_lora)")
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tensors = {}
+    shards: list[list[str]] = [[]]
+    size = 0
     for name, t in names.items():
-        value = np.asarray(jax.device_get(_node(params, t.path)))
-        tensors[name] = np.ascontiguousarray(value.T if t.transposed else value)
+        leaf = _node(params, t.path)
+        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
 
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
+    try:  # the shards an earlier sharded save left here, removed once the new files are in
+        old = set(json.loads((directory / INDEX).read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        old = set()
+    files = ([WEIGHTS] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    total = 0
+    for file, shard in zip(files, shards):
+        tensors = {}
+        for name in shard:
+            t = names[name]
+            value = np.asarray(jax.device_get(_node(params, t.path)))
+            tensors[name] = np.ascontiguousarray(value.T if t.transposed else value)
+            total += tensors[name].nbytes
+        _write_safetensors(tensors, directory / file)
+        del tensors
+    if len(shards) == 1:
+        (directory / INDEX).unlink(missing_ok=True)
+    else:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {n: f for f, shard in zip(files, shards) for n in shard}}
+        write_atomic(directory / INDEX, (json.dumps(index, indent=2) + "\n").encode())
+        (directory / WEIGHTS).unlink(missing_ok=True)
+    for stale in old - set(files):
+        if "/" not in stale and stale.endswith(".safetensors"):
+            (directory / stale).unlink(missing_ok=True)
+    write_atomic(directory / CONFIG, (json.dumps(config.to_hf(), indent=2) + "\n").encode())
+    for name, data in tokenizer_files.items():
+        write_atomic(directory / name, data)
 
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=WEIGHTS, dir=directory)
+
+def _write_safetensors(tensors: dict, target: Path) -> None:
+    """`tensors` to `target` through a temporary file renamed into place."""
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=target.parent)
     os.close(fd)
     try:
         save_file(tensors, tmp, metadata={"format": "pt"})  # "pt": what transformers expects
-        os.replace(tmp, directory / WEIGHTS)
+        os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    (directory / INDEX).unlink(missing_ok=True)
-    write_atomic(directory / CONFIG, (json.dumps(config.to_hf(), indent=2) + "\n").encode())
-    for name, data in tokenizer_files.items():
-        write_atomic(directory / name, data)
 
 
 def _tokenizer_files(tokenizer) -> dict[str, bytes]:

@@ -150,6 +150,26 @@ def test_save_over_a_sharded_checkpoint(checkpoints, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, nnx.state(load_llama(tmp_path)), nnx.state(model))
 
 
+def test_a_large_model_is_saved_in_shards_that_transformers_loads(checkpoints, tmp_path):
+    hf, single, _ = checkpoints[False]
+    model = load_llama(single)
+    save_llama(model, tmp_path, max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (tmp_path / "model.safetensors").exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(["config.json",
+                                                   "model.safetensors.index.json", *shards])
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(load_llama(tmp_path)),
+                 nnx.state(model))
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    tokens = random_tokens((2, 10), seed=4)
+    np.testing.assert_allclose(hf_logits(reloaded, tokens), hf_logits(hf, tokens), atol=1e-6)
+    save_llama(model, tmp_path)  # one file again: the index and its shards go
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    jax.tree.map(np.testing.assert_array_equal, nnx.state(load_llama(tmp_path)),
+                 nnx.state(model))
+
+
 def test_save_refuses_parameters_without_a_place(tmp_path):
     model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
     model.layers[0].attn.q_proj.lora_a = nnx.Param(jnp.zeros((64, 2)))
