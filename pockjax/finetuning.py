@@ -4,7 +4,8 @@
 The run is made of the library's parts: the folder's model (a LLaMA-family model in
 `pockjax.models.llama`, any other causal LM through `pockjax.torch`), its tokenizer
 (`pockjax.tokenizer`), the data (`pockjax.data`), a scheme, and one compiled
-`sparse_train` step. Around the step the loop evaluates, logs, checkpoints and guards:
+`sparse_train` step, run by `pockjax.fit`, which around the step evaluates, logs,
+checkpoints and guards:
 
 - the training batches are a function of the step number and the seed alone
   (`pockjax.data.batch_at`), so a checkpoint's step is its whole data position, and a
@@ -28,6 +29,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -428,18 +430,6 @@ def _schedule(lr: float, warmup: int, total: int, kind: str):
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
-def _peak_rss_gib() -> float:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 2**20
-    except OSError:
-        pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
 def _say(progress: bool, text: str) -> None:
     if progress:
         from tqdm.auto import tqdm
@@ -503,7 +493,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                               read_jsonl, steps_per_epoch)
     from pockjax.schedule import Schedule
     from pockjax.tokenizer import Tokenizer, TokenizerError
-    from pockjax._interrupt import InterruptAfter
+    from pockjax.train import NonFiniteLoss as StepNotFinite, fit
 
     if steps is not None and epochs is not None:
         raise FinetuneError("give --steps or --epochs, not both")
@@ -601,105 +591,69 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
             total_nll, count = total_nll + float(s), count + float(n)
         return total_nll / count
 
-    began = None  # the training clock: set when the first step is dispatched
-
-    def log_eval(state, step):
-        value = evaluate(state)
-        if value is not None:
-            seconds = 0.0 if began is None else round(time.perf_counter() - began, 3)
-            run.log({"step": step, "valid_loss": value, "valid_ppl": math.exp(min(value, 700)),
-                     "seconds": seconds})
-            _say(progress, f"step {step}: valid loss {value:.4f} (perplexity "
-                           f"{math.exp(min(value, 700)):.2f})")
-        return value
-
-    valid_before = log_eval(state, start) if start == 0 else None
-
-    from tqdm.auto import tqdm
-    bar = tqdm(total=total, initial=start, disable=not progress, unit="step", desc="finetune",
-               dynamic_ncols=True, file=sys.stderr)
     schedule_fn = _schedule(lr, warmup, total, schedule)
-    recent: list[float] = []
-    skipped, tokens_done, pending = 0, 0, None
-    last_good = start
-    began = time.perf_counter()
+    saved: list[Path] = []
+    skips = [0]
 
-    def check(pending):
-        """Read a finished step's loss: log it, or stop on a non-finite one."""
-        nonlocal skipped, last_good
-        step, metrics, ntok, t_dispatch = pending
-        loss = float(metrics["loss"])
-        if skip_nonfinite and bool(metrics["skipped"]):
-            skipped += 1
-            run.log({"step": step, "skipped": True, "loss": None})
-            _say(progress, f"step {step}: loss {loss}; step skipped ({skipped} so far)")
-            return
-        if not math.isfinite(loss):
-            saved = run.checkpoints()
-            where = (f"the last checkpoint, {saved[-1][1]}, is from step {saved[-1][0]}"
-                     if saved else "no checkpoint was written")
-            raise NonFiniteLoss(f"step {step}: the loss is {loss}; the run stopped and {where}. "
-                                f"Lower the learning rate (--lr {lr:g}), add warm-up "
-                                f"(--warmup), or pass --skip-nonfinite to skip such steps")
-        last_good = step
-        recent.append(loss)
-        del recent[:-10]
-        elapsed = time.perf_counter() - began
-        record = {"step": step, "loss": loss, "lr": float(schedule_fn(step - 1)),
-                  "tokens": ntok, "seconds": round(elapsed, 3)}
-        run.log(record)
-        bar.set_postfix_str(f"loss {loss:.4f}, {tokens_done / max(elapsed, 1e-9):,.0f} tok/s, "
-                            f"peak {_peak_rss_gib():.2f} GiB", refresh=False)
+    def batch_of(step):
+        return pad_batch(batch_examples(train, step, batch, seed=seed), batch, seq, pad)
 
-    step = start
+    def tokens_of(step):
+        return sum(len(e.ids) for e in batch_examples(train, step, batch, seed=seed))
+
+    def record(r):
+        """fit's records, with the learning rate and perplexity, to metrics.jsonl."""
+        if "valid_loss" in r:
+            value = r["valid_loss"]
+            r = {"step": r["step"], "valid_loss": value, "valid_ppl": math.exp(min(value, 700)),
+                 "seconds": r["seconds"]}
+            _say(progress, f"step {r['step']}: valid loss {value:.4f} (perplexity "
+                           f"{r['valid_ppl']:.2f})")
+        elif r.get("skipped"):
+            skips[0] += 1
+            _say(progress, f"step {r['step']}: the loss is not finite; step skipped "
+                           f"({skips[0]} so far)")
+        else:
+            r = {"step": r["step"], "loss": r["loss"], "lr": float(schedule_fn(r["step"] - 1)),
+                 "tokens": r["tokens"], "seconds": r["seconds"]}
+        run.log(r)
+
     try:
-        while step < total:
-            examples = batch_examples(train, step, batch, seed=seed)
-            b = pad_batch(examples, batch, seq, pad)
-            ntok = sum(len(e.ids) for e in examples)
-            with InterruptAfter():
-                state, metrics = trainer(state, b)
-                step += 1
-            done, pending = pending, (step, metrics, ntok, time.perf_counter())
-            if done is not None:
-                check(done)
-            tokens_done += ntok
-            bar.update(1)
-            if (save_every and step % save_every == 0) or step == total:
-                check(pending)
-                pending = None
-                run.save(state, keep)
-            if eval_every and step % eval_every == 0 and step < total:
-                if pending is not None:
-                    check(pending)
-                    pending = None
-                log_eval(state, step)
-        if pending is not None:
-            check(pending)
-    except KeyboardInterrupt:
-        bar.close()
-        if pending is not None:
-            check(pending)
-        if int(state.step) > start:
-            path = run.save(state, keep)
-            raise Interrupted(f"interrupted at step {int(state.step)} of {total}; saved "
-                              f"{path}; continue with --resume") from None
+        with warnings.catch_warnings():  # finetune says it itself, with the checkpoint
+            warnings.filterwarnings("ignore", message="fit: interrupted")
+            state, history = fit(trainer, state, batch_of, total, start=start,
+                                 progress=progress, log_every=1, desc="finetune",
+                                 evaluate=evaluate if held is not None else None,
+                                 eval_every=eval_every, save=lambda s: saved.append(
+                                     run.save(s, keep)), save_every=save_every,
+                                 on_record=record, stop_nonfinite=True, tokens=tokens_of)
+    except StepNotFinite as e:
+        kept = run.checkpoints()
+        where = (f"the last checkpoint, {kept[-1][1]}, is from step {kept[-1][0]}"
+                 if kept else "no checkpoint was written")
+        raise NonFiniteLoss(f"step {e.step}: the loss is {e.loss}; the run stopped and {where}. "
+                            f"Lower the learning rate (--lr {lr:g}), add warm-up (--warmup), "
+                            f"or pass --skip-nonfinite to skip such steps") from None
+    if history.interrupted:
+        if history.steps > 0:
+            raise Interrupted(f"interrupted at step {start + history.steps} of {total}; saved "
+                              f"{saved[-1]}; continue with --resume")
         raise Interrupted(f"interrupted before the first step completed; nothing was saved "
-                          f"(step {start}); run again (with --resume to continue)") from None
-    finally:
-        bar.close()
-    seconds = time.perf_counter() - began
-    valid_after = log_eval(state, total)
+                          f"(step {start}); run again (with --resume to continue)")
+    valid_before = history.valid[0][2] if history.valid and history.valid[0][0] == 0 else None
+    valid_after = (history.valid[-1][2] if history.valid and history.valid[-1][0] == total
+                   else (evaluate(state) if held is not None else None))
+    seconds = history.seconds
     final = Path(out) / FINAL
     _write_final(loaded, state.params, final, frozen_dtype)
     if plot:
         _plot(Path(out))
     result = FinetuneResult(
         out=str(out), final=str(final), steps=total, start_step=start,
-        train_loss=float(np.mean(recent)) if recent else float("nan"),
+        train_loss=float(np.mean(history.loss[-10:])) if len(history.loss) else float("nan"),
         valid_loss_before=valid_before, valid_loss=valid_after, seconds=seconds,
-        tokens_per_second=tokens_done / seconds if seconds > 0 else float("nan"),
-        skipped=skipped, trainable_params=info.trainable_params,
+        tokens_per_second=history.tokens / seconds if seconds > 0 else float("nan"),
+        skipped=history.skipped, trainable_params=info.trainable_params,
         total_params=info.total_params)
     _say(progress, f"done: {total - start} steps in {seconds:.1f} s "
                    f"({result.tokens_per_second:,.0f} tokens/s), model in {final}")

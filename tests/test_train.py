@@ -357,6 +357,58 @@ def test_fit_runs_the_loop_and_returns_history(capsys):
         pj.fit(trainer, state, batches, steps=7, progress=False)
 
 
+def test_fit_evaluates_saves_records_and_resumes_from_a_step():
+    # Batches as a function of the step; evaluations, saves and records where asked;
+    # a second fit from a saved state (start=) ends where one uninterrupted fit does,
+    # and both equal the jax.grad + optax reference.
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-2), scheme=MIXED)
+    batches = _batches(7)
+    held = _batches(1, key=9)[0]
+    evaluate = jax.jit(lambda s: _mlp_loss(s.params, held))
+    records, saves = [], []
+    state, history = pj.fit(trainer, trainer.init(_mlp_params()), lambda i: batches[i], 7,
+                            progress=False, evaluate=evaluate, eval_every=3,
+                            save=lambda s: saves.append(jax.tree.map(np.array, s)),
+                            save_every=2, on_record=records.append,
+                            tokens=lambda i: 10 + i)
+    want, _ = reference_steps(_mlp_loss, optax.adam(1e-2), MIXED, _mlp_params(), batches)
+    assert_trees_close(state.params, want)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 8))
+    assert [r["step"] for r in records if "valid_loss" in r] == [0, 3, 6, 7]
+    assert [v[0] for v in history.valid] == [0, 3, 6, 7]
+    np.testing.assert_allclose(history.valid[-1][2], float(evaluate(state)), rtol=1e-6)
+    assert [int(s.step) for s in saves] == [2, 4, 6, 7]
+    assert history.tokens == sum(10 + i for i in range(7)) and history.steps == 7
+    # Resume from the save at step 4: steps 5..7 only, the same end.
+    start = jax.tree.map(jnp.asarray, saves[1])
+    again, h2 = pj.fit(trainer, start, lambda i: batches[i], 7, start=4, progress=False)
+    assert h2.steps == 3 and int(again.step) == 7
+    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="need steps="):
+        pj.fit(trainer, again, lambda i: batches[i], progress=False)
+
+
+def test_fit_stops_at_a_nonfinite_loss_before_saving_past_it():
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1), scheme=MIXED)
+    batches = _batches(5)
+    batches[2] = dict(batches[2], y=batches[2]["y"].at[0, 0].set(jnp.nan))
+    saves = []
+    with pytest.raises(pj.train.NonFiniteLoss, match="step 3: the loss is nan") as e:
+        pj.fit(trainer, trainer.init(_mlp_params()), batches, progress=False,
+               save=lambda s: saves.append(int(s.step)), save_every=1, stop_nonfinite=True)
+    assert e.value.step == 3 and saves == [1, 2]
+    # Without the guard the run goes on, and a skipping trainer counts the step.
+    _, history = pj.fit(trainer, trainer.init(_mlp_params()), batches, progress=False)
+    assert history.steps == 5 and np.isnan(history.loss[2])
+    skipping = trainer.replace(skip_nonfinite=True)
+    records = []
+    _, history = pj.fit(skipping, skipping.init(_mlp_params()), batches, progress=False,
+                        on_record=records.append, stop_nonfinite=True)
+    assert history.skipped == 1 and len(history.loss) == 4
+    assert {"step": 3, "skipped": True, "loss": None} in records
+
+
 def test_fit_lowers_the_loss():
     trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(3e-2), scheme=MIXED)
     batch = _batches(1)[0]
