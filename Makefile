@@ -48,7 +48,7 @@ RUN_ENV = mkdir -p $${XDG_RUNTIME_DIR:=/tmp/pockjax-xdg} && export XDG_RUNTIME_D
 # Test files run on every core (pytest-xdist), each file whole in one worker so its
 # compiled fixtures are built once.
 test: venv arm64-runtime
-	$(RUN_ENV) $(PY) -m pytest -q -n auto --dist loadfile tests
+	$(RUN_ENV) $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
 # A tiny LLaMA: pretrained on generated text (cached in out/demo), sparse instruction
 # tuning, export for android-vulkan and host-cpu, and more steps in the artifacts.

@@ -61,13 +61,13 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 QUALITY_MARGIN = 0.02  # time to quality: validation loss within 2% of the reference's final
 
 # Learning-rate grids: rows that train every weight, and rows that train few parameters
-# (which want larger steps). The quick preset sweeps the last two of a grid.
+# (which want larger steps). The quick preset takes the last rate of a grid.
 FULL_RATES = (1e-4, 3e-4, 1e-3)
 FEW_RATES = (3e-4, 1e-3, 3e-3)
 
 PRESETS = {
     # Minutes on a 2-core CPU: a test of the pipeline, not a measurement.
-    "quick": dict(pretrain="quick", steps=16, sweep_steps=16, seeds=1, rates_in_sweep=2,
+    "quick": dict(pretrain="quick", steps=16, sweep_steps=16, seeds=1, rates_in_sweep=1,
                   blockwise_every=4,
                   eval_points=4, batch=8, warmup_frac=0.1, sample_pct=30,
                   caps={"train": 2000, "valid": 32, "test": 64}, eval_batch=16,
@@ -893,7 +893,7 @@ def main(argv=None) -> int:
         epilog="Rows run in their own processes; finished runs are cached under --work and "
                "skipped when the command is run again.")
     ap.add_argument("--quick", action="store_true",
-                    help="the small preset: a tiny model, 1 seed, 2 learning rates, "
+                    help="the small preset: a tiny model, 1 seed, 1 learning rate, "
                          f"{PRESETS['quick']['steps']} steps, the rows marked quick (minutes)")
     ap.add_argument("--out", help="the Markdown table; the .json and .png go beside it "
                                   "(default benchmarks/results/quality.md, or quality_quick.md "

@@ -429,7 +429,7 @@ def test_first_channels_written_at_the_start_when_a_reader_starts_with_zero(axis
 # --------------------------------------------------------------------------- sparse_train
 
 
-@settings(max_examples=40, **_SETTINGS)
+@settings(max_examples=28, **_SETTINGS)
 @given(cases())
 def test_sparse_train_equals_the_reference(case):
     name, params, loss, batches, rules, default, opt_name = case
