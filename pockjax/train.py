@@ -1011,7 +1011,7 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         nonlocal skipped
         at, metrics, ntok = entry
         loss = float(metrics["loss"])
-        if bool(metrics.get("skipped", False)) if hasattr(metrics, "get") else False:
+        if hasattr(metrics, "get") and bool(metrics.get("skipped", False)):
             skipped += 1
             emit({"step": at, "skipped": True, "loss": None})
             return
