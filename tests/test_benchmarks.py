@@ -62,3 +62,37 @@ def test_remat_table_reports_each_sequence_with_and_without_remat(tmp_path):
     for plain, remat in (rows[0:2], rows[2:4]):
         assert mib(remat[3]) < mib(plain[3])
         assert float(remat[5].replace(",", "")) > float(plain[5].replace(",", ""))
+
+
+def test_gpu_check_compares_an_artifact_with_the_jax_trainer(tmp_path):
+    """benchmarks/gpu.py's halves on this CPU: an artifact exported for host-cpu, run by
+    the runtime on local-task against the JAX trainer's recorded steps, within the export
+    tests' tolerance; a parameter changed by 1e-3 is reported far outside it; the report
+    names the model."""
+    import json
+    import pickle
+
+    from benchmarks import gpu
+
+    gpu.main(["prepare", "--dir", str(tmp_path), "--target", "host-cpu", "--models", "mlp"])
+    out = tmp_path / "cuda.json"
+    gpu.main(["cuda", "--dir", str(tmp_path), "--device", "local-task", "--json", str(out)])
+    row = json.loads(out.read_text())["models"]["mlp"]
+    assert "error" not in row, row
+    assert row["step_count"] == 3 and len(row["metrics_tol"]) == 3
+    assert max(row["metrics_tol"]) <= 1 and row["params_tol"] <= 1, row
+
+    ref_file = tmp_path / "artifacts" / "mlp" / "reference.pkl"
+    ref = pickle.loads(ref_file.read_bytes())
+    leaf = sorted(ref["params"])[0]
+    ref["params"][leaf] = ref["params"][leaf] + 1e-3
+    ref_file.write_bytes(pickle.dumps(ref))
+    gpu.main(["cuda", "--dir", str(tmp_path), "--device", "local-task", "--json", str(out)])
+    bad = json.loads(out.read_text())["models"]["mlp"]
+    assert bad["params_tol"] > 5 and bad["worst_leaf"] == leaf, bad
+
+    md = tmp_path / "gpu.md"
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps({"cuda.json": json.loads(out.read_text())}))
+    gpu.main(["report", str(results), "--out", str(md)])
+    assert "| mlp |" in md.read_text()

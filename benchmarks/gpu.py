@@ -1,0 +1,454 @@
+"""On a machine with an NVIDIA GPU: the jetson-cuda artifacts run by IREE's CUDA driver
+against the JAX trainer, LLaMA-2-7B's shape trained by JAX on the GPU beside PyTorch
+LoRA, and the quality benchmark's pretraining.
+
+A GPU machine without the IREE compiler runs what this machine prepares, in four steps:
+
+    python -m benchmarks gpu prepare [--dir .gpu]        # here: artifacts and references
+    python -m benchmarks gpu cuda --dir .gpu --json A     # there: each artifact on `cuda`
+    python -m benchmarks gpu llama7b --row ROW --json B   # there: one row per process
+    python -m benchmarks gpu pretrain --dir .gpu --out D  # there: the full pretrain preset
+    python -m benchmarks gpu report A B... [--pretrain D] # here: results/gpu.md
+
+`prepare` exports every model of the export tests (`tests/export/models.py`: an MLP, a
+CNN, a transformer block, a scanned model, a clipped optimizer chain, an integer-label
+classifier, an NNX MobileNetV2 with batch statistics and a tiny LLaMA) for jetson-cuda
+(sm_87; the artifact carries PTX, which the driver compiles for the GPU at hand), and
+records what the JAX trainer on this CPU gives for 3 steps of each: every step's metrics
+and the parameters after the last. `cuda` loads each artifact with `pockjax.runtime`
+(no JAX imported) on IREE's `cuda` device, runs the same 3 steps on the same batch and
+records the largest error over the export tests' tolerance (at most 1 within it) of
+the metrics and the parameters. `--device local-task` with
+`prepare --target host-cpu` runs the same comparison on this CPU.
+
+`llama7b` runs one row of `benchmarks/real_size.py` at LLaMA-2-7B's shape on the GPU:
+the JAX rows build the model on the GPU (bfloat16 frozen weights, float32 trained
+masters) and record the compiled step's memory and the GPU's peak; the PyTorch rows
+build `transformers.LlamaForCausalLM` on the GPU in bfloat16 with peft LoRA r8 on q and
+v. Same random tokens, batch 1, sequence 128, AdamW 1e-4.
+
+`pretrain` trains `benchmarks/pretrain.py`'s full preset from the folders `prepare`
+copied (its random init and its corpus) and writes the model in files under 16 MB;
+`report --pretrain` joins them into the pretrain cache's model folder here, recording
+the GPU in its `pretrain.json`.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import pickle
+import shutil
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.common import ROOT  # noqa: E402
+
+STEPS = 3
+RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu.md")
+GPU_ROWS = ["pockjax paper last-2 bf16-frozen bf16-matmul",
+            "pockjax sparse last-k bf16-frozen bf16-matmul", "torch lora r8 q+v bf16"]
+SHARD_BYTES = 15_000_000
+
+
+def _flat_metrics(metrics) -> dict:
+    import pockjax as pj
+
+    out = {"loss": np.asarray(metrics["loss"])}
+    if "aux" in metrics:
+        for p, x in pj.scheme.leaves_with_paths(metrics["aux"])[0]:
+            out[f"aux/{p}" if p else "aux"] = np.asarray(x)
+    return out
+
+
+def _plain(tree):
+    """A pytree (an nnx.State too) as nested dicts and lists of numpy arrays, whose
+    leaves `pockjax.runtime.named_leaves` names as JAX does."""
+    import pockjax as pj
+
+    root: dict = {}
+    for path, x in pj.scheme.leaves_with_paths(tree)[0]:
+        node, parts = root, path.split("/")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = np.asarray(x)
+
+    def listify(node):
+        if not isinstance(node, dict):
+            return node
+        node = {k: listify(v) for k, v in node.items()}
+        if node and sorted(node) == sorted(map(str, range(len(node)))):
+            return [node[str(i)] for i in range(len(node))]
+        return node
+
+    return listify(root)
+
+
+def prepare(args) -> None:
+    import jax
+
+    import pockjax as pj
+    from tests.export.models import COMPILE_ONLY, MODELS, make
+
+    os.makedirs(args.dir, exist_ok=True)
+    names = args.models.split(",") if args.models else [*MODELS, *COMPILE_ONLY]
+    for name in names:
+        trainer, params, batch = make(name)
+        out = os.path.join(args.dir, "artifacts", name)
+        shutil.rmtree(out, ignore_errors=True)
+        t0 = time.perf_counter()
+        trainer.export(trainer.init(params), batch, target=args.target, out_dir=out)
+        state = trainer.init(params)
+        metrics = []
+        for _ in range(STEPS):
+            state, m = jax.block_until_ready(trainer(state, batch))
+            metrics.append(_flat_metrics(jax.device_get(m)))
+        ref = {"batch": _plain(jax.device_get(batch)), "metrics": metrics,
+               "params": {p: np.asarray(x) for p, x in
+                          pj.scheme.leaves_with_paths(jax.device_get(state.params))[0]},
+               "target": args.target}
+        with open(os.path.join(out, "reference.pkl"), "wb") as f:
+            pickle.dump(ref, f)
+        print(f"{name}: exported for {args.target} and referenced in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+    if args.pretrain:
+        from benchmarks import pretrain
+        where = pretrain.folders(pretrain.DEFAULT_WORK, "full")
+        pretrain.quality_data.build_corpus(where["corpus"], **{
+            k: pretrain.PRESETS["full"][k] for k in pretrain.CORPUS_KEYS})
+        if not (where["init"] / "config.json").is_file():
+            sys.exit(f"no init folder at {where['init']}: run `python -m benchmarks pretrain` "
+                     "until it starts training, then prepare again")
+        dst = os.path.join(args.dir, "pretrain")
+        shutil.rmtree(dst, ignore_errors=True)
+        shutil.copytree(where["init"], os.path.join(dst, "init"))
+        for part in ("train", "heldout"):
+            with open(where["corpus"] / f"{part}.jsonl", "rb") as f, \
+                    gzip.open(os.path.join(dst, f"{part}.jsonl.gz"), "wb") as g:
+                shutil.copyfileobj(f, g)
+        print(f"pretrain: copied {where['init']} and the corpus to {dst}")
+
+
+def _rel(got, want) -> float:
+    """The largest elementwise |got - want| over the export tests' tolerance for it,
+    1e-6 + 1e-4 (|want| + the leaf's largest |want|) (`tests/helpers.assert_trees_close`):
+    at most 1 within it."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if not want.size:
+        return 0.0
+    tol = 1e-6 + 1e-4 * (np.abs(want) + np.max(np.abs(want)))
+    return float(np.max(np.abs(got - want) / tol))
+
+
+def cuda(args) -> None:
+    from pockjax import runtime
+
+    results = {}
+    root = os.path.join(args.dir, "artifacts")
+    for name in sorted(os.listdir(root)):
+        with open(os.path.join(root, name, "reference.pkl"), "rb") as f:
+            ref = pickle.load(f)
+        row = {}
+        try:
+            t0 = time.perf_counter()
+            sess = runtime.load(os.path.join(root, name), device=args.device)
+            row["load_s"] = time.perf_counter() - t0
+            steps = []
+            for want in ref["metrics"]:
+                t0 = time.perf_counter()
+                got = sess.step(ref["batch"])
+                steps.append(time.perf_counter() - t0)
+                if sorted(got) != sorted(want):
+                    raise AssertionError(f"metrics {sorted(got)} != {sorted(want)}")
+                row.setdefault("metrics_tol", []).append(max(_rel(got[k], want[k]) for k in want))
+            params = dict(runtime.named_leaves(sess.params()))
+            if sorted(params) != sorted(ref["params"]):
+                raise AssertionError(f"parameters {sorted(params)[:4]}... != "
+                                     f"{sorted(ref['params'])[:4]}...")
+            worst = max(ref["params"], key=lambda p: _rel(params[p], ref["params"][p]))
+            row.update(params_tol=_rel(params[worst], ref["params"][worst]), worst_leaf=worst,
+                       step_s=steps, step_count=sess.step_count,
+                       losses=[float(np.asarray(m["loss"])) for m in ref["metrics"]])
+            sess.close()
+        except Exception as e:  # each model's failure is recorded, the others still run
+            row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+        results[name] = row
+        print(name, json.dumps(row)[:400], flush=True)
+    out = {"kind": "cuda", "device": args.device, "target": ref["target"],
+           "gpu": _gpu_name(), "models": results}
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def _gpu_name() -> str:
+    import subprocess
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "no nvidia-smi"
+
+
+def llama7b(args) -> None:
+    from benchmarks import real_size
+    from benchmarks.paper_table import _timed
+
+    s = real_size.PRESETS[args.preset]
+    row = args.row
+    t0 = time.perf_counter()
+    if row.startswith("torch"):
+        out = _torch_row(row, s, args)
+    else:
+        import jax
+
+        step, _, info = real_size.jax_row(row, s, limit_gib=1e9)
+        setup = time.perf_counter() - t0
+        losses, times = _timed(step, args.steps, args.warmup)
+        stats = jax.devices()[0].memory_stats() or {}
+        out = {"losses": losses, "times": times, "setup_s": setup,
+               "gpu_peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+               "device": str(jax.devices()[0]), "jax": jax.__version__, **info}
+    out.update(row=row, preset=args.preset, gpu=_gpu_name(), wall_s=time.perf_counter() - t0)
+    print(json.dumps(out))
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def _torch_row(row: str, s: dict, args) -> dict:
+    import torch
+    import torch.nn.functional as F
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    from benchmarks.paper_table import _timed, make_batch
+    from benchmarks.real_size import LR, WEIGHT_DECAY
+
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    config = transformers.LlamaConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], max_position_embeddings=max(128, s["seq"]),
+        rms_norm_eps=1e-5, tie_word_embeddings=False)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(dev):  # made on the GPU: 6.7B random weights in seconds
+        net = transformers.LlamaForCausalLM._from_config(config).to(torch.bfloat16)
+    net.train()
+    net = get_peft_model(net, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                         target_modules=["q_proj", "v_proj"]))
+    params = [p for p in net.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    tokens = torch.from_numpy(make_batch("llama", s)).long().to(dev)
+    setup = time.perf_counter() - t0
+    if dev == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = net(input_ids=tokens).logits[:, :-1]
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+
+    losses, times = _timed(step, args.steps, args.warmup)
+    return {"losses": losses, "times": times, "setup_s": setup,
+            "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0,
+            "trained_params": sum(p.numel() for p in params), "torch": torch.__version__,
+            "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu"}
+
+
+def pretrain_on_gpu(args) -> None:
+    import jax
+
+    import pockjax as pj
+    from benchmarks.pretrain import PRESETS
+
+    s = PRESETS["full"]
+    src = os.path.join(args.dir, "pretrain")
+    data = "/tmp/pretrain-data"
+    os.makedirs(data, exist_ok=True)
+    for part in ("train", "heldout"):
+        with gzip.open(os.path.join(src, f"{part}.jsonl.gz"), "rb") as g, \
+                open(os.path.join(data, f"{part}.jsonl"), "wb") as f:
+            shutil.copyfileobj(g, f)
+    t0 = time.perf_counter()
+    result = pj.finetune(os.path.join(src, "init"), os.path.join(data, "train.jsonl"),
+                         "/tmp/pretrain-run", valid=os.path.join(data, "heldout.jsonl"),
+                         scheme="full", steps=args.steps or s["steps"], batch=s["batch"], seq=s["seq"],
+                         lr=s["lr"], warmup=s["warmup"], schedule="cosine",
+                         eval_every=s["eval_every"], save_every=None, overwrite=True,
+                         plot=False, progress=False)
+    from safetensors.numpy import load_file, save_file
+    os.makedirs(args.out, exist_ok=True)
+    tensors = load_file(os.path.join(result.final, "model.safetensors"))
+    part, size, parts = {}, 0, 0
+    for k in sorted(tensors):
+        if part and size + tensors[k].nbytes > SHARD_BYTES:
+            save_file(part, os.path.join(args.out, f"part{parts}.safetensors"))
+            part, size, parts = {}, 0, parts + 1
+        part[k] = tensors[k]
+        size += tensors[k].nbytes
+    save_file(part, os.path.join(args.out, f"part{parts}.safetensors"))
+    shutil.copy(os.path.join(result.out, "metrics.jsonl"), args.out)
+    record = {"steps": result.steps, "tokens": result.steps * s["batch"] * s["seq"],
+              "heldout_loss_before": result.valid_loss_before,
+              "heldout_loss": result.valid_loss, "train_loss": result.train_loss,
+              "seconds": result.seconds, "tokens_per_second": result.tokens_per_second,
+              "parameters": result.total_params, "wall_s": time.perf_counter() - t0,
+              "device": f"{jax.devices()[0].device_kind} ({_gpu_name()})",
+              "jax": jax.__version__, "python": sys.version.split()[0]}
+    with open(os.path.join(args.out, "pretrain_gpu.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    print(json.dumps(record))
+
+
+def adopt_pretrain(src: str) -> str:
+    """Join the GPU's pretrained model (`pretrain`'s files under `src`) into the full
+    preset's model folder here, with the init folder's config and tokenizer and a
+    `pretrain.json` that names the GPU."""
+    from safetensors.numpy import load_file, save_file
+
+    from benchmarks import pretrain
+
+    where = pretrain.folders(pretrain.DEFAULT_WORK, "full")
+    s = pretrain.PRESETS["full"]
+    corpus = pretrain.quality_data.build_corpus(where["corpus"], **{
+        k: s[k] for k in pretrain.CORPUS_KEYS})
+    tensors = {}
+    for part in sorted(os.listdir(src)):
+        if part.startswith("part") and part.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, part)))
+    with open(os.path.join(src, "pretrain_gpu.json")) as f:
+        gpu = json.load(f)
+    tmp = where["model"].with_name("model.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(where["init"], tmp)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(src, "metrics.jsonl"), tmp / "pretrain_metrics.jsonl")
+    record = {"preset": "full", "settings": s, "corpus": corpus, "steps": gpu["steps"],
+              "resumed_from_step": 0, "tokens": gpu["tokens"],
+              "heldout_loss_before": gpu["heldout_loss_before"],
+              "heldout_loss": gpu["heldout_loss"], "train_loss": gpu["train_loss"],
+              "seconds_this_session": gpu["seconds"],
+              "tokens_per_second": gpu["tokens_per_second"], "parameters": gpu["parameters"],
+              "trained_on": {k: gpu[k] for k in ("device", "jax", "python")}}
+    (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
+    shutil.rmtree(where["model"], ignore_errors=True)
+    os.replace(tmp, where["model"])
+    return str(where["model"])
+
+
+def report(args) -> None:
+    """results/gpu.md from a device run's results.json (and its pretrain folder)."""
+    from benchmarks.common import commit
+
+    with open(args.results) as f:
+        res = json.load(f)
+    lines = ["# On an NVIDIA GPU: jetson-cuda artifacts, LLaMA-2-7B's shape, pretraining", "",
+             f"Written by `python -m benchmarks gpu report` (commit {commit()}) from one "
+             "device run of `benchmarks/gpu.py` (see its docstring for the method).", ""]
+    cu = res.get("cuda.json")
+    if cu:
+        lines += [f"## jetson-cuda artifacts on IREE's `{cu['device']}` driver", "",
+                  f"GPU: {cu['gpu']}. Artifacts exported here for `{cu['target']}` (sm_87 "
+                  "PTX, compiled by the driver for this GPU), run by `pockjax.runtime` "
+                  "without JAX for 3 steps on the batch the JAX trainer (this machine's "
+                  "CPU) took. Error columns: the largest elementwise error over the export "
+                  "tests' tolerance, 1e-6 + 1e-4 (|x| + the leaf's largest |x|): within "
+                  "it at 1 or less.", "",
+                  "| model | losses (3 steps) | metrics / tolerance | parameters / tolerance "
+                  "(worst leaf) | step ms (median) | load s |", "|---|---|---|---|---|---|"]
+        for name, r in cu["models"].items():
+            if "error" in r:
+                lines.append(f"| {name} | failed: {r['error'][:200]} | | | | |")
+                continue
+            ms = sorted(r["step_s"])[len(r["step_s"]) // 2] * 1e3
+            lines.append(f"| {name} | {', '.join(f'{x:.4f}' for x in r['losses'])} | "
+                         f"{max(r['metrics_tol']):.3f} | {r['params_tol']:.3f} "
+                         f"(`{r['worst_leaf']}`) | {ms:.2f} | {r['load_s']:.2f} |")
+        lines.append("")
+    rows = [v for k, v in sorted(res.items()) if k.startswith("row")]
+    if rows:
+        import statistics
+        lines += ["## LLaMA-2-7B's shape, one training step on the GPU", "",
+                  f"GPU: {rows[0]['gpu']}. Random weights and tokens, batch 1, sequence "
+                  "128, AdamW 1e-4; each row in its own process; "
+                  f"{len(rows[0]['times'])} timed steps after "
+                  f"{len(rows[0]['losses']) - len(rows[0]['times'])} untimed. The JAX rows "
+                  "keep frozen weights in bfloat16 and multiply in bfloat16 with float32 "
+                  "accumulation; trained weights and AdamW state in float32. The PyTorch "
+                  "row is a bfloat16 model with float32 LoRA adapters. The losses are of a "
+                  "random batch trained on repeatedly, so they show that each row trains, "
+                  "not a quality: no row here is at a quality the others reach.", "",
+                  "| row | trained parameters | ms/step (median) | tokens/s | GPU peak GiB | "
+                  "compiled step GiB | first and last loss | versions |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            med = statistics.median(r["times"])
+            compiled = f"{r['compiled_peak_gib']:.2f}" if "compiled_peak_gib" in r else "-"
+            ver = f"jax {r['jax']}" if "jax" in r else f"torch {r['torch']}"
+            lines.append(f"| {r['row']} | {r['trained_params']:,} | {med * 1e3:.1f} | "
+                         f"{128 / med:,.0f} | {r['gpu_peak_gib']:.2f} | {compiled} | "
+                         f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3g} | {ver} |")
+        lines.append("")
+    if args.pretrain:
+        model = adopt_pretrain(args.pretrain)
+        with open(os.path.join(model, "pretrain.json")) as f:
+            rec = json.load(f)
+        lines += ["## The quality benchmark's pretraining", "",
+                  f"`benchmarks/pretrain.py`'s full preset ({rec['steps']} steps, "
+                  f"{rec['tokens']:,} tokens, {rec['parameters']:,} parameters) on "
+                  f"{rec['trained_on']['device']} (JAX {rec['trained_on']['jax']}): "
+                  f"{rec['seconds_this_session']:.1f} s of training, "
+                  f"{rec['tokens_per_second']:,.0f} tokens/s; held-out loss "
+                  f"{rec['heldout_loss_before']:.3f} -> {rec['heldout_loss']:.3f}. "
+                  "The model is the one the quality results start from.", ""]
+    text = "\n".join(lines)
+    from pockjax.checkpoint import write_atomic
+    write_atomic(args.out, text.encode())
+    print(text)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--dir", default=os.path.join(ROOT, ".gpu"))
+    p.add_argument("--target", default="jetson-cuda")
+    p.add_argument("--models", help="comma-separated names from tests/export/models.py "
+                                    "(default: all)")
+    p.add_argument("--pretrain", action="store_true",
+                   help="also copy the pretrain preset's init and corpus")
+    p = sub.add_parser("cuda")
+    p.add_argument("--dir", default=os.path.join(ROOT, ".gpu"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--json", required=True)
+    p = sub.add_parser("llama7b")
+    p.add_argument("--row", required=True, choices=GPU_ROWS)
+    p.add_argument("--preset", default="llama2-7b")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", required=True)
+    p = sub.add_parser("pretrain")
+    p.add_argument("--dir", default=os.path.join(ROOT, ".gpu"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, help="instead of the preset's (a smoke test)")
+    p = sub.add_parser("report")
+    p.add_argument("results", help="the results.json a device run wrote")
+    p.add_argument("--pretrain", help="a device run's pretrain folder, adopted here")
+    p.add_argument("--out", default=RESULTS)
+    args = ap.parse_args(argv)
+    {"prepare": prepare, "cuda": cuda, "llama7b": llama7b, "pretrain": pretrain_on_gpu,
+     "report": report}[
+        args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
