@@ -45,7 +45,8 @@ from pockjax._jaxpr import as_source, avals, bind, describe_source, inline_calls
 from pockjax.scheme import Frozen, Scheme
 from pockjax.transforms.sparse_grad import is_dynamic, resolved_decisions
 
-__all__ = ["find_cut", "PrefixSplit", "PrefixCache", "PrefixCachedTrainer", "PrefixCacheError"]
+__all__ = ["find_cut", "PrefixSplit", "PrefixCache", "PrefixCachedTrainer", "PrefixCacheError",
+           "PrefixReport", "default_budget", "example_keys"]
 
 # What a value depends on, as bits: examples of the batch, other batch inputs (read
 # whole by every example), trained parameters.
@@ -405,43 +406,158 @@ def example_keys(batch, examples: int) -> list[bytes]:
 # --------------------------------------------------------------------------- the trainer
 
 
+# "auto" turns the cache on when the prefix's forward pass is at least this share of the
+# step's FLOPs and costs at least this many FLOPs per byte of cut values read back.
+AUTO_MIN_SHARE = 0.1
+AUTO_MIN_FLOPS_PER_BYTE = 16.0
+
+
+def default_budget() -> int:
+    """RAM for cut values when none is given: a quarter of the memory available now, at
+    most 4 GiB (rows past it go to disk)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return min(4 * 2**30, int(line.split()[1]) * 1024 // 4)
+    except OSError:
+        pass
+    return 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixReport:
+    """What caching the prefix saves for one batch signature."""
+
+    values: tuple[CutValue, ...]
+    examples: int
+    prefix_flops: float      # the prefix's forward pass, whole batch
+    step_flops: float        # the uncached training step
+    on: bool
+    why: str
+
+    @property
+    def bytes_per_example(self) -> int:
+        return sum(v.nbytes for v in self.values)
+
+    @property
+    def share(self) -> float:
+        """The prefix's share of the uncached step's FLOPs: what a cached step saves."""
+        return self.prefix_flops / self.step_flops if self.step_flops else 0.0
+
+    def __str__(self) -> str:
+        cut = ", ".join(f"{v.dtype}{list(v.shape)}" for v in self.values) or "nothing"
+        return (f"prefix cache {'on' if self.on else 'off'} ({self.why}): the cut is {cut}, "
+                f"{self.bytes_per_example:,} bytes per example; the frozen prefix is "
+                f"{self.share:.0%} of the step's FLOPs ({self.prefix_flops / 1e9:.3g} of "
+                f"{self.step_flops / 1e9:.3g} GFLOP per batch)")
+
+
 class PrefixCachedTrainer:
     """`trainer`'s steps with the frozen prefix computed once per example (see the
     module docstring). The state is the trainer's own (`trainer.init(params)`): cached
-    and uncached steps can be mixed on it."""
+    and uncached steps can be mixed on it.
 
-    def __init__(self, trainer, *, budget_bytes: int = 2**30, spill_dir: str | None = None,
-                 dtype: str = "float32", check: bool = True):
+    Args:
+      trainer: a `pockjax.SparseTrainer`.
+      budget_bytes: RAM for cut values (default `default_budget()`); rows past it are
+        written to memory-mapped files in `spill_dir` (default: a temporary folder,
+        removed by `close()`).
+      dtype: "float32" (exact: the same results as the uncached step) or "bfloat16"
+        (half the bytes; results move by the rounding of the cut values).
+      check: probe the first batch of each shape for values that mix examples.
+      auto: per batch shape, cache only where `report` finds it worthwhile (the prefix
+        at least `AUTO_MIN_SHARE` of the step's FLOPs, `AUTO_MIN_FLOPS_PER_BYTE` per
+        byte of cut values) and the step can be split; otherwise run `trainer` as is.
+        Without `auto`, a step that cannot be split raises `PrefixCacheError`.
+    """
+
+    def __init__(self, trainer, *, budget_bytes: int | None = None, spill_dir: str | None = None,
+                 dtype: str = "float32", check: bool = True, auto: bool = False):
+        from pockjax.train import SparseTrainer
+
+        if not isinstance(trainer, SparseTrainer):
+            raise TypeError(f"the prefix cache needs a pockjax.SparseTrainer (from "
+                            f"sparse_train), got {type(trainer).__name__}")
+        if dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         self.trainer = trainer
-        self.budget_bytes, self.spill_dir, self.dtype = budget_bytes, spill_dir, dtype
-        self.check = check
+        self.budget_bytes = default_budget() if budget_bytes is None else int(budget_bytes)
+        self.spill_dir, self.dtype, self.check, self.auto = spill_dir, dtype, check, auto
         self._splits: dict = {}
+        self.reports: dict = {}
 
     def _signature(self, params, batch):
         leaves, tree = jax.tree_util.tree_flatten((params, batch))
         return tree, tuple((np.shape(x), np.dtype(x.dtype)) if is_dynamic(x) else ("static", x)
                            for x in leaves)
 
-    def split(self, state, batch) -> tuple[PrefixSplit, Any, PrefixCache]:
-        """(the split, its suffix trainer, its cache) for this batch's signature."""
+    def split(self, state, batch) -> tuple[PrefixSplit, Any, PrefixCache] | None:
+        """(the split, its suffix trainer, its cache) for this batch's signature; None
+        where `auto` runs the trainer as is."""
         key = self._signature(state.params, batch)
         if key not in self._splits:
-            t = self.trainer
+            self._splits[key] = self._make(state, batch, key)
+        entry = self._splits[key]
+        return None if entry is None else entry[:1] + entry[2:]
+
+    def _make(self, state, batch, key):
+        t = self.trainer
+        try:
             split = find_cut(t.loss_fn, state.params, batch, t.scheme, has_aux=t.has_aux)
             prefix = jax.jit(split.prefix)
             if self.check and split.values and split.examples > 1:
                 _check_per_example(split, prefix, state.params, batch)
-            suffix = t.replace(loss_fn=split.suffix_loss)
-            cache = PrefixCache(split.values, self.budget_bytes, self.spill_dir, self.dtype)
-            self._splits[key] = (split, prefix, suffix, cache)
-        split, _, suffix, cache = self._splits[key]
-        return split, suffix, cache
+        except Exception as e:  # noqa: BLE001 - auto falls back to the uncached step
+            if not self.auto:
+                raise
+            why = str(e) if isinstance(e, PrefixCacheError) else \
+                f"the step could not be split ({type(e).__name__}: {str(e)[:300]})"
+            self.reports[key] = PrefixReport((), 0, 0.0, 0.0, False, why)
+            return None
+        report = self._report(split, state, batch)
+        self.reports[key] = report
+        if not report.on:
+            return None
+        suffix = t.replace(loss_fn=split.suffix_loss)
+        cache = PrefixCache(split.values, self.budget_bytes, self.spill_dir, self.dtype)
+        return split, prefix, suffix, cache
+
+    def _report(self, split: PrefixSplit, state, batch) -> PrefixReport:
+        from pockjax.flops import count_flops
+
+        prefix_flops = count_flops(split.prefix_jaxpr()) if split.values else 0.0
+        step_flops = count_flops(self.trainer.trace(state, batch))
+        share = prefix_flops / step_flops if step_flops else 0.0
+        per_byte = prefix_flops / max(split.examples * split.bytes_per_example, 1)
+        if not self.auto:
+            on, why = True, "asked for"
+        elif not split.values:
+            on, why = False, "no frozen prefix: the trained part reads the batch itself"
+        elif share < AUTO_MIN_SHARE:
+            on, why = False, f"the prefix is under {AUTO_MIN_SHARE:.0%} of the step"
+        elif per_byte < AUTO_MIN_FLOPS_PER_BYTE:
+            on, why = False, (f"{per_byte:.1f} FLOPs per cached byte: reading the values "
+                              f"back costs about what computing them does")
+        else:
+            on, why = True, "auto"
+        return PrefixReport(tuple(split.values), split.examples, prefix_flops, step_flops, on, why)
+
+    def report(self, state, batch) -> PrefixReport:
+        """Whether this batch shape's steps use the cache, its cut and what it saves."""
+        self.split(state, batch)
+        return self.reports[self._signature(state.params, batch)]
 
     def __call__(self, state, batch, keys: Sequence | None = None):
         """One step: `(state, batch) -> (new state, metrics)`; `keys` name the examples
         (hashable, one per example; default: a hash of each example's contents)."""
-        split, suffix, cache = self.split(state, batch)
-        prefix = self._splits[self._signature(state.params, batch)][1]
+        entry = self._splits.get(self._signature(state.params, batch), False)
+        if entry is False:
+            self.split(state, batch)
+            entry = self._splits[self._signature(state.params, batch)]
+        if entry is None:
+            return self.trainer(state, batch)
+        split, prefix, suffix, cache = entry
         n = split.examples
         if keys is None:
             keys = example_keys(batch, n)
@@ -463,8 +579,12 @@ class PrefixCachedTrainer:
             cut = []
         return suffix(state, {"batch": batch, "cut": cut})
 
+    def caches(self) -> list[PrefixCache]:
+        return [e[3] for e in self._splits.values() if e is not None]
+
     def close(self) -> None:
-        for _, _, _, cache in self._splits.values():
+        """Drop the cached values and remove their spill files."""
+        for cache in self.caches():
             cache.close()
         self._splits.clear()
 

@@ -196,3 +196,29 @@ def test_batch_statistics_below_the_trained_part_are_refused():
         PrefixCachedTrainer(trainer)(trainer.init(params), batch)
     with pytest.raises(pj.scheme.SchemeError, match="trains nothing"):
         find_cut(loss, params, batch, pj.Scheme(default=pj.Frozen()))
+
+
+def test_fit_with_the_prefix_cache_equals_fit_without():
+    loss, params, data = _llama()
+    scheme = pj.schemes.last_blocks(params, 2)
+    trainer = pj.sparse_train(loss, optimizer=optax.adamw(1e-2), scheme=scheme)
+
+    def batch_of(step):
+        ids = np.random.default_rng(step // 3).permutation(EXAMPLES)[BATCH * (step % 3):][:BATCH]
+        return jax.tree_util.tree_map(lambda x: x[ids], data)
+
+    a, ha = pj.fit(trainer, trainer.init(params), batch_of, 9, progress=False)
+    b, hb = pj.fit(trainer, trainer.init(params), batch_of, 9, progress=False, prefix_cache=True)
+    c, hc = pj.fit(trainer, trainer.init(params), batch_of, 9, progress=False, prefix_cache=0)
+    np.testing.assert_array_equal(ha.loss, hb.loss)
+    np.testing.assert_array_equal(ha.loss, hc.loss)
+    _assert_same(a, b)
+    _assert_same(a, c)
+    with pytest.raises(ValueError, match="prefix_cache must be True, False, 'auto' or a byte"):
+        pj.fit(trainer, trainer.init(params), batch_of, 1, progress=False, prefix_cache="yes")
+    # auto: a cut this small against this little prefix work is not worth it here, or it
+    # is; either way the report says which and the results are the same.
+    cached = PrefixCachedTrainer(trainer, auto=True)
+    report = cached.report(trainer.init(params), batch_of(0))
+    assert report.examples == BATCH and 0 < report.share < 1
+    assert str(report).startswith(f"prefix cache {'on' if report.on else 'off'}")
