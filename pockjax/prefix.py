@@ -433,6 +433,7 @@ class PrefixReport:
     examples: int
     prefix_flops: float      # the prefix's forward pass, whole batch
     step_flops: float        # the uncached training step
+    suffix_flops: float      # the cached training step (the suffix's)
     on: bool
     why: str
 
@@ -445,11 +446,19 @@ class PrefixReport:
         """The prefix's share of the uncached step's FLOPs: what a cached step saves."""
         return self.prefix_flops / self.step_flops if self.step_flops else 0.0
 
+    @property
+    def bound(self) -> float:
+        """A cached step's FLOPs over the uncached step's: the best speed-up's inverse."""
+        return self.suffix_flops / self.step_flops if self.step_flops else 1.0
+
     def __str__(self) -> str:
-        cut = ", ".join(f"{v.dtype}{list(v.shape)}" for v in self.values) or "nothing"
+        if not self.values:
+            return f"prefix cache {'on' if self.on else 'off'} ({self.why})"
+        cut = ", ".join(f"{v.dtype}{list(v.shape)}" for v in self.values)
         return (f"prefix cache {'on' if self.on else 'off'} ({self.why}): the cut is {cut}, "
-                f"{self.bytes_per_example:,} bytes per example; the frozen prefix is "
-                f"{self.share:.0%} of the step's FLOPs ({self.prefix_flops / 1e9:.3g} of "
+                f"{self.bytes_per_example:,} bytes per example; the frozen prefix's forward "
+                f"pass is {self.share:.0%} of the step's FLOPs, a cached step does "
+                f"{self.bound:.0%} of them ({self.suffix_flops / 1e9:.3g} of "
                 f"{self.step_flops / 1e9:.3g} GFLOP per batch)")
 
 
@@ -513,7 +522,7 @@ class PrefixCachedTrainer:
                 raise
             why = str(e) if isinstance(e, PrefixCacheError) else \
                 f"the step could not be split ({type(e).__name__}: {str(e)[:300]})"
-            self.reports[key] = PrefixReport((), 0, 0.0, 0.0, False, why)
+            self.reports[key] = PrefixReport((), 0, 0.0, 0.0, 0.0, False, why)
             return None
         report = self._report(split, state, batch)
         self.reports[key] = report
@@ -528,6 +537,9 @@ class PrefixCachedTrainer:
 
         prefix_flops = count_flops(split.prefix_jaxpr()) if split.values else 0.0
         step_flops = count_flops(self.trainer.trace(state, batch))
+        cut = [jax.ShapeDtypeStruct((split.examples, *v.shape), v.dtype) for v in split.values]
+        suffix_flops = count_flops(self.trainer.replace(loss_fn=split.suffix_loss).trace(
+            state, {"batch": batch, "cut": cut}))
         share = prefix_flops / step_flops if step_flops else 0.0
         per_byte = prefix_flops / max(split.examples * split.bytes_per_example, 1)
         if not self.auto:
@@ -541,7 +553,8 @@ class PrefixCachedTrainer:
                               f"back costs about what computing them does")
         else:
             on, why = True, "auto"
-        return PrefixReport(tuple(split.values), split.examples, prefix_flops, step_flops, on, why)
+        return PrefixReport(tuple(split.values), split.examples, prefix_flops, step_flops,
+                            suffix_flops, on, why)
 
     def report(self, state, batch) -> PrefixReport:
         """Whether this batch shape's steps use the cache, its cut and what it saves."""
