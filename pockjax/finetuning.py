@@ -630,12 +630,6 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         pass
     elif prefix_cache == "auto" and total <= per_epoch:
         _say(progress, "prefix cache off (auto): each example is seen once")
-    elif scheduled:
-        if prefix_cache == "on":
-            raise FinetuneError(f"--prefix-cache on: --scheme {scheme} changes which blocks "
-                                f"train, which the prefix cache does not follow yet; use "
-                                f"--prefix-cache off")
-        _say(progress, "prefix cache off (auto): not used with scheme schedules yet")
     else:
         from pockjax.prefix import PrefixCachedTrainer, PrefixCacheError
 

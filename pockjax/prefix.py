@@ -483,11 +483,12 @@ class PrefixCachedTrainer:
 
     def __init__(self, trainer, *, budget_bytes: int | None = None, spill_dir: str | None = None,
                  dtype: str = "float32", check: bool = True, auto: bool = False):
+        from pockjax.schedule import ScheduledTrainer
         from pockjax.train import SparseTrainer
 
-        if not isinstance(trainer, SparseTrainer):
-            raise TypeError(f"the prefix cache needs a pockjax.SparseTrainer (from "
-                            f"sparse_train), got {type(trainer).__name__}")
+        if not isinstance(trainer, (SparseTrainer, ScheduledTrainer)):
+            raise TypeError(f"the prefix cache needs a pockjax.SparseTrainer or "
+                            f"ScheduledTrainer (from sparse_train), got {type(trainer).__name__}")
         if dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype must be 'float32' or 'bfloat16', got {dtype!r}")
         self.trainer = trainer
@@ -510,10 +511,27 @@ class PrefixCachedTrainer:
         entry = self._splits[key]
         return None if entry is None else entry[:1] + entry[2:]
 
+    def _scheduled(self) -> bool:
+        from pockjax.schedule import ScheduledTrainer
+        return isinstance(self.trainer, ScheduledTrainer)
+
+    def _decisions(self, params):
+        """What trains, for the cut: the trainer's scheme, or for a schedule every leaf
+        that any of its schemes trains (the cache then holds below the lowest of them)."""
+        if not self._scheduled():
+            return self.trainer.scheme
+        from pockjax.scheme import Full
+
+        each = [resolved_decisions(params, s) for s in self.trainer.schedule.schemes]
+        union = [Full() if any(not isinstance(d[i], Frozen) for d in each) else Frozen()
+                 for i in range(len(each[0]))]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), union)
+
     def _make(self, state, batch, key):
-        t = self.trainer
+        t = self.trainer.base if self._scheduled() else self.trainer
         try:
-            split = find_cut(t.loss_fn, state.params, batch, t.scheme, has_aux=t.has_aux)
+            split = find_cut(t.loss_fn, state.params, batch, self._decisions(state.params),
+                             has_aux=t.has_aux)
             prefix = jax.jit(split.prefix)
             if self.check and split.values and split.examples > 1:
                 _check_per_example(split, prefix, state.params, batch)
@@ -528,17 +546,23 @@ class PrefixCachedTrainer:
         self.reports[key] = report
         if not report.on:
             return None
-        suffix = t.replace(loss_fn=split.suffix_loss)
+        if self._scheduled():
+            from pockjax.schedule import ScheduledTrainer
+            suffix = ScheduledTrainer(t.replace(loss_fn=split.suffix_loss), self.trainer.schedule)
+        else:
+            suffix = t.replace(loss_fn=split.suffix_loss)
         cache = PrefixCache(split.values, self.budget_bytes, self.spill_dir, self.dtype)
         return split, prefix, suffix, cache
 
     def _report(self, split: PrefixSplit, state, batch) -> PrefixReport:
         from pockjax.flops import count_flops
 
+        # A schedule's figures are those of the scheme `state` holds.
+        trainer = self.trainer.trainer_of(state) if self._scheduled() else self.trainer
         prefix_flops = count_flops(split.prefix_jaxpr()) if split.values else 0.0
-        step_flops = count_flops(self.trainer.trace(state, batch))
+        step_flops = count_flops(trainer.trace(state, batch))
         cut = [jax.ShapeDtypeStruct((split.examples, *v.shape), v.dtype) for v in split.values]
-        suffix_flops = count_flops(self.trainer.replace(loss_fn=split.suffix_loss).trace(
+        suffix_flops = count_flops(trainer.replace(loss_fn=split.suffix_loss).trace(
             state, {"batch": batch, "cut": cut}))
         share = prefix_flops / step_flops if step_flops else 0.0
         per_byte = prefix_flops / max(split.examples * split.bytes_per_example, 1)

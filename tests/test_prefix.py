@@ -222,3 +222,21 @@ def test_fit_with_the_prefix_cache_equals_fit_without():
     report = cached.report(trainer.init(params), batch_of(0))
     assert report.examples == BATCH and 0 < report.share < 1
     assert str(report).startswith(f"prefix cache {'on' if report.on else 'off'}")
+
+
+def test_a_schedule_caches_below_the_lowest_block_it_trains():
+    """Blocks 3 and 2 take turns every 2 steps: the cut is the residual stream entering
+    block 2, shared by both turns' steps, and the run equals the uncached schedule's."""
+    loss, params, data = _llama()
+    names = pj.schemes.blocks(params)
+    schedule = pj.schemes.schedule(
+        [pj.Scheme({f"{names[3]}/**": pj.Full()}, default=pj.Frozen()),
+         pj.Scheme({f"{names[2]}/**": pj.Full()}, default=pj.Frozen())], every=2)
+    trainer = pj.sparse_train(loss, optimizer=optax.adamw(1e-2), scheme=schedule)
+    cached = PrefixCachedTrainer(trainer, budget_bytes=3 * 16 * 32 * 4)
+    a, b, la, lb = _epochs(trainer, cached, trainer.init(params), trainer.init(params), data)
+    assert la == lb
+    _assert_same(a, b)
+    split, _, cache = cached.split(b, jax.tree_util.tree_map(lambda x: x[:BATCH], data))
+    assert [v.shape for v in split.values] == [(16, 32)], split.describe()
+    assert cache.hits == 2 * EXAMPLES
