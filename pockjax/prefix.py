@@ -616,6 +616,30 @@ class PrefixCachedTrainer:
             cut = []
         return suffix(state, {"batch": batch, "cut": cut})
 
+    def export(self, state, batch, target: str = "host-cpu", out_dir: str = "export",
+               gpu: str | None = None, extra_flags=(), progress: bool = False):
+        """The cached step compiled for an IREE target (`pockjax.export`): the artifact's
+        `train_step` is the suffix, its batch `{"batch": batch, "cut": values}`, and its
+        `prefix` function gives a batch's cut values. On the device, a session's
+        `prefix(batch)` runs for examples not seen before and `step(...)` for all:
+
+            values = cache.get(key) or sess.prefix(batch)
+            sess.step({"batch": batch, "cut": values})
+        """
+        from pockjax.export.artifact import export
+
+        if self._scheduled():
+            raise PrefixCacheError("a scheme schedule's steps are not exported; export "
+                                   "one scheme's trainer")
+        if self.split(state, batch) is None:
+            raise PrefixCacheError(f"no cached step for this batch: "
+                                   f"{self.report(state, batch)}")
+        split, prefix, suffix, _ = self._splits[self._signature(state.params, batch)]
+        cut = [np.asarray(v) for v in jax.device_get(prefix(state.params, batch))]
+        return export(suffix, state, {"batch": batch, "cut": cut}, target=target,
+                      out_dir=out_dir, gpu=gpu, extra_flags=extra_flags, progress=progress,
+                      prefix=split.prefix)
+
     def caches(self) -> list[PrefixCache]:
         return [e[3] for e in self._splits.values() if e is not None]
 

@@ -240,3 +240,42 @@ def test_a_schedule_caches_below_the_lowest_block_it_trains():
     split, _, cache = cached.split(b, jax.tree_util.tree_map(lambda x: x[:BATCH], data))
     assert [v.shape for v in split.values] == [(16, 32)], split.describe()
     assert cache.hits == 2 * EXAMPLES
+
+
+def test_export_runs_the_prefix_and_the_suffix_on_iree(tmp_path):
+    """The cached step exported for host-cpu: the artifact's prefix gives the JAX
+    prefix's cut values, and its train_step on them follows the JAX cached trainer."""
+    from pockjax import runtime
+
+    loss, params, data = _llama()
+    scheme = pj.schemes.transformer(params, last=2)
+    trainer = pj.sparse_train(loss, optimizer=optax.adamw(1e-2), scheme=scheme)
+    cached = PrefixCachedTrainer(trainer)
+    batch = jax.tree_util.tree_map(lambda x: x[:BATCH], data)
+    state = trainer.init(params)
+    art = cached.export(state, batch, target="host-cpu", out_dir=tmp_path / "art")
+    assert art.manifest["functions"]["prefix"]["outputs"] == ["cut/0"]
+    split, _, _ = cached.split(state, batch)
+    sess = runtime.load(str(tmp_path / "art"))
+    for k in range(3):
+        b = jax.tree_util.tree_map(lambda x: x[BATCH * k:BATCH * (k + 1)], data)
+        values = sess.prefix(b)
+        want = jax.device_get(jax.jit(split.prefix)(state.params, b))
+        np.testing.assert_allclose(values[0], want[0], rtol=1e-5, atol=1e-5)
+        got = sess.step({"batch": b, "cut": values})
+        state, metrics = cached(state, b)
+        np.testing.assert_allclose(got["loss"], metrics["loss"], rtol=1e-4)
+    for (path, a), b in zip(pj.scheme.leaves_with_paths(jax.device_get(state.params))[0],
+                            jax.tree_util.tree_leaves(sess.params())):
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=path)
+    with pytest.raises(pj.export.ExportError, match="no prefix function"):
+        runtime.load(str(_plain_artifact(tmp_path))).prefix(batch)
+
+
+def _plain_artifact(tmp_path):
+    params = {"w": jnp.ones((3, 2))}
+    trainer = pj.sparse_train(lambda p, b: jnp.sum((b["x"] @ p["w"]) ** 2),
+                              optimizer=optax.sgd(0.1))
+    out = tmp_path / "plain"
+    trainer.export(trainer.init(params), {"x": np.ones((4, 3), np.float32)}, out_dir=out)
+    return out
