@@ -265,9 +265,8 @@ def test_export_runs_the_prefix_and_the_suffix_on_iree(tmp_path):
         got = sess.step({"batch": b, "cut": values})
         state, metrics = cached(state, b)
         np.testing.assert_allclose(got["loss"], metrics["loss"], rtol=1e-4)
-    for (path, a), b in zip(pj.scheme.leaves_with_paths(jax.device_get(state.params))[0],
-                            jax.tree_util.tree_leaves(sess.params())):
-        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6, err_msg=path)
+    from tests.helpers import assert_trees_close
+    assert_trees_close(sess.params(), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
     with pytest.raises(pj.export.ExportError, match="no prefix function"):
         runtime.load(str(_plain_artifact(tmp_path))).prefix(batch)
 
