@@ -302,7 +302,7 @@ class Session(_Artifact):
         # maps and loads it (hashlib releases the GIL): at TinyLlama-1.1B's size that
         # hides seconds of reading. A damaged archive is reported before any error its
         # damage caused. Other devices hash everything first: a busy thread beside a
-        # Vulkan load makes lavapipe's device loss likelier (README, "Vulkan on
+        # Vulkan load makes lavapipe's device loss likelier (docs/export.md, "Vulkan on
         # lavapipe: device loss").
         if device not in _CPU_DEVICES:
             check_hashes(self.path, self.manifest)
@@ -412,7 +412,7 @@ class Session(_Artifact):
         device. Mesa's lavapipe (Debian 12's 22.3) loses it at random under IREE 3.13:
         IREE's queue threads can signal its wakeup semaphore out of order, and lavapipe's
         emulated timeline semaphores declare the device lost when a value does not
-        increase (README, "Vulkan on lavapipe: device loss")."""
+        increase (docs/export.md, "Vulkan on lavapipe: device loss")."""
         try:
             yield
         except RuntimeError as e:  # IREE's errors, and pockjax's ExportErrors wrapping them
