@@ -46,7 +46,7 @@ def peak_rss_mib() -> float:
 def trim_heap() -> None:
     """Hand the C heap's freed pages back to the OS (glibc's `malloc_trim`; a no-op
     elsewhere). XLA's compiler frees most of what it allocates, but glibc keeps those
-    pages resident. The library does not call it (README, "The process's own memory")."""
+    pages resident. The library does not call it (docs/training.md, "The process's own memory")."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):

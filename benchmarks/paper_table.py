@@ -502,7 +502,7 @@ def run_jax(workload: str, row: str, s: dict, args) -> dict:
     iree = row.endswith("iree host-cpu")
     model = make_model(workload, s)
     # Building a Flax model eagerly compiles every initialiser on its own, and JAX keeps
-    # those programs: 165 MiB of MobileNetV2 1.0's (see the README's memory notes).
+    # those programs: 165 MiB of MobileNetV2 1.0's (docs/training.md, "The process's own memory").
     jax.clear_caches()
     step, compiled, trainer, trained_params = jax_step(
         workload, row.removesuffix(" iree host-cpu"), model, batch)

@@ -442,7 +442,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
              eval_every: int | None = None, save_every: int | None = None, keep: int = 3,
              resume: bool = False, overwrite: bool = False, seed: int = 0,
              frozen_dtype: str = "float32", skip_nonfinite: bool = False,
-             frontend: str = "auto", plot: bool = True,
+             frontend: str = "auto", plot: bool = True, prefix_cache: str = "auto",
              progress: bool = True) -> FinetuneResult:
     """Fine-tune the model in folder `model` on the JSONL file `data`; the run goes in
     folder `out` (see the module docstring for what it holds).
@@ -475,6 +475,11 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
       skip_nonfinite: skip a step whose loss or gradient is not finite (counted) instead
         of stopping.
       plot: draw `loss.png` at the end (matplotlib); the metrics log is written either way.
+      prefix_cache: "auto" (the default: when the data is seen more than once and the
+        frozen prefix is a large enough part of the step, compute it once per example and
+        keep its output; `pockjax.prefix`), "on" or "off". The results are the same; a
+        line in the log says whether it is on and what it saves. Values past a quarter of
+        the available memory (at most 4 GiB) go to `out/prefix-cache/`, removed at the end.
       progress: a progress bar and log lines on stderr.
 
     Returns:
@@ -512,6 +517,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         raise FinetuneError(f"--lr must be positive and --warmup >= 0, got {lr!r}, {warmup!r}")
     if resume and overwrite:
         raise FinetuneError("give --resume or --overwrite, not both")
+    if prefix_cache not in ("auto", "on", "off"):
+        raise FinetuneError(f"--prefix-cache must be auto, on or off, got {prefix_cache!r}")
 
     lora = _count(str(scheme), "lora:R") if str(scheme).startswith("lora:") else None
     if lora is not None and frozen_dtype != "float32":
@@ -618,22 +625,42 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                  "tokens": r["tokens"], "seconds": r["seconds"]}
         run.log(r)
 
+    step_fn, cached = trainer, None
+    if prefix_cache == "off":
+        pass
+    elif prefix_cache == "auto" and total <= per_epoch:
+        _say(progress, "prefix cache off (auto): each example is seen once")
+    else:
+        from pockjax.prefix import PrefixCachedTrainer, PrefixCacheError
+
+        spill = Path(out) / "prefix-cache"
+        shutil.rmtree(spill, ignore_errors=True)
+        cached = PrefixCachedTrainer(trainer, spill_dir=str(spill), auto=prefix_cache == "auto")
+        try:
+            report = cached.report(state, batch_of(start))
+        except PrefixCacheError as e:
+            raise FinetuneError(f"--prefix-cache on: {e}") from None
+        _say(progress, f"{report}; RAM budget {cached.budget_bytes / 2**30:.2f} GiB")
+        step_fn = cached if report.on else trainer
+
     try:
         with warnings.catch_warnings():  # finetune says it itself, with the checkpoint
             warnings.filterwarnings("ignore", message="fit: interrupted")
-            state, history = fit(trainer, state, batch_of, total, start=start,
+            state, history = fit(step_fn, state, batch_of, total, start=start,
                                  progress=progress, log_every=1, desc="finetune",
                                  evaluate=evaluate if held is not None else None,
                                  eval_every=eval_every, save=lambda s: saved.append(
                                      run.save(s, keep)), save_every=save_every,
                                  on_record=record, stop_nonfinite=True, tokens=tokens_of)
     except StepNotFinite as e:
+        _close(cached, out)
         kept = run.checkpoints()
         where = (f"the last checkpoint, {kept[-1][1]}, is from step {kept[-1][0]}"
                  if kept else "no checkpoint was written")
         raise NonFiniteLoss(f"step {e.step}: the loss is {e.loss}; the run stopped and {where}. "
                             f"Lower the learning rate (--lr {lr:g}), add warm-up (--warmup), "
                             f"or pass --skip-nonfinite to skip such steps") from None
+    _close(cached, out)
     if history.interrupted:
         if history.steps > 0:
             raise Interrupted(f"interrupted at step {start + history.steps} of {total}; saved "
@@ -658,6 +685,13 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     _say(progress, f"done: {total - start} steps in {seconds:.1f} s "
                    f"({result.tokens_per_second:,.0f} tokens/s), model in {final}")
     return result
+
+
+def _close(cached, out) -> None:
+    """Drop the prefix cache and its spill folder."""
+    if cached is not None:
+        cached.close()
+        shutil.rmtree(Path(out) / "prefix-cache", ignore_errors=True)
 
 
 def _write_final(loaded: LoadedModel, params, final: Path, frozen_dtype: str) -> None:
@@ -769,6 +803,9 @@ def add_arguments(p) -> None:
                    "causal LMs), flax, or torch (transformers' own module for any family)")
     p.add_argument("--skip-nonfinite", action="store_true", help="skip a step whose loss or "
                    "gradient is not finite instead of stopping")
+    p.add_argument("--prefix-cache", default="auto", choices=("auto", "on", "off"),
+                   help="compute the frozen prefix once per example when the data repeats "
+                        "(auto: when it saves enough; same results either way)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw loss.png "
                    "(matplotlib) at the end; metrics.jsonl is written either way")
 
@@ -783,7 +820,8 @@ def main(args) -> int:
                           save_every=args.save_every, keep=args.keep, resume=args.resume,
                           overwrite=args.overwrite, seed=args.seed,
                           frozen_dtype=args.frozen_dtype, skip_nonfinite=args.skip_nonfinite,
-                          frontend=args.frontend, plot=args.plot)
+                          frontend=args.frontend, plot=args.plot,
+                          prefix_cache=args.prefix_cache)
     except Interrupted as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
         return 130

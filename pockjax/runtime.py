@@ -206,10 +206,10 @@ class _Artifact:
 
     # -- batches -----------------------------------------------------------------
 
-    def _batch_args(self, batch) -> list[np.ndarray]:
+    def _batch_args(self, batch, function: str = "train_step") -> list[np.ndarray]:
         named = named_leaves(batch)
         got = {(p or "batch"): x for p, x in named}
-        inputs = self.manifest["functions"]["train_step"]["inputs"]
+        inputs = self.manifest["functions"][function]["inputs"]
         expected = ", ".join(f"{s['name']}: {s['dtype']}{list(s['shape'])}" for s in inputs)
         names = [s["name"] for s in inputs]
         if sorted(got) != sorted(names):
@@ -231,6 +231,12 @@ class _Artifact:
                                   f"int64/float64 arrays by default)")
             args.append(np.ascontiguousarray(x).reshape(x.shape))  # 0-d stays 0-d
         return args
+
+    def _prefix_inputs(self, batch) -> list[np.ndarray]:
+        if "prefix" not in self.manifest["functions"]:
+            raise ExportError(f"artifact '{self.path}' has no prefix function: it is not a "
+                              "prefix cache's export (pockjax.prefix.PrefixCachedTrainer.export)")
+        return self._batch_args(batch, "prefix")
 
     def params(self):
         """The current parameters as a numpy pytree with the original paths."""
@@ -282,7 +288,7 @@ class Session(_Artifact):
             raise ExportError(f"IREE device {device!r} is not available here: {e}") from None
         # The functions not called yet: on a CPU Vulkan device each one's first call waits
         # for the driver to compile its pipelines.
-        self._uncalled = {"train_step", "eval"}
+        self._uncalled = {"train_step", "eval", "prefix"}
         self._vulkan_caps = _check_vulkan(self.path, self.manifest) if backend == "vulkan" else None
         target = self.manifest["target"]["name"]
         if target == "android-arm64" and platform.machine().lower() not in ("aarch64", "arm64"):
@@ -296,7 +302,7 @@ class Session(_Artifact):
         # maps and loads it (hashlib releases the GIL): at TinyLlama-1.1B's size that
         # hides seconds of reading. A damaged archive is reported before any error its
         # damage caused. Other devices hash everything first: a busy thread beside a
-        # Vulkan load makes lavapipe's device loss likelier (README, "Vulkan on
+        # Vulkan load makes lavapipe's device loss likelier (docs/export.md, "Vulkan on
         # lavapipe: device loss").
         if device not in _CPU_DEVICES:
             check_hashes(self.path, self.manifest)
@@ -406,7 +412,7 @@ class Session(_Artifact):
         device. Mesa's lavapipe (Debian 12's 22.3) loses it at random under IREE 3.13:
         IREE's queue threads can signal its wakeup semaphore out of order, and lavapipe's
         emulated timeline semaphores declare the device lost when a value does not
-        increase (README, "Vulkan on lavapipe: device loss")."""
+        increase (docs/export.md, "Vulkan on lavapipe: device loss")."""
         try:
             yield
         except RuntimeError as e:  # IREE's errors, and pockjax's ExportErrors wrapping them
@@ -456,6 +462,16 @@ class Session(_Artifact):
             self._state = list(outs[:n])
             names = self.manifest["functions"]["train_step"]["outputs"]
             return {name: self._host(o) for name, o in zip(names, outs[n:])}
+
+    def prefix(self, batch) -> list[np.ndarray]:
+        """A prefix cache's artifact: the cut values of `batch` (the original batch,
+        without "cut"), to keep per example and pass to `step` as
+        `{"batch": batch, "cut": values}`."""
+        self._check_open()
+        args = self._prefix_inputs(batch)
+        self._first_call("prefix")
+        with self._lost_device("the prefix"):
+            return [self._host(o) for o in _as_list(self._fn["prefix"](*args))]
 
     def evaluate(self, batch) -> np.ndarray:
         """The loss on `batch` with the current parameters (no update)."""
@@ -602,6 +618,15 @@ class ToolSession(_Artifact):
                           len(self._state_names) + len(fn["outputs"]), tag)
         self._state_files = outs[:len(self._state_names)]
         return {name: np.load(f) for name, f in zip(fn["outputs"], outs[len(self._state_names):])}
+
+    def prefix(self, batch) -> list[np.ndarray]:
+        """The cut values of `batch` (see `Session.prefix`), in a new process."""
+        files = []
+        for i, x in enumerate(self._prefix_inputs(batch)):
+            files.append(os.path.join(self.workdir, f"prefix_in_{i}.npy"))
+            np.save(files[-1], x)
+        n = len(self.manifest["functions"]["prefix"]["outputs"])
+        return [np.load(f) for f in self._call("prefix", files, n, "prefix")]
 
     def evaluate(self, batch) -> np.ndarray:
         state = [self._state_files[i] for i in self._eval_indices()]

@@ -147,6 +147,12 @@ class ScheduledTrainer:
         return self.schedule
 
     @property
+    def base(self):
+        """The `SparseTrainer` this schedule's trainers were made from (its loss,
+        optimizer and settings; its own scheme is not used)."""
+        return self._base
+
+    @property
     def trainers(self) -> list:
         """The `SparseTrainer` of each distinct scheme."""
         return list(self._trainers)
@@ -198,13 +204,14 @@ class ScheduledTrainer:
 
     def explain(self, state, batch):
         """The explanation (`SparseTrainer.explain`) of the scheme `state` holds."""
-        return self._trainer_of(state).explain(state, batch)
+        return self.trainer_of(state).explain(state, batch)
 
     def report(self, state, batch, **kw):
         """`SparseTrainer.report` of the scheme `state` holds."""
-        return self._trainer_of(state).report(state, batch, **kw)
+        return self.trainer_of(state).report(state, batch, **kw)
 
-    def _trainer_of(self, state):
+    def trainer_of(self, state):
+        """The `SparseTrainer` of the scheme `state` holds."""
         for t in self._trainers:
             if t.scheme == state.scheme:
                 return t

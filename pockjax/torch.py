@@ -109,7 +109,7 @@ def import_torchax():
         import torch
     except ImportError as e:
         raise ImportError("pockjax.torch needs PyTorch and torchax: pip install 'pockjax[torch]' "
-                          "(then torchax with --no-deps, see the README)") from e
+                          "(see docs/pytorch.md)") from e
     had = _TELEMETRY_VAR in os.environ
     try:
         with _named_overloads_tolerated():

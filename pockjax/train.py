@@ -943,7 +943,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         evaluate: Callable | None = None, eval_every: int | None = None,
         save: Callable | None = None, save_every: int | None = None,
         on_record: Callable[[dict], None] | None = None, stop_nonfinite: bool = False,
-        tokens: Callable[[int], int] | None = None) -> tuple[TrainState, History]:
+        tokens: Callable[[int], int] | None = None,
+        prefix_cache: bool | str | int = False) -> tuple[TrainState, History]:
     """Run `trainer` (a `SparseTrainer`, or any `step(state, batch) -> (state, metrics)`)
     from step `start` to step `steps`, or until the batches run out.
 
@@ -972,6 +973,11 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
       stop_nonfinite: raise `NonFiniteLoss` at the first NaN or infinite loss, before
         anything after the step before it is saved.
       tokens: `tokens(step)`, the tokens in the (0-based) step's batch, for tokens/s.
+      prefix_cache: for data seen more than once: compute the frozen prefix of the step
+        once per example and keep its output (`pockjax.prefix.PrefixCachedTrainer`,
+        examples named by a hash of their contents; the same results as without it).
+        True, an int (the RAM budget in bytes), "auto" (only where the prefix is a
+        large enough part of the step) or False. The cache is dropped when fit returns.
       log_every, desc: the bar's refresh interval in steps and its label.
 
     Returns:
@@ -981,6 +987,18 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
 
     if steps is not None and steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    cached = None
+    if prefix_cache is not False and prefix_cache is not None:
+        from pockjax.prefix import PrefixCachedTrainer
+
+        budget = (prefix_cache if isinstance(prefix_cache, int) and not
+                  isinstance(prefix_cache, bool) else None)
+        if not (prefix_cache is True or prefix_cache == "auto" or
+                (budget is not None and budget >= 0)):
+            raise ValueError(f"prefix_cache must be True, False, 'auto' or a byte budget (an "
+                             f"int >= 0), got {prefix_cache!r}")
+        trainer = cached = PrefixCachedTrainer(trainer, budget_bytes=budget,
+                                               auto=prefix_cache == "auto")
     if callable(batches) and not hasattr(batches, "__iter__"):
         if steps is None:
             raise ValueError("batches given as a function of the step need steps= (the step "
@@ -1070,6 +1088,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
             save(state)
     finally:
         bar.close()
+        if cached is not None:
+            cached.close()
     seconds = time.perf_counter() - began if began is not None else 0.0
     if interrupted:
         warnings.warn(f"fit: interrupted (Ctrl-C) after {step - start} steps; returning the "

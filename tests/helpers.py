@@ -94,7 +94,7 @@ def run_example(script: str, *args: str, timeout: int = 900) -> str:
     """Run `examples/<script>` as a user does and return its standard output.
 
     The examples that step an artifact on lavapipe can lose the Vulkan device at random
-    (README, "Vulkan on lavapipe: device loss"); a run that failed with
+    (docs/export.md, "Vulkan on lavapipe: device loss"); a run that failed with
     `pockjax.runtime.DeviceLost` is repeated once, with a warning. Any other failure is
     not repeated."""
     import subprocess

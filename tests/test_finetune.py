@@ -465,3 +465,40 @@ def test_blockwise_schedule_trains_every_block_and_resumes_mid_turn(folders, dat
     b = _params(Path(resumed.final))
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_prefix_cache_gives_the_same_run_and_says_so(folders, data, tmp_path, capsys):
+    """Six epochs of the last block: with the prefix cache (on, and auto) the final
+    weights equal the uncached run's bit for bit; the log says what the cache saves;
+    its spill folder is gone at the end."""
+    common = dict(valid=data["valid"], scheme="last:1", epochs=6, batch=4, seq=32, lr=1e-2,
+                  eval_every=8, plot=False)
+    off = pj.finetune(folders["llama"], data["train"], tmp_path / "off", prefix_cache="off",
+                      progress=False, **common)
+    capsys.readouterr()
+    on = pj.finetune(folders["llama"], data["train"], tmp_path / "on", prefix_cache="on",
+                     progress=True, **common)
+    err = capsys.readouterr().err
+    assert "prefix cache on (asked for): the cut is float32[32, " in err, err
+    assert on.valid_loss == off.valid_loss and on.train_loss == off.train_loss
+    a, b = _params(Path(off.final)), _params(Path(on.final))
+    for k in a:
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+    assert not (tmp_path / "on" / "prefix-cache").exists()
+    once = pj.finetune(folders["llama"], data["train"], tmp_path / "once", steps=2,
+                       progress=True, **{k: v for k, v in common.items() if k != "epochs"})
+    assert "prefix cache off (auto): each example is seen once" in capsys.readouterr().err
+    assert once.steps == 2
+    with pytest.raises(pj.FinetuneError, match="--prefix-cache must be auto, on or off"):
+        pj.finetune(folders["llama"], data["train"], tmp_path / "bad", prefix_cache="yes",
+                    progress=False)
+    # A schedule: the cut is below the lowest block any of its schemes trains.
+    sched = dict(scheme="blockwise:2", epochs=3, batch=4, seq=32, lr=1e-2, plot=False,
+                 progress=False)
+    a = pj.finetune(folders["llama"], data["train"], tmp_path / "s-off", prefix_cache="off",
+                    **sched)
+    b = pj.finetune(folders["llama"], data["train"], tmp_path / "s-on", prefix_cache="on",
+                    **sched)
+    a, b = _params(Path(a.final)), _params(Path(b.final))
+    for k in a:
+        np.testing.assert_array_equal(b[k], a[k], err_msg=k)

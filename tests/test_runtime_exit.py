@@ -32,7 +32,7 @@ from pockjax import runtime
 art, device, batch_file = sys.argv[1:]
 float(jnp.sum(jnp.ones(3)))
 batch = dict(np.load(batch_file))
-for attempt in range(3):  # lavapipe loses its device at random (README); not what is tested
+for attempt in range(3):  # lavapipe loses its device at random (docs/export.md); not what is tested
     try:
         session = runtime.load(art, device=device)
         print(float(session.step(batch)["loss"]))

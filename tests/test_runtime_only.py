@@ -47,7 +47,7 @@ def _runtime_requirements() -> list[str]:
 @pytest.fixture(scope="module")
 def runtime_env(tmp_path_factory):
     """A virtual environment with the runtime extra and pockjax's wheel (no
-    dependencies), installed as the README says."""
+    dependencies), installed as docs/export.md says."""
     tmp = tmp_path_factory.mktemp("runtime-env")
     env = tmp / "venv"
     base = getattr(sys, "_base_executable", sys.executable)

@@ -136,7 +136,8 @@ class _Progress:
                   file=sys.stderr, flush=True)
 
 
-def _tied_if_smaller(trainer, state, batch, tgt, flags, lowered, stream, report, say):
+def _tied_if_smaller(trainer, state, batch, tgt, flags, lowered, stream, report, say,
+                     prefix=None):
     """The step with each matmul's read of a trained weight tied to its other operand
     (`pockjax.export.lowering.tie_weight_reads`) when its stream plan allocates less than
     the untied one's, else the untied step: `(lowered, stream, report, tied)`.
@@ -149,7 +150,8 @@ def _tied_if_smaller(trainer, state, batch, tgt, flags, lowered, stream, report,
     packs (a 2-block toy LLaMA: 484 -> 547 kB), so the compiled plans decide. A tied
     plan that is not hazard-free and in place is not taken."""
     say("lowering the step again with each trained weight's reads tied to its matmuls")
-    tied = lower_step(trainer, state, batch, backend=tgt.backend, tie_weights=True)
+    tied = lower_step(trainer, state, batch, backend=tgt.backend, tie_weights=True,
+                      prefix=prefix)
     if tied.mlir == lowered.mlir:
         return lowered, stream, report, False
     say("compiling that step to stream IR (kept if it allocates less)")
@@ -162,8 +164,13 @@ def _tied_if_smaller(trainer, state, batch, tgt, flags, lowered, stream, report,
 
 
 def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "export",
-           gpu: str | None = None, extra_flags=(), progress: bool = False) -> Artifact:
+           gpu: str | None = None, extra_flags=(), progress: bool = False,
+           prefix=None) -> Artifact:
     """Compile the training step for `target` and write the artifact directory.
+
+    `prefix` (from `pockjax.prefix.PrefixCachedTrainer.export`): `trainer` is a prefix
+    cache's suffix and the artifact also gets a `prefix` function computing the cut
+    values of a batch (see `pockjax.export.lowering.lower_step`).
 
     The directory is built under a temporary name next to `out_dir` and renamed into
     place, so a failed or interrupted export leaves no half artifact (and keeps an
@@ -178,7 +185,7 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     started = time.perf_counter()
     say = _Progress(progress)
     say("lowering the training step to StableHLO")
-    lowered = lower_step(trainer, state, batch, backend=tgt.backend)
+    lowered = lower_step(trainer, state, batch, backend=tgt.backend, prefix=prefix)
     mlir, device = lowered.mlir, None
     if tgt.local_device:
         say("reading the local Vulkan device's capabilities")
@@ -193,7 +200,7 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     tied = False
     if tgt.backend == "local":
         lowered, stream, report, tied = _tied_if_smaller(trainer, state, batch, tgt, flags,
-                                                         lowered, stream, report, say)
+                                                         lowered, stream, report, say, prefix)
     gpu_target = None
     if tgt.backend == "vulkan":
         parsed = vulkan.parse_target(stream.decode())
@@ -236,6 +243,11 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
                          "outputs": ["loss"]},
                 "init": {"outputs": [s.name for s in lowered.mutable]},
                 "frozen": {"outputs": [s.name for s in lowered.frozen]},
+                # prefix(batch...) -> cut values, where the step is a prefix cache's
+                # suffix: its batch is {"batch": ..., "cut": [...]}.
+                **({"prefix": {"inputs": [dataclasses.asdict(s) for s in lowered.prefix_inputs],
+                               "outputs": lowered.prefix_outputs}}
+                   if lowered.prefix_outputs else {}),
             },
             "parameters": [dataclasses.asdict(s) for s in lowered.state],
             "params_tree": _tree_paths(state),

@@ -74,6 +74,10 @@ class Lowered:
     batch: list[Slot]
     outputs: list[str]        # train_step's outputs after the state: "loss", "aux/<path>"
     values: dict[str, np.ndarray]   # the initial value of every state tensor, by name
+    # With a prefix (`lower_step(prefix=...)`): prefix(batch...) -> cut values, its inputs
+    # named as in the original batch.
+    prefix_inputs: list[Slot] = dataclasses.field(default_factory=list)
+    prefix_outputs: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def state(self) -> list[Slot]:
@@ -193,7 +197,8 @@ def _legalized(fn, *avals_, backend=None, weights=()):
 
 def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool = True,
                placement: str | None = None, ties: str = "data",
-               backend: str | None = None, tie_weights: bool = False) -> Lowered:
+               backend: str | None = None, tie_weights: bool = False,
+               prefix=None) -> Lowered:
     """Lower `trainer`'s step and eval for `state` and `batch` into one module, legalised
     for IREE (`pockjax.transforms.legalize`) and its HAL device `backend` (a `Target`'s
     `backend`: "local", "vulkan", "cuda"; None: the rewrites every backend gets).
@@ -202,6 +207,10 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
     in-place step is measured against: new buffers for the new state, and one barrier
     before all updates. `ties`: see `pockjax.optim.fused.fused_step`. `tie_weights`: tie
     each matmul's read of a trained weight to its other operand (`tie_weight_reads`).
+
+    `prefix`: the step is a prefix cache's suffix (`pockjax.prefix`), whose batch is
+    `{"batch": batch, "cut": values}`, and `prefix(params, batch) -> values` becomes the
+    module's `prefix` function, reading the frozen weights and the original batch.
     """
     _check_static(batch)
     if trainer.layout is not None:
@@ -269,6 +278,28 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
         mut_avals[1:1 + n_train], frz_avals, batch_avals).as_text(debug_info=False)
     step_body, step_main = _module_body(step_text, "step_")
     eval_body, eval_main = _module_body(eval_text, "eval_")
+    pre_slots, pre_outputs, pre_body, pre_main = [], [], "", None
+    if prefix is not None:
+        if not (isinstance(batch, dict) and set(batch) == {"batch", "cut"}):
+            raise ExportError("a prefix cache's suffix takes {'batch': ..., 'cut': [...]} as "
+                              "its batch")
+        pre_named, pre_def = leaves_with_paths(batch["batch"])
+        pre_slots = [Slot(p or "batch", tuple(np.shape(x)), _dtype(x), "batch")
+                     for p, x in pre_named]
+        pre_avals = [aval(x) for _, x in pre_named]
+        pre_outputs = [f"cut/{i}" for i in range(len(batch["cut"]))]
+
+        def flat_prefix(frz, pre_leaves):
+            train = [jnp.zeros(a.shape, a.dtype) for a in mut_avals[1:1 + n_train]]
+            return list(prefix(params_from(train, frz),
+                               jax.tree_util.tree_unflatten(pre_def, pre_leaves)))
+
+        pre_fn = _legalized(flat_prefix, frz_avals, pre_avals, backend=backend)
+        pre_text = jax.jit(pre_fn, keep_unused=True).lower(frz_avals, pre_avals).as_text(
+            debug_info=False)
+        pre_body, pre_main = _module_body(pre_text, "prefix_")
+        pre_types = [_tensor_type(a.shape, str(a.dtype)) for a in
+                     jax.eval_shape(flat_prefix, frz_avals, pre_avals)]
 
     mut_slots = [s for s, _ in mutable]
     frz_slots = [s for s, _ in frozen]
@@ -322,6 +353,9 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
     call("eval", eval_main, signature(train_slots, "s") + signature(batch_slots, "b"),
          args("s", train_slots) + args("f", frz_slots) + args("b", batch_slots),
          train_slots + frz_slots + batch_slots, out_types[:1])
+    if pre_main is not None:  # prefix(batch...) -> cut values
+        call("prefix", pre_main, signature(pre_slots, "b"),
+             args("f", frz_slots) + args("b", pre_slots), frz_slots + pre_slots, pre_types)
     # init() -> the initial mutable state; frozen() -> the frozen weights.
     for name, slots, prefix in (("init", mut_slots, "i"), ("frozen", frz_slots, "f")):
         lines.append(f"  func.func public @{name}() -> ({', '.join(types(slots))}) {{")
@@ -331,8 +365,10 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
         lines.append("  }")
     lines.append(step_body)
     lines.append(eval_body)
+    if pre_body:
+        lines.append(pre_body)
     lines.append("}")
 
     values = {s.name: np.asarray(jax.device_get(x)) for s, x in frozen + mutable}
     return Lowered("\n".join(lines) + "\n", mut_slots, frz_slots, batch_slots,
-                   ["loss", *aux_paths], values)
+                   ["loss", *aux_paths], values, pre_slots, pre_outputs)

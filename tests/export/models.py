@@ -239,7 +239,7 @@ def run_vulkan_against_jax(path, trainer, params, batch, steps=3, attempts=3):
 
     lavapipe (Debian 12's Mesa 22.3) loses the device at random under IREE 3.13: IREE's
     queue threads can signal a timeline semaphore out of order and lavapipe's emulated
-    timelines treat that as device loss (README, "Vulkan on lavapipe: device loss"). The runtime
+    timelines treat that as device loss (docs/export.md, "Vulkan on lavapipe: device loss"). The runtime
     raises `DeviceLost` and opens a new device on the next load; here the whole run is
     repeated from the artifact's initial state, with a warning, at most `attempts` times.
     Every repeated run is checked in full; any other failure is not repeated."""
