@@ -483,9 +483,11 @@ def report(args) -> None:
                          f"{r['losses'][-1]:.5f} |")
         lines.append("")
     if args.pretrain:
-        model = adopt_pretrain(args.pretrain)
-        with open(os.path.join(model, "pretrain.json")) as f:
-            rec = json.load(f)
+        adopt_pretrain(args.pretrain)
+    from benchmarks import pretrain
+    done = pretrain.folders(pretrain.DEFAULT_WORK, "full")["model"] / "pretrain.json"
+    rec = json.loads(done.read_text()) if done.is_file() else {}
+    if "trained_on" in rec:  # the pretrained model here came from a GPU run
         lines += ["## The quality benchmark's pretraining", "",
                   f"`benchmarks/pretrain.py`'s full preset ({rec['steps']} steps, "
                   f"{rec['tokens']:,} tokens, {rec['parameters']:,} parameters) on "
