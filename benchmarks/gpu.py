@@ -459,10 +459,35 @@ def report(args) -> None:
                          f"{128 / med:,.0f} | {r['gpu_peak_gib']:.2f} | {compiled} | "
                          f"{r['losses'][0]:.3f} -> {r['losses'][-1]:.3g} | {ver} |")
         lines.append("")
+    if args.prefix:
+        with open(args.prefix) as f:
+            pre = json.load(f)
+        rows = [pre[k] for k in sorted(pre)]
+        lines += ["## LLaMA-2-7B's shape with the prefix cache", "",
+                  f"GPU: {rows[0]['gpu']}. `python -m benchmarks gpu prefix7b [--cached]`, each "
+                  "row its own process: PockEngine's scheme on the last 2 blocks, bfloat16 "
+                  "frozen weights (bfloat16 matmuls, float32 accumulation), batch 1, sequence "
+                  "128. Every batch once (the first epoch; its first step compiles and is "
+                  "left out), then the same batches again (a later epoch: the cached row "
+                  "reads the prefix's output back). Medians of the steps.", ""]
+        cached = [r for r in rows if "prefix_share" in r]
+        if cached:
+            lines += [f"`PrefixReport`: {cached[0]['report']}.", ""]
+        lines += ["| row | first epoch ms/step | later epochs ms/step | GPU peak GiB | "
+                  "first and last loss |", "|---|---|---|---|---|"]
+        import statistics
+        for r in rows:
+            lines.append(f"| {r['row']} | {statistics.median(r['first_visit_s']) * 1e3:.1f} | "
+                         f"{statistics.median(r['later_epoch_s']) * 1e3:.1f} | "
+                         f"{r['gpu_peak_gib']:.2f} | {r['losses'][0]:.5f} -> "
+                         f"{r['losses'][-1]:.5f} |")
+        lines.append("")
     if args.pretrain:
-        model = adopt_pretrain(args.pretrain)
-        with open(os.path.join(model, "pretrain.json")) as f:
-            rec = json.load(f)
+        adopt_pretrain(args.pretrain)
+    from benchmarks import pretrain
+    done = pretrain.folders(pretrain.DEFAULT_WORK, "full")["model"] / "pretrain.json"
+    rec = json.loads(done.read_text()) if done.is_file() else {}
+    if "trained_on" in rec:  # the pretrained model here came from a GPU run
         lines += ["## The quality benchmark's pretraining", "",
                   f"`benchmarks/pretrain.py`'s full preset ({rec['steps']} steps, "
                   f"{rec['tokens']:,} tokens, {rec['parameters']:,} parameters) on "
@@ -509,6 +534,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("report")
     p.add_argument("results", help="the results.json a device run wrote")
     p.add_argument("--pretrain", help="a device run's pretrain folder, adopted here")
+    p.add_argument("--prefix", help="a device run's prefix7b results (JSON)")
     p.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     {"prepare": prepare, "cuda": cuda, "llama7b": llama7b, "pretrain": pretrain_on_gpu,

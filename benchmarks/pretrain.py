@@ -18,7 +18,10 @@ second call returns at once and an interrupted one resumes (Ctrl-C is safe):
 The full preset (6 blocks, width 256, vocabulary 8192, sequence 256; 1300 steps of
 8 x 256 tokens, about 0.85 passes over the 3.1M-token corpus) is sized for 30-40 minutes
 (1.7 s a step measured alone on a 2.50 GHz Xeon's 2 cores: about 37 minutes) on an idle
-2-core CPU; `--quick` (2 blocks, width 64) for about a minute, for tests.
+2-core CPU; `--quick` (2 blocks, width 64) for about a minute, for tests. Where a GPU
+is lent, `python -m benchmarks gpu pretrain` trains the same preset there from this
+machine's init folder and corpus, and `gpu report --pretrain` puts the model in place
+here (`benchmarks/gpu.py`).
 """
 from __future__ import annotations
 

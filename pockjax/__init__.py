@@ -19,6 +19,7 @@ _WHERE = {
     "TracedValueError": "transforms",
     "sparse_train": "train", "SparseTrainer": "train", "TrainState": "train",
     "Schedule": "schedule", "ScheduledTrainer": "schedule",
+    "PrefixCachedTrainer": "prefix", "PrefixCacheError": "prefix", "find_cut": "prefix",
     "TrainReport": "train", "fit": "train", "History": "train", "checkpoint_block": "train",
     "save": "checkpoint", "load": "checkpoint", "CheckpointError": "checkpoint",
     "ExportError": "export.targets",
@@ -28,7 +29,7 @@ _WHERE = {
     "count_flops": "flops", "flops_of": "flops",
     "compiled_memory": "_report", "tree_bytes": "_report", "format_bytes": "_report",
     "format_flops": "_report",
-    "schemes": None, "schedule": None, "export": None, "runtime": None, "nnx": None, "models": None,
+    "schemes": None, "schedule": None, "prefix": None, "export": None, "runtime": None, "nnx": None, "models": None,
     "data": None,  # JSONL fine-tuning data: formats, prompt masking, batches
     "torch": None,  # PyTorch modules in through torchax (torch imported on first use)
     "backend": None,  # host training on XLA or IREE's CPU backend, or the faster of the two
@@ -56,7 +57,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
-    from pockjax import backend, export, models, nnx, runtime, schedule, schemes  # noqa: F401
+    from pockjax import (backend, export, models, nnx, prefix, runtime, schedule,  # noqa: F401
+                         schemes)
     from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes  # noqa: F401
     from pockjax.checkpoint import CheckpointError, load, save  # noqa: F401
     from pockjax.export.targets import ExportError  # noqa: F401
@@ -65,6 +67,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from pockjax.tokenizer import Tokenizer, TokenizerError  # noqa: F401
     from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError  # noqa: F401
     from pockjax.scheme_search import SearchReport, search  # noqa: F401
+    from pockjax.prefix import PrefixCachedTrainer, PrefixCacheError, find_cut  # noqa: F401
     from pockjax.schedule import Schedule, ScheduledTrainer  # noqa: F401
     from pockjax.train import (History, SparseTrainer, TrainReport, TrainState,  # noqa: F401
                                checkpoint_block, fit, sparse_train)

@@ -84,6 +84,24 @@ def test_llama_cached_epochs_equal_the_uncached_run(case):
     cached.close()
 
 
+def test_a_channels_scheme_cuts_above_the_first_trained_reader():
+    """A quarter of block 2's up projection trains (and block 3): the cut is the residual
+    stream after block 2's attention and block 2's frozen gate projection, which the
+    trained product reads; the normalised input both read is recomputed from the
+    residual."""
+    loss, params, data = _llama()
+    names = pj.schemes.blocks(params)
+    scheme = pj.Scheme({f"{names[2]}/mlp/up_proj/kernel": pj.Channels(ratio=0.25, axis="in"),
+                        f"{names[3]}/**": pj.Full()}, default=pj.Frozen())
+    split = find_cut(loss, params, jax.tree_util.tree_map(lambda x: x[:BATCH], data), scheme)
+    assert sorted(v.shape for v in split.values) == [(16, 32), (16, 64)], split.describe()
+    trainer = pj.sparse_train(loss, optimizer=optax.adamw(1e-2), scheme=scheme)
+    cached = PrefixCachedTrainer(trainer)
+    a, b, la, lb = _epochs(trainer, cached, trainer.init(params), trainer.init(params), data)
+    assert la == lb
+    _assert_same(a, b)
+
+
 def test_content_keys_and_bfloat16_storage():
     """Without keys each example is named by a hash of its contents (the same hits);
     bfloat16 storage halves the bytes and moves the losses a little."""
