@@ -269,28 +269,15 @@ def prefix7b(args) -> None:
     (one per process): the cached row's first step on a new batch computes the prefix
     (an epoch's first visit), the later steps on the same batches read it back."""
     import jax
-    import jax.numpy as jnp
-    import optax
-    from flax import nnx
 
-    import pockjax as pj
-    from benchmarks import real_size
-    from benchmarks.paper_table import jax_loss, make_batch
+    from benchmarks import prefix_cache
     from pockjax.prefix import PrefixCachedTrainer
 
-    s = real_size.PRESETS[args.preset]
     row = "pockjax paper last-2 bf16-frozen bf16-matmul"
     t0 = time.perf_counter()
-    graphdef, _, scheme, arrays = real_size.build_params(
-        s, real_size.scheme_for(row, s), jnp.bfloat16, jnp.float32, narrow="native")
-    lm_loss = jax_loss("llama")
-    trainer = pj.sparse_train(lambda p, t: lm_loss(nnx.merge(graphdef, p), t),
-                              optimizer=optax.adamw(real_size.LR,
-                                                    weight_decay=real_size.WEIGHT_DECAY),
-                              scheme=scheme)
-    state = [trainer.init(arrays(), copy=False)]
-    first = make_batch("llama", s)
-    batches = [jnp.asarray(np.roll(first, k, axis=1)) for k in range(args.steps + 2)]
+    trainer, state, batches = prefix_cache.build(args.preset, "paper", "bfloat16",
+                                                 args.steps + 2)
+    state = [state]
     step_fn, out = trainer, {}
     if args.cached:
         step_fn = PrefixCachedTrainer(trainer)

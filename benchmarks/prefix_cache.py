@@ -36,8 +36,11 @@ from benchmarks.common import (ROOT, commit, peak_rss_mib, report_result, run_ro
 SCHEMES = ("last-k", "paper")
 
 
-def row(args) -> dict:
-    import jax
+def build(preset: str, scheme_name: str, frozen_dtype: str, batches: int):
+    """`(trainer, state, batches)`: `benchmarks/real_size.py`'s model at `preset` (random
+    weights made leaf by leaf), the "paper" (last 2 blocks) or "last-k" scheme, frozen
+    weights in `frozen_dtype` (bfloat16: bfloat16 matmuls, float32 accumulation), AdamW,
+    and `batches` distinct batches of random tokens."""
     import jax.numpy as jnp
     import optax
     from flax import nnx
@@ -45,12 +48,11 @@ def row(args) -> dict:
     import pockjax as pj
     from benchmarks import real_size
     from benchmarks.paper_table import jax_loss, make_batch
-    from pockjax.prefix import PrefixCachedTrainer
 
-    s = real_size.PRESETS[args.llama]
-    scheme_fn = ((lambda p: pj.schemes.transformer(p, last=2)) if args.scheme == "paper"
+    s = real_size.PRESETS[preset]
+    scheme_fn = ((lambda p: pj.schemes.transformer(p, last=2)) if scheme_name == "paper"
                  else (lambda p: pj.schemes.last_blocks(p, s["last"])))
-    bf16 = args.frozen_dtype == "bfloat16"
+    bf16 = frozen_dtype == "bfloat16"
     graphdef, _, scheme, arrays = real_size.build_params(
         s, scheme_fn, jnp.bfloat16 if bf16 else None, jnp.float32 if bf16 else None,
         narrow="native" if bf16 else "upcast")
@@ -59,9 +61,20 @@ def row(args) -> dict:
                               optimizer=optax.adamw(real_size.LR,
                                                     weight_decay=real_size.WEIGHT_DECAY),
                               scheme=scheme)
-    state = [trainer.init(arrays(), copy=False)]
     first = make_batch("llama", s)
-    batches = [jnp.asarray(np.roll(first, k, axis=1)) for k in range(args.steps + 1)]
+    return (trainer, trainer.init(arrays(), copy=False),
+            [jnp.asarray(np.roll(first, k, axis=1)) for k in range(batches)])
+
+
+def row(args) -> dict:
+    import jax
+
+    import pockjax as pj
+    from pockjax.prefix import PrefixCachedTrainer
+
+    trainer, state, batches = build(args.llama, args.scheme, args.frozen_dtype, args.steps + 1)
+    scheme = trainer.scheme
+    state = [state]
     step_fn, out = trainer, {}
     report = PrefixCachedTrainer(trainer).report(state[0], batches[0])
     out.update(prefix_share=report.share, bound=report.bound, cut_bytes=report.bytes_per_example,
