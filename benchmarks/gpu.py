@@ -221,12 +221,11 @@ def llama7b(args) -> None:
 
 def _torch_row(row: str, s: dict, args) -> dict:
     import torch
-    import torch.nn.functional as F
     import transformers
     from peft import LoraConfig, get_peft_model
 
     from benchmarks.paper_table import _timed, make_batch
-    from benchmarks.real_size import LR, WEIGHT_DECAY
+    from benchmarks.real_size import LR, WEIGHT_DECAY, torch_step
 
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -248,16 +247,7 @@ def _torch_row(row: str, s: dict, args) -> dict:
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
-    def step():
-        opt.zero_grad(set_to_none=True)
-        logits = net(input_ids=tokens).logits[:, :-1]
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                               tokens[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    losses, times = _timed(step, args.steps, args.warmup)
+    losses, times = _timed(torch_step(net, opt, tokens), args.steps, args.warmup)
     return {"losses": losses, "times": times, "setup_s": setup,
             "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0,
             "trained_params": sum(p.numel() for p in params), "torch": torch.__version__,

@@ -462,7 +462,6 @@ def run_iree_row(row: str, args) -> dict:
 def run_torch(row: str, s: dict, args) -> dict:
     import peft  # noqa: F401  (imports counted in the baseline, as JAX's are)
     import torch
-    import torch.nn.functional as F
     import transformers
 
     torch.manual_seed(0)
@@ -485,6 +484,15 @@ def run_torch(row: str, s: dict, args) -> dict:
     fused = "fused" in row or "lora" in row
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY, fused=fused)
     tokens = torch.from_numpy(make_batch("llama", s)).long()
+    losses, times = _timed(_staged(torch_step(net, opt, tokens)), args.steps, args.warmup)
+    return {"losses": losses, "times": times, "rss_imports_mib": rss_imports,
+            "trained_params": sum(p.numel() for p in params)}
+
+
+def torch_step(net, opt, tokens):
+    """One PyTorch training step on `tokens` (next-token cross-entropy), as a function
+    returning the loss as a float (which waits for the step)."""
+    import torch.nn.functional as F
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -495,9 +503,7 @@ def run_torch(row: str, s: dict, args) -> dict:
         opt.step()
         return float(loss.detach())
 
-    losses, times = _timed(_staged(step), args.steps, args.warmup)
-    return {"losses": losses, "times": times, "rss_imports_mib": rss_imports,
-            "trained_params": sum(p.numel() for p in params)}
+    return step
 
 
 # --------------------------------------------------------------------------- the guard
