@@ -300,3 +300,20 @@ def _plain_artifact(tmp_path):
     out = tmp_path / "plain"
     trainer.export(trainer.init(params), {"x": np.ones((4, 3), np.float32)}, out_dir=out)
     return out
+
+
+def test_argument_errors_name_the_fix():
+    loss, params, data = _llama()
+    scheme = pj.schemes.last_blocks(params, 2)
+    trainer = pj.sparse_train(loss, optimizer=optax.sgd(0.1), scheme=scheme)
+    batch = jax.tree_util.tree_map(lambda x: x[:BATCH], data)
+    with pytest.raises(ValueError, match=r"keys: expected one per example \(4\), got 3"):
+        PrefixCachedTrainer(trainer)(trainer.init(params), batch, keys=[0, 1, 2])
+    with pytest.raises(ValueError, match="dtype must be 'float32' or 'bfloat16'"):
+        PrefixCachedTrainer(trainer, dtype="int8")
+    with pytest.raises(TypeError, match="needs a pockjax.SparseTrainer"):
+        PrefixCachedTrainer(lambda s, b: (s, {}))
+    schedule = pj.schemes.blockwise(params, every=2)
+    scheduled = pj.sparse_train(loss, optimizer=optax.sgd(0.1), scheme=schedule)
+    with pytest.raises(PrefixCacheError, match="schedule's steps are not exported"):
+        PrefixCachedTrainer(scheduled).export(scheduled.init(params), batch)
