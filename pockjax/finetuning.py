@@ -113,8 +113,7 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
                             f"saved to") from None
     model_type = config.get("model_type")
     families = hf.SUPPORTED_FAMILIES
-    if frozen_dtype not in ("float32", "bfloat16"):
-        raise FinetuneError(f"frozen dtype {frozen_dtype!r}: choose 'float32' or 'bfloat16'")
+    _check_frozen_dtype(frozen_dtype)
     if frontend not in FRONTENDS:
         raise FinetuneError(f"--frontend {frontend!r}: choose one of {', '.join(FRONTENDS)}")
     if frontend == "flax" and model_type not in families:
@@ -127,6 +126,21 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
         raise FinetuneError(f"--scheme lora:{lora} is implemented for pockjax's Flax models "
                             f"({', '.join(families)}); this model runs through pockjax.torch")
     return _torch_model(folder, model_type, families, frozen_dtype)
+
+
+def _check_frozen_dtype(frozen_dtype: str) -> None:
+    from pockjax import lowbit
+
+    try:
+        lowbit.format_of(frozen_dtype)
+    except lowbit.QuantizeError:
+        raise FinetuneError(f"--frozen-dtype {frozen_dtype!r}: choose float32, bfloat16, int8 "
+                            f"or int4 (int4:GROUP sets the group, e.g. int4:32)") from None
+
+
+def _low_bit(frozen_dtype: str) -> bool:
+    """Whether frozen weights are stored as integers (pockjax.lowbit), not a float type."""
+    return frozen_dtype.startswith("int")
 
 
 def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
@@ -176,7 +190,7 @@ def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> Loade
                             f"{supported}, and other architectures run through pockjax.torch, "
                             f"which needs torch and transformers: pip install "
                             f"'pockjax[torch]'") from None
-    if frozen_dtype != "float32":
+    if frozen_dtype != "float32" and not _low_bit(frozen_dtype):
         raise FinetuneError(f"--frozen-dtype {frozen_dtype} is implemented for the "
                             f"{supported} families; '{folder}' is a {model_type!r} model "
                             f"(through pockjax.torch): use float32")
@@ -478,7 +492,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
       resume: continue the run in `out` from its newest checkpoint (same options).
       overwrite: start again in `out`, deleting its run.
       seed: the data order's seed.
-      frozen_dtype: "float32" or "bfloat16" frozen weights (LLaMA families).
+      frozen_dtype: the storage of the frozen weights: "float32", "bfloat16" (LLaMA
+        families), or "int8" / "int4" / "int4:GROUP" (`pockjax.lowbit`, any model).
       frontend: "auto", "flax" or "torch": which model code runs (`load_model`).
       skip_nonfinite: skip a step whose loss or gradient is not finite (counted) instead
         of stopping.
@@ -564,9 +579,17 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     if scheduled and frozen_dtype != "float32":
         raise FinetuneError(f"--scheme {scheme} changes which weights train, so every weight "
                             f"needs its float32 value: use --frozen-dtype float32")
-    if frozen_dtype != "float32":
+    if frozen_dtype != "float32" and loaded.kind == "flax":
         from pockjax.models.llama import cast_frozen
         params = cast_frozen(params, chosen)
+    if _low_bit(frozen_dtype):
+        import jax.numpy as jnp
+
+        from pockjax import lowbit
+        try:  # trained leaves stay float32; the step computes the frozen ones in float32
+            params = lowbit.quantize(params, chosen, frozen_dtype, dtype=jnp.float32)
+        except lowbit.QuantizeError as e:
+            raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
 
     options = _options_of(model=os.path.abspath(model), data=_fingerprint(data),
                           scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
@@ -707,6 +730,15 @@ def _write_final(loaded: LoadedModel, params, final: Path, frozen_dtype: str) ->
     previous one or none, never half of one)."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    if _low_bit(frozen_dtype):
+        # Frozen weights dequantized to bfloat16 (what they hold); trained ones as trained.
+        import jax
+        import jax.numpy as jnp
+
+        from pockjax import lowbit
+        params = jax.tree_util.tree_map(
+            lambda x: lowbit.dequantize(x, jnp.bfloat16) if lowbit.is_quantized(x) else x,
+            params, is_leaf=lowbit.is_quantized)
     loaded.save(params, tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -804,8 +836,12 @@ def add_arguments(p) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out")
     p.add_argument("--overwrite", action="store_true", help="start again in --out")
     p.add_argument("--seed", type=int, default=0, help="seed of the data order")
-    p.add_argument("--frozen-dtype", default="float32", choices=("float32", "bfloat16"),
-                   help="storage of the frozen weights (LLaMA families)")
+    p.add_argument("--frozen-dtype", default="float32", metavar="FORMAT",
+                   help="storage of the frozen weights: float32, bfloat16 (LLaMA families), "
+                        "int8 (a scale per output channel) or int4 (a scale per group of 64 "
+                        "inputs; int4:GROUP sets the group), dequantized where each is used "
+                        "(pockjax.lowbit); the fine-tuned model is written with frozen "
+                        "weights in bfloat16 and trained ones in float32")
     p.add_argument("--frontend", default="auto", choices=FRONTENDS, help="the model code: "
                    "auto (pockjax's Flax LLaMA for LLaMA families, pockjax.torch for other "
                    "causal LMs), flax, or torch (transformers' own module for any family)")

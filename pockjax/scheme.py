@@ -203,6 +203,9 @@ def _key_str(k) -> str:
     return str(k)
 
 
+_QUANTIZED_PART = re.compile(r"/@(data|scale|zero)$")
+
+
 def path_str(path: Sequence[Any]) -> str:
     """"/"-joined form of a `jax.tree_util` key path: dict keys, indices, attribute names."""
     return "/".join(_key_str(k) for k in path)
@@ -350,7 +353,10 @@ class Scheme:
         named, treedef = leaves_with_paths(params)
         if not named:
             raise SchemeError("the parameters have no array leaves; nothing to train")
-        paths = [p for p, _ in named]
+        # A weight stored quantized (pockjax.lowbit.Quantized) has several arrays,
+        # `weight/@data`, `weight/@scale`: the scheme matches the weight's own path.
+        stored = [_QUANTIZED_PART.sub("", p) for p, _ in named]
+        paths = list(dict.fromkeys(stored))
         layouts, note = layouts_of(params)
         for (pattern, _), rx in zip(self.rules, self._regex):
             if not any(rx.match(p) for p in paths):
@@ -361,9 +367,16 @@ class Scheme:
                     + ". Paths are '/'-joined keys; '*' stays within one component, '**' spans several"
                     + (f". {note}" if note else ""))
         decisions = []
-        for path, leaf in named:
-            d = self.match(path)
+        for (path, leaf), owner in zip(named, stored):
+            d = self.match(owner)
             shape = tuple(np.shape(leaf))
+            if owner != path:
+                if not isinstance(d, Frozen):
+                    raise SchemeError(f"parameter '{owner}' is stored quantized and cannot train "
+                                      f"({d!r}); quantize only the leaves the scheme freezes "
+                                      f"(pockjax.lowbit.quantize(params, scheme, ...))")
+                decisions.append(d)
+                continue
             if not isinstance(d, Frozen):
                 dtype = jnp.dtype(leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype)
                 # jnp.issubdtype knows bfloat16 and the float8 types are floating.

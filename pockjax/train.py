@@ -24,13 +24,14 @@ import functools
 import itertools
 import time
 import warnings
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from pockjax import lowbit
 from pockjax import sharding as _sharding
 from pockjax._jaxpr import is_var
 from pockjax._interrupt import InterruptAfter
@@ -346,7 +347,7 @@ class SparseTrainer:
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                  scheme: Scheme, has_aux: bool = False, donate: bool = True,
                  layout: _sharding.Layout | None = None, remat: Any = None,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, frozen_dtype: Any = None):
         if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
             raise TypeError(f"optimizer must be an optax GradientTransformation (with init and "
                             f"update), got {type(optimizer).__name__}")
@@ -356,8 +357,13 @@ class SparseTrainer:
         self.has_aux, self.donate, self.layout = has_aux, donate, layout
         self.skip_nonfinite = bool(skip_nonfinite)
         self.remat: Remat | None = None if remat is None else Remat.of(remat)
-        # What the step differentiates: the loss, checkpointed as `remat` says.
-        self._loss = checkpointed(loss_fn, self.remat)
+        if frozen_dtype is not None:
+            lowbit.format_of(frozen_dtype) if not isinstance(frozen_dtype, Mapping) else \
+                [lowbit.format_of(f) for f in frozen_dtype.values()]  # unknown names fail here
+        self.frozen_dtype = frozen_dtype
+        # What the step differentiates: the loss, on quantized frozen weights where the
+        # parameters hold them (dequantized at each use), checkpointed as `remat` says.
+        self._loss = checkpointed(lowbit.at_use(loss_fn), self.remat)
         self._grad = SparseGradFn(self._loss, scheme, 0, has_aux, with_value=True)
         self._plans: dict = {}
         self._step_jit = jax.jit(self.step, donate_argnums=(0,) if donate else ())
@@ -388,6 +394,10 @@ class SparseTrainer:
         scheme, optimizer = self.scheme, self.optimizer
         scheme.resolve(params)  # scheme errors surface here, outside any trace
         init = lambda p: optimizer.init(trainable(p, scheme))
+        if self.frozen_dtype is not None:
+            quantize = lambda p: lowbit.quantize(p, scheme, self.frozen_dtype)
+            params = (jax.eval_shape(quantize, params) if _abstract(params, "params")
+                      else quantize(params))
         if _abstract(params, "params"):
             # Shapes only: for report(), lower() and export() before allocating a model.
             return TrainState(jax.ShapeDtypeStruct((), jnp.int32), params,
@@ -443,7 +453,8 @@ class SparseTrainer:
         `scheme`, `has_aux`, `donate`, `layout`, `remat`, `skip_nonfinite`)."""
         settings = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, scheme=self.scheme,
                         has_aux=self.has_aux, donate=self.donate, layout=self.layout,
-                        remat=self.remat, skip_nonfinite=self.skip_nonfinite)
+                        remat=self.remat, skip_nonfinite=self.skip_nonfinite,
+                        frozen_dtype=self.frozen_dtype)
         unknown = sorted(set(changes) - set(settings))
         if unknown:
             raise TypeError(f"SparseTrainer.replace() got unknown settings {unknown}; "
@@ -589,7 +600,12 @@ class SparseTrainer:
             updates, opt_state = optimizer.update(g, opt_state, params)
             return optax.apply_updates(params, updates), opt_state, out
 
-        params = abstract_arrays(state.params)
+        # Full training of the float model: quantized weights at their float shape.
+        params = abstract_arrays(jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32) if lowbit.is_quantized(x)
+            or (hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+                and self.frozen_dtype is not None) else x,
+            state.params, is_leaf=lowbit.is_quantized))
         opt_state = jax.eval_shape(optimizer.init, params)
         batch_avals = abstract_arrays(batch)
         if layout is not None:  # the same layout, every parameter trained
@@ -823,7 +839,7 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
                  scheme: Any = None, has_aux: bool = False, donate: bool = True,
                  mesh: jax.sharding.Mesh | None = None, data_axis="data", param_axis=None,
                  param_specs=None, batch_specs=None, remat: Any = None,
-                 skip_nonfinite: bool = False):
+                 skip_nonfinite: bool = False, frozen_dtype: Any = None):
     """Turn `loss(params, batch)` into a `SparseTrainer`.
 
     `scheme` defaults to training everything (`Scheme(default=Full())`); a
@@ -881,9 +897,13 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
     def wrap(f):
         if not callable(f):
             raise TypeError(f"sparse_train decorates a loss function, got {type(f).__name__}")
+        if schedule is not None and frozen_dtype is not None:
+            raise TypeError("frozen_dtype= with a schedule: the schedule's schemes train "
+                            "different weights in turn, so each needs its float value; "
+                            "store frozen weights in low precision with a single scheme")
         trainer = SparseTrainer(f, optimizer, schedule.schemes[0] if schedule else scheme,
                                 has_aux=has_aux, donate=donate, layout=layout, remat=remat,
-                                skip_nonfinite=skip_nonfinite)
+                                skip_nonfinite=skip_nonfinite, frozen_dtype=frozen_dtype)
         return ScheduledTrainer(trainer, schedule) if schedule else trainer
 
     return wrap if fun is None else wrap(fun)

@@ -1,0 +1,453 @@
+"""Frozen weights stored in 8 or 4 bits (or bfloat16), dequantized where they are used.
+
+`quantize(params, scheme, "int4")` stores the leaves a scheme freezes in a low-bit
+format: each becomes a `Quantized` node (the packed integers and their scales). A loss
+written for float parameters runs on such a tree through `at_use(loss)`: inside it every
+quantized weight is dequantized right before the operation that reads it, tied by data to
+that operation's other input (so XLA's scheduler cannot hoist all dequantizations to the
+top of the step, where every float copy would be alive at once), and a matrix product
+dequantizes the weight again in the backward pass instead of keeping the float copy from
+the forward pass. At no point is a float copy of the whole model alive.
+
+Formats (`FORMATS`, or a `Int8` / `Int4` / `Cast` value):
+
+- `"bfloat16"`, `"float16"`: the weight cast, upcast at each use (`Cast`).
+- `"int8"`: symmetric, one scale per output channel: the weight's values along its input
+  axis (JAX's `[in, out]` kernels: axis -2) share a scale (`Int8`).
+- `"int4"`: symmetric, one scale per group of consecutive values along the input axis
+  (the largest even divisor of the axis's size up to `group`, 64), scales in bfloat16,
+  two values packed per byte (`Int4`; `Int4(zero_point=True)` adds a zero point per
+  group).
+
+Leaves of rank < 2 (biases, norms) and leaves that train keep their dtype.
+
+>>> import jax.numpy as jnp, pockjax as pj
+>>> from pockjax import lowbit
+>>> params = {"w": jnp.linspace(-1, 1, 64 * 8).reshape(64, 8), "b": jnp.zeros(8)}
+>>> q = lowbit.quantize(params, pj.Scheme({"b": pj.Full()}), "int4")
+>>> q["w"]
+Quantized(int4, shape=(64, 8), group=64)
+>>> loss = lowbit.at_use(lambda p, x: jnp.sum((x @ p["w"] + p["b"]) ** 2))
+>>> float(loss(q, jnp.ones((2, 64)))) > 0
+True
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import primitives as P
+
+from pockjax import _jaxpr
+
+__all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
+           "quantize", "quantize_leaf", "dequantize", "at_use", "is_quantized", "stored_bytes"]
+
+
+class QuantizeError(ValueError):
+    """A format that does not apply to a leaf, or an unknown format name."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+    """A float format narrower than the computation (`dtype`: bfloat16 or float16)."""
+
+    dtype: Any = jnp.bfloat16
+
+    @property
+    def name(self) -> str:
+        return jnp.dtype(self.dtype).name
+
+
+@dataclasses.dataclass(frozen=True)
+class Int8:
+    """Symmetric 8-bit integers with one `scale_dtype` scale per output channel (the
+    values along the input axis share it)."""
+
+    scale_dtype: Any = jnp.float32
+    name = "int8"
+
+
+@dataclasses.dataclass(frozen=True)
+class Int4:
+    """4-bit integers, two per byte, with a `scale_dtype` scale per `group` consecutive
+    values along the input axis (and, with `zero_point=True`, a zero point per group)."""
+
+    group: int = 64
+    zero_point: bool = False
+    scale_dtype: Any = jnp.bfloat16
+    name = "int4"
+
+
+FORMATS = {"bfloat16": Cast(jnp.bfloat16), "float16": Cast(jnp.float16), "int8": Int8(),
+           "int4": Int4()}
+
+
+def format_of(spec) -> Cast | Int8 | Int4 | None:
+    """A format from its name (`FORMATS`; `"int4:128"` sets the group), a format value,
+    or None / "float32" (no format: the leaf stays as it is).
+
+    Raises:
+      QuantizeError: an unknown name.
+    """
+    if spec is None or isinstance(spec, (Cast, Int8, Int4)):
+        return spec
+    if isinstance(spec, str):
+        name, _, group = spec.partition(":")
+        if name == "float32" and not group:
+            return None
+        if name == "int4" and group:
+            if not group.isdigit() or int(group) < 2 or int(group) % 2:
+                raise QuantizeError(f"format {spec!r}: the group is an even number of values, "
+                                    f"e.g. 'int4:64'")
+            return Int4(group=int(group))
+        if name in FORMATS and not group:
+            return FORMATS[name]
+    raise QuantizeError(f"unknown format {spec!r}: choose one of float32, "
+                        f"{', '.join(FORMATS)} (or 'int4:GROUP'), or a lowbit.Int8/Int4/Cast")
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class Quantized:
+    """A weight stored in a low-bit format: `data` (int8, or uint8 holding two 4-bit
+    values per byte), `scale` and, for `Int4(zero_point=True)`, `zero`; `shape` and
+    `dtype` are the float weight's, `axis` its input axis. A pytree node: its arrays are
+    the leaves (paths `weight/@data`, `weight/@scale`, `weight/@zero`), so it goes through
+    `jit`, checkpoints and the trainer's state like any parameters.
+    """
+
+    def __init__(self, data, scale, zero=None, *, fmt, shape, dtype, axis):
+        self.data, self.scale, self.zero = data, scale, zero
+        self.fmt, self.shape, self.dtype, self.axis = fmt, tuple(shape), jnp.dtype(dtype), axis
+
+    def _children(self):
+        return (self.data, self.scale) + (() if self.zero is None else (self.zero,))
+
+    def tree_flatten_with_keys(self):
+        keys = ("@data", "@scale", "@zero")
+        return ([(jax.tree_util.GetAttrKey(k), c) for k, c in zip(keys, self._children())],
+                (self.fmt, self.shape, self.dtype, self.axis, self.zero is not None))
+
+    def tree_flatten(self):
+        return self._children(), (self.fmt, self.shape, self.dtype, self.axis, self.zero is not None)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        fmt, shape, dtype, axis, has_zero = aux
+        data, scale = children[0], children[1]
+        return cls(data, scale, children[2] if has_zero else None, fmt=fmt, shape=shape,
+                   dtype=dtype, axis=axis)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored (data, scales and zero points)."""
+        return sum(int(np.prod(c.shape)) * jnp.dtype(c.dtype).itemsize for c in self._children())
+
+    def dequantize(self, dtype=None) -> jax.Array:
+        """The float weight (in `dtype`, default the weight's own)."""
+        return dequantize(self, dtype)
+
+    def __repr__(self) -> str:
+        group = f", group={self.fmt.group}" if isinstance(self.fmt, Int4) else ""
+        return f"Quantized({self.fmt.name}, shape={self.shape}{group})"
+
+
+def is_quantized(x) -> bool:
+    """Whether `x` is a `Quantized` node (for `jax.tree` functions' `is_leaf=`)."""
+    return isinstance(x, Quantized)
+
+
+def stored_bytes(params) -> int:
+    """Bytes `params` takes as stored (`Quantized` nodes at their packed size)."""
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(params))
+
+
+# --------------------------------------------------------------------------- formats
+
+def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
+    """`w` (a float array of rank >= 2) stored in `fmt` (a format or its name), with
+    `axis` its input axis (-2 for JAX's `[in, out]` kernels, 1 for a torch Linear's
+    `[out, in]`), `dtype` the float dtype it dequantizes to (default `w`'s). A `Cast`
+    format gives a plain array in its dtype.
+
+    Raises:
+      QuantizeError: `w` is not floating or has rank < 2, or its input axis does not
+        split into `Int4` groups (named by `path`).
+    """
+    fmt = format_of(fmt)
+    w = jnp.asarray(w)
+    if fmt is None:
+        return w
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+        raise QuantizeError(f"'{path}' is {w.dtype}; only floating weights are quantized")
+    if isinstance(fmt, Cast):
+        return w.astype(fmt.dtype)
+    if w.ndim < 2:
+        raise QuantizeError(f"'{path}' has shape {w.shape}: {fmt.name} needs a weight of rank "
+                            f">= 2 (an input axis and output channels); keep vectors as they are")
+    axis %= w.ndim
+    out_dtype = w.dtype if dtype is None else jnp.dtype(dtype)
+    x = w.astype(jnp.float32)
+    if isinstance(fmt, Int8):
+        amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+        scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(fmt.scale_dtype)
+        data = jnp.clip(jnp.round(x / scale.astype(jnp.float32)), -127, 127).astype(jnp.int8)
+        return Quantized(data, scale, fmt=fmt, shape=w.shape, dtype=out_dtype, axis=axis)
+    n = w.shape[axis]
+    # The largest even group of at most `fmt.group` values that divides the input axis.
+    group = next((g for g in range(min(fmt.group, n), 1, -1) if n % g == 0 and g % 2 == 0), 0)
+    if not group:
+        raise QuantizeError(f"'{path}' has {n} values on its input axis {axis} (shape {w.shape}): "
+                            f"int4 packs pairs of values along it, so it needs an even size; "
+                            f"use 'int8' for this leaf")
+    grouped = _split_axis(x, axis, n // group, group)           # [..., n/g, g, ...]
+    if fmt.zero_point:
+        lo = jnp.min(grouped, axis=axis + 1, keepdims=True)
+        hi = jnp.max(grouped, axis=axis + 1, keepdims=True)
+        scale = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(fmt.scale_dtype)
+        s32 = scale.astype(jnp.float32)
+        zero = jnp.clip(jnp.round(-lo / s32), 0, 15).astype(jnp.uint8)
+        levels = jnp.clip(jnp.round(grouped / s32) + zero, 0, 15)
+    else:
+        amax = jnp.max(jnp.abs(grouped), axis=axis + 1, keepdims=True)
+        scale = jnp.where(amax > 0, amax / 7.0, 1.0).astype(fmt.scale_dtype)
+        zero = None
+        levels = jnp.clip(jnp.round(grouped / scale.astype(jnp.float32)), -8, 7) + 8
+    levels = levels.astype(jnp.uint8).reshape(w.shape)
+    pairs = _split_axis(levels, axis, n // 2, 2)
+    low = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
+    high = jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
+    data = (low | (high << 4)).astype(jnp.uint8)
+    scale = jnp.squeeze(scale, axis + 1)
+    zero = None if zero is None else jnp.squeeze(zero, axis + 1)
+    return Quantized(data, scale, zero, fmt=fmt, shape=w.shape, dtype=out_dtype, axis=axis)
+
+
+def _split_axis(x, axis: int, outer: int, inner: int):
+    return x.reshape(x.shape[:axis] + (outer, inner) + x.shape[axis + 1:])
+
+
+def dequantize(q, dtype=None) -> jax.Array:
+    """The float weight a `Quantized` node stores (in `dtype`, default its own); a plain
+    array is returned as it is (cast to `dtype` when given)."""
+    if not isinstance(q, Quantized):
+        return q if dtype is None else jnp.asarray(q).astype(dtype)
+    dtype = q.dtype if dtype is None else jnp.dtype(dtype)
+    if isinstance(q.fmt, Int8):
+        return (q.data.astype(jnp.float32) * q.scale.astype(jnp.float32)).astype(dtype)
+    axis, n = q.axis, q.shape[q.axis]
+    low = (q.data & 15).astype(jnp.float32)
+    high = (q.data >> 4).astype(jnp.float32)
+    levels = jnp.stack([low, high], axis=axis + 1).reshape(q.shape)
+    groups = q.scale.shape[axis]
+    grouped = _split_axis(levels, axis, groups, n // groups)
+    offset = 8.0 if q.zero is None else jnp.expand_dims(q.zero.astype(jnp.float32), axis + 1)
+    scale = jnp.expand_dims(q.scale.astype(jnp.float32), axis + 1)
+    return ((grouped - offset) * scale).reshape(q.shape).astype(dtype)
+
+
+def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | None = None,
+             dtype=None):
+    """`params` with the leaves `scheme` freezes stored in low precision.
+
+    Args:
+      params: a pytree of float arrays (a model's parameters).
+      scheme: a `pockjax.Scheme` (or Schedule's scheme); its frozen leaves are stored in
+        `formats`, the others stay as they are. None: every leaf of rank >= 2.
+      formats: a format (a name in `FORMATS`, `"int4:GROUP"`, or a `Cast` / `Int8` /
+        `Int4`), or a dict of path patterns (the scheme's globs, first match wins) to
+        formats; a leaf no pattern matches, or matched to None / "float32", stays.
+      layouts: `{path: {"in": axis, "out": axis}}` for leaves whose input axis is not -2
+        (default: the layouts registered for `params`, e.g. by `pockjax.torch`).
+      dtype: the float dtype a quantized weight is dequantized to inside the step
+        (default: the leaf's own; float32 for a model stored in bfloat16 but computed in
+        float32).
+
+    Returns:
+      The same tree with each chosen leaf replaced by a `Quantized` node (integer
+      formats) or a cast array (`Cast` formats). Vectors (rank < 2) stay as they are.
+
+    Raises:
+      QuantizeError: a format does not fit a leaf (see `quantize_leaf`), or an unknown
+        format name.
+    """
+    from pockjax.scheme import Frozen, Scheme, layouts_of, leaves_with_paths
+
+    named, treedef = leaves_with_paths(params)
+    if scheme is None:
+        frozen = [True] * len(named)
+    else:
+        decisions = jax.tree_util.tree_leaves(scheme.resolve(params),
+                                              is_leaf=lambda d: d is not None and not isinstance(d, dict))
+        frozen = [isinstance(d, Frozen) for d in decisions]
+    if isinstance(formats, Mapping):
+        rules = Scheme({pattern: Frozen() for pattern in formats}, default=Frozen())
+        patterns = list(formats.items())
+        chooser = lambda path: next((format_of(f) for (pat, f), rx in zip(patterns, rules._regex)
+                                     if rx.match(path)), None)
+    else:
+        single = format_of(formats)
+        chooser = lambda path: single
+    known = layouts_of(params)[0] if layouts is None else dict(layouts)
+    out = []
+    for (path, leaf), is_frozen in zip(named, frozen):
+        chosen = chooser(path) if is_frozen else None
+        if chosen is None or np.ndim(leaf) < 2 or not jnp.issubdtype(jnp.asarray(leaf).dtype,
+                                                                    jnp.floating):
+            out.append(leaf)
+            continue
+        layout = known.get(path)
+        axis = layout["in"] if isinstance(layout, Mapping) else -2
+        out.append(quantize_leaf(leaf, chosen, axis=axis, path=path, dtype=dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# --------------------------------------------------------------------------- at use
+
+class _Lazy:
+    """A quantized weight inside `at_use`'s interpreter, not yet dequantized: the node's
+    arrays and the unary equations (transposes, reshapes, casts) to apply after
+    dequantizing it."""
+
+    def __init__(self, leaves, aux, ops=()):
+        self.leaves, self.aux, self.ops = tuple(leaves), aux, tuple(ops)
+
+    def node(self, leaves=None):
+        return jax.tree_util.tree_unflatten(self.aux, list(self.leaves if leaves is None else leaves))
+
+    def then(self, eqn) -> "_Lazy":
+        return _Lazy(self.leaves, self.aux, self.ops + (eqn,))
+
+    def value(self, leaves, tie):
+        """The float weight, computed only once `tie` exists (times exactly 1 that
+        depends on one element of `tie`), with the deferred equations applied."""
+        w = _materialize(self.node(leaves), tie)
+        for e in self.ops:
+            w = _jaxpr.bind(e, [w])
+        return w
+
+
+def _tie_one(tie, dtype):
+    """Exactly 1 in `dtype`, computed from one element of `tie` (0 where it is not
+    finite), so what it multiplies is computed after `tie` exists."""
+    first = jax.lax.slice(tie, (0,) * tie.ndim, (1,) * tie.ndim).reshape(()).astype(dtype)
+    return 1 + 0 * jnp.where(jnp.isfinite(first), first, 0)
+
+
+def _materialize(node, tie):
+    w = node.dequantize() if isinstance(node, Quantized) else node
+    if tie is None:
+        return w
+    return w * _tie_one(tie, w.dtype)
+
+
+def _dot(spec, other, w):
+    side, dims, precision, preferred = spec
+    args = (other, w) if side == 1 else (w, other)
+    return jax.lax.dot_general(*args, dims, precision=precision, preferred_element_type=preferred)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _qdot(spec, lazy, other, *leaves):
+    return _dot(spec, other, lazy.value(leaves, other))
+
+
+def _qdot_fwd(spec, lazy, other, *leaves):
+    shape = jax.ShapeDtypeStruct(other.shape, other.dtype)
+    return _qdot(spec, lazy, other, *leaves), (shape, leaves)
+
+
+def _qdot_bwd(spec, lazy, residuals, g):
+    shape, leaves = residuals
+    w = lazy.value(leaves, g)  # dequantized again, once the output's gradient exists
+    (d_other,) = jax.linear_transpose(lambda o: _dot(spec, o, w), shape)(g)
+    zeros = [np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.inexact)
+             else jnp.zeros_like(x) for x in leaves]
+    return (d_other, *zeros)
+
+
+_qdot.defvjp(_qdot_fwd, _qdot_bwd)
+
+
+def _float_operand(ins):
+    return next((x for x in ins if not isinstance(x, _Lazy) and hasattr(x, "dtype")
+                 and np.ndim(x) > 0), None)
+
+
+def _override(e, ins, read):
+    lazy = [x for x in ins if isinstance(x, _Lazy)]
+    if not lazy:
+        return None
+    sub = _jaxpr.call_body(e)
+    if sub is not None:  # a nested jit: evaluated inline, quantized weights passed in
+        return _jaxpr.interpret(sub.jaxpr, sub.consts, ins, _override)
+    if len(ins) == 1 and len(e.outvars) == 1 and not e.primitive.multiple_results:
+        return [ins[0].then(e)]  # transpose, reshape, convert...: deferred to the use
+    if e.primitive is P.dot_general_p and len(lazy) == 1 and len(ins) == 2:
+        side = 1 if isinstance(ins[1], _Lazy) else 0
+        other = ins[1 - side]
+        spec = (side, e.params["dimension_numbers"], e.params.get("precision"),
+                e.params.get("preferred_element_type"))
+        return [_qdot(spec, ins[side], other, *ins[side].leaves)]
+    tie = _float_operand(ins)
+    values = [x.value(x.leaves, tie) if isinstance(x, _Lazy) else x for x in ins]
+    outs = _jaxpr.bind(e, values)
+    return outs if e.primitive.multiple_results else [outs]
+
+
+def at_use(fun: Callable) -> Callable:
+    """`fun` (written for float parameters) as a function of trees holding `Quantized`
+    nodes (and narrower float leaves, which it reads as they are stored).
+
+    Each quantized weight is dequantized at each use, tied by data to the using
+    operation's other input; in a matrix product (`dot_general`, after any transposes,
+    reshapes or casts of the weight) the backward pass dequantizes it again rather than
+    keeping the forward pass's float copy. Inside loops (`scan`, `while`, `cond`) a
+    quantized weight is dequantized whole before the loop. Quantized weights are frozen:
+    their arrays' gradients are zero.
+
+    Args:
+      fun: a function of pytrees of arrays.
+
+    Returns:
+      A function of the same arguments in which any float array may be a `Quantized`
+      node; it returns what `fun` returns on the dequantized values.
+    """
+    @functools.wraps(fun)
+    def wrapped(*args, **kwargs):
+        flat, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_quantized)
+        if not any(isinstance(x, Quantized) for x in flat):
+            return fun(*args, **kwargs)
+        proxies = [jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, Quantized) else x
+                   for x in flat]
+        dynamic = [i for i, x in enumerate(proxies) if isinstance(x, (jax.Array, np.ndarray,
+                                                                      jax.ShapeDtypeStruct))
+                   or hasattr(x, "aval")]
+
+        def call(*xs):
+            full = list(proxies)
+            for i, x in zip(dynamic, xs):
+                full[i] = x
+            a, k = jax.tree_util.tree_unflatten(tree, full)
+            return fun(*a, **k)
+
+        closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*[proxies[i] for i in dynamic])
+        ins = []
+        for i in dynamic:
+            x = flat[i]
+            if isinstance(x, Quantized):
+                leaves, aux = jax.tree_util.tree_flatten(x)
+                ins.append(_Lazy(leaves, aux))
+            else:
+                ins.append(x)
+        outs = _jaxpr.interpret(closed.jaxpr, closed.consts, ins, _override)
+        outs = [o.value(o.leaves, None) if isinstance(o, _Lazy) else o for o in outs]
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
+
+    return wrapped

@@ -1,0 +1,211 @@
+"""Frozen weights in 8 and 4 bits (`pockjax.lowbit`): the formats' rounding, the loss on
+quantized weights against the same loss on their dequantized values (bit for bit), the
+trainer against plain `jax.grad` + optax, compiled memory, schemes, checkpoints and
+`pockjax finetune --frozen-dtype int4`."""
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pockjax as pj
+from pockjax import lowbit
+
+FORMATS = ["int8", "int4", "int4:16", lowbit.Int4(group=32, zero_point=True), "bfloat16"]
+
+
+def _deq(tree):
+    return jax.tree.map(lambda x: lowbit.dequantize(x) if lowbit.is_quantized(x) else x, tree,
+                        is_leaf=lowbit.is_quantized)
+
+
+def _mlp(width=64, layers=4, seed=0):
+    keys = jax.random.split(jax.random.key(seed), layers + 2)
+    params = {f"l{i}": {"kernel": jax.random.normal(keys[i], (width, width)) / np.sqrt(width),
+                        "bias": jnp.full((width,), 0.01 * i)} for i in range(layers)}
+    params["embed"] = jax.random.normal(keys[layers], (32, width))
+    return params
+
+
+def _loss(p, b):
+    """Uses a quantized weight through a gather, products (one transposed, one inside a
+    nested jit) and a reshape."""
+    h = p["embed"][b["ids"]] + b["x"]
+    for i in range(4):
+        layer = p[f"l{i}"]
+        if i == 1:
+            h = jax.jit(lambda h, w: h @ w)(h, layer["kernel"]) + layer["bias"]
+        else:
+            h = h @ layer["kernel"] + layer["bias"]
+        h = jnp.tanh(h)
+    back = h @ p["l0"]["kernel"].T
+    flat = p["l2"]["kernel"].reshape(-1)[: h.shape[-1]]
+    return jnp.mean((back - b["y"]) ** 2) + jnp.mean(h * flat)
+
+
+def _batch(width=64, seed=1):
+    k = jax.random.split(jax.random.key(seed), 3)
+    return {"ids": jax.random.randint(k[0], (8,), 0, 32), "x": jax.random.normal(k[1], (8, width)),
+            "y": jax.random.normal(k[2], (8, width))}
+
+
+def test_rounding_is_within_half_a_step_and_exact_on_the_grid():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 24)).astype(np.float32)
+    w[:, 3] = 0.0                      # an all-zero output channel
+    w[5, 7] = 40.0                     # an outlier
+    for fmt in ("int8", "int4", lowbit.Int4(group=16, zero_point=True)):
+        q = lowbit.quantize_leaf(w, fmt)
+        back = np.asarray(lowbit.dequantize(q))
+        assert back.shape == w.shape and back.dtype == w.dtype
+        assert np.all(back[:, 3] == 0.0)
+        levels = 127 if fmt == "int8" else (15 if getattr(fmt, "zero_point", False) else 7)
+        scale = np.asarray(q.scale, np.float32)
+        if fmt == "int8":
+            step = np.broadcast_to(scale, w.shape)
+        else:
+            group = 64 // scale.shape[0]
+            step = np.repeat(scale, group, axis=0)
+        # Half a step, plus the rounding of a zero point (zero-point int4).
+        bound = step * (0.5 if levels != 15 else 1.0) + 1e-6
+        assert np.all(np.abs(back - w) <= bound), fmt
+        if levels != 15:  # symmetric formats: values on the grid come back exactly
+            again = np.asarray(lowbit.dequantize(lowbit.quantize_leaf(back, fmt)))
+            np.testing.assert_array_equal(again, back)
+    q = lowbit.quantize_leaf(w, "int4")
+    assert q.data.dtype == jnp.uint8 and q.data.shape == (32, 24) and q.scale.dtype == jnp.bfloat16
+    assert q.nbytes < w.nbytes / 6
+
+
+def test_bad_formats_and_leaves_name_the_problem():
+    with pytest.raises(lowbit.QuantizeError, match="unknown format 'int3'"):
+        lowbit.format_of("int3")
+    with pytest.raises(lowbit.QuantizeError, match="even number"):
+        lowbit.format_of("int4:7")
+    with pytest.raises(lowbit.QuantizeError, match="'odd'.*even size"):
+        lowbit.quantize_leaf(np.ones((5, 4), np.float32), "int4", path="odd")
+    with pytest.raises(lowbit.QuantizeError, match="'v'.*rank >= 2"):
+        lowbit.quantize_leaf(np.ones(4, np.float32), "int8", path="v")
+    # A quantized leaf the scheme would train.
+    q = lowbit.quantize(_mlp(), None, "int8")
+    with pytest.raises(pj.SchemeError, match="'l0/kernel' is stored quantized"):
+        pj.Scheme({"l0/kernel": pj.Full()}, default=pj.Frozen()).resolve(q)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_loss_and_gradients_equal_the_dequantized_models_bit_for_bit(fmt):
+    params, batch = _mlp(), _batch()
+    scheme = pj.Scheme({"l3/**": pj.Full(), "**/bias": pj.Full()}, default=pj.Frozen())
+    q = lowbit.quantize(params, scheme, fmt)
+    assert sum(lowbit.is_quantized(x) for x in jax.tree.leaves(q, is_leaf=lowbit.is_quantized)) \
+        == (0 if fmt == "bfloat16" else 4)
+    deq = _deq(q)
+
+    def on(tree, f):
+        return lambda t, b: f({**tree, "l3": t["l3"], **{f"l{i}": {**tree[f"l{i}"], "bias": t[f"b{i}"]}
+                                                        for i in range(3)}}, b)
+
+    t = {"l3": q["l3"], **{f"b{i}": q[f"l{i}"]["bias"] for i in range(3)}}
+    v1, g1 = jax.jit(jax.value_and_grad(on(q, lowbit.at_use(_loss))))(t, batch)
+    v2, g2 = jax.jit(jax.value_and_grad(on(deq, _loss)))(t, batch)
+    assert float(v1) == float(v2)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sparse_train_equals_jax_grad_and_optax_on_the_dequantized_model():
+    params, batch = _mlp(), _batch()
+    scheme = pj.Scheme({"l3/**": pj.Full(), "l1/bias": pj.Full()}, default=pj.Frozen())
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    trainer = pj.sparse_train(_loss, optimizer=opt, scheme=scheme, frozen_dtype="int4")
+    state = trainer.init(params)
+    assert lowbit.is_quantized(state.params["l0"]["kernel"])
+    assert not lowbit.is_quantized(state.params["l3"]["kernel"])
+
+    deq = _deq(lowbit.quantize(params, scheme, "int4"))
+    train = {"l3": deq["l3"], "b1": deq["l1"]["bias"]}
+    join = lambda t: {**deq, "l3": t["l3"], "l1": {**deq["l1"], "bias": t["b1"]}}
+    ref_state = opt.init(train)
+    losses = []
+    for _ in range(3):
+        state, metrics = trainer(state, batch)
+        value, g = jax.value_and_grad(lambda t: _loss(join(t), batch))(train)
+        updates, ref_state = opt.update(g, ref_state, train)
+        train = optax.apply_updates(train, updates)
+        losses.append((float(metrics["loss"]), float(value)))
+    for mine, ref in losses:
+        assert mine == pytest.approx(ref, rel=1e-6)
+    np.testing.assert_allclose(state.params["l3"]["kernel"], train["l3"]["kernel"], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(state.params["l1"]["bias"], train["b1"], rtol=1e-5, atol=1e-6)
+    # Frozen weights are untouched.
+    before = lowbit.quantize(params, scheme, "int4")["l0"]["kernel"]
+    np.testing.assert_array_equal(state.params["l0"]["kernel"].data, before.data)
+    report = trainer.report(state, batch)
+    assert report.trainable_params == 64 * 64 + 2 * 64
+
+
+def test_no_float_copy_of_the_frozen_weights_is_alive():
+    """Eight frozen 512 x 512 layers in int8: the step's temporaries stay below one
+    float32 weight, where dequantizing them up front keeps several alive."""
+    width, layers = 512, 8
+    keys = jax.random.split(jax.random.key(0), layers + 1)
+    params = {f"l{i}": jax.random.normal(keys[i], (width, width)) / np.sqrt(width)
+              for i in range(layers)}
+    x = jax.random.normal(keys[-1], (4, width))
+
+    def loss(p, x):
+        h = x
+        for i in range(layers):
+            h = jnp.tanh(h @ p[f"l{i}"])
+        return jnp.mean(h ** 2)
+
+    last = f"l{layers - 1}"
+    scheme = pj.Scheme({last: pj.Full()}, default=pj.Frozen())
+    q = lowbit.quantize(params, scheme, "int8")
+    frozen = {k: v for k, v in q.items() if k != last}
+    weight = width * width * 4
+    at_use = jax.jit(jax.grad(lambda t, f, x: lowbit.at_use(loss)({**f, last: t}, x)))
+    up_front = jax.jit(jax.grad(lambda t, f, x: loss({**_deq(f), last: t}, x)))
+    temp = lambda f: f.lower(q[last], frozen, x).compile().memory_analysis().temp_size_in_bytes
+    assert temp(at_use) < weight
+    assert temp(up_front) > 3 * weight
+
+
+def test_a_quantized_state_saves_and_loads(tmp_path):
+    params, batch = _mlp(), _batch()
+    scheme = pj.Scheme({"l3/**": pj.Full()}, default=pj.Frozen())
+    trainer = pj.sparse_train(_loss, optimizer=optax.adam(1e-2), scheme=scheme, frozen_dtype="int8")
+    state, _ = trainer(trainer.init(params), batch)
+    pj.save(tmp_path / "s.safetensors", state)
+    back = pj.load(tmp_path / "s.safetensors", like=state)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert lowbit.is_quantized(back.params["l0"]["kernel"])
+
+
+def test_finetune_with_int4_frozen_weights(tmp_path):
+    """`pockjax finetune --frozen-dtype int4`: the step trains, the loss falls, trained
+    weights are written at full precision and frozen ones dequantized to bfloat16."""
+    from safetensors.numpy import load_file
+
+    from tests.test_finetune import _folder, _jsonl, WORDS
+
+    folder = _folder(tmp_path, "llama")
+    rng = np.random.default_rng(1)
+    data = _jsonl(tmp_path / "train.jsonl",
+                  [{"text": " ".join(rng.choice(WORDS[:12], 10))} for _ in range(16)])
+    runs = {dtype: pj.finetune(folder, data, tmp_path / dtype, scheme="last:1", steps=12,
+                               batch=4, seq=32, lr=3e-3, frozen_dtype=dtype, progress=False,
+                               plot=False)
+            for dtype in ("float32", "int4")}
+    first = json.loads((tmp_path / "int4" / "metrics.jsonl").read_text().splitlines()[1])
+    assert runs["int4"].train_loss < first["loss"]
+    assert runs["int4"].train_loss == pytest.approx(runs["float32"].train_loss, rel=0.05)
+    weights = load_file(str(tmp_path / "int4" / "final" / "model.safetensors"))
+    assert weights["model.layers.1.mlp.up_proj.weight"].dtype == np.float32   # trained
+    assert weights["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
