@@ -2,14 +2,14 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
-EXTRAS ?= dev,export,torch,examples
+EXTRAS ?= dev,export,torch,examples,docs
 # The aarch64 build of IREE's runtime tools, to run android-arm64 artifacts under QEMU.
 ARM64_RUNTIME ?= .cache/iree-aarch64
 # System packages the Vulkan and ARM64 tests use (Debian/Ubuntu): lavapipe, QEMU and the
 # aarch64 C/C++ libraries. `make system-deps` installs them (needs root).
 SYSTEM_DEPS = mesa-vulkan-drivers qemu-user libc6-arm64-cross libstdc++6-arm64-cross
 
-.PHONY: venv test demo bench clean arm64-runtime system-deps
+.PHONY: venv test demo docs bench clean arm64-runtime system-deps
 
 # pip is left to report what it installs: on a fresh machine this takes minutes (JAX,
 # IREE, PyTorch), and a quiet pip looks like a hang.
@@ -56,6 +56,11 @@ test: venv arm64-runtime
 demo: venv
 	$(RUN_ENV) cd examples && PYTHONUNBUFFERED=1 $(abspath $(PY)) demo.py --out ../out/demo
 
+# The documentation site in site/ (guides, results, API pages), warnings as errors;
+# `make test` builds it too (tests/test_docs.py).
+docs: venv
+	$(VENV)/bin/mkdocs build --strict
+
 # Benchmarks compare with PyTorch (CPU build), installed from the `torch` extra.
 bench: venv
 	$(PY) -m benchmarks paper --quick
@@ -64,4 +69,4 @@ bench: venv
 	$(PY) -m benchmarks export
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .hypothesis out
+	rm -rf $(VENV) .cache .pytest_cache .hypothesis out site

@@ -73,7 +73,7 @@ PRESETS = {
                   caps={"train": 2000, "valid": 32, "test": 64}, eval_batch=16,
                   search=dict(steps=10, lr=1e-3, last_blocks=1, parts=("mlp/**",),
                               ratios=()),
-                  row_timeout=900),
+                  time_steps=4, row_timeout=900),
     # Sized for about two hours on an idle 2-core CPU (pretraining's half hour apart),
     # from the measured step and compile times of each row's kind at this size. The
     # search's candidates are the weights of the last half of the blocks, each in full
@@ -84,7 +84,7 @@ PRESETS = {
                  eval_points=8, batch=8, warmup_frac=0.1, sample_pct=100,
                  caps={"train": 4000, "valid": 32, "test": 128}, eval_batch=16,
                  search=dict(steps=10, lr=1e-3, last_blocks=3, parts=("**",), ratios=(0.25,)),
-                 row_timeout=4 * 3600),
+                 time_steps=16, row_timeout=4 * 3600),
 }
 
 
@@ -202,6 +202,7 @@ def read_metrics(path: Path) -> dict:
     tokens = [r["tokens"] for r in train[1:]]
     nan = float("nan")
     return {"steps": len(train), "s_per_step": step_s,
+            "first_step_s": train[0]["seconds"] if train else float("nan"),
             "tokens_per_s": statistics.mean(tokens) / step_s if tokens and step_s > 0 else nan,
             "tokens": sum(r["tokens"] for r in train),
             "seconds": train[-1]["seconds"] if train else 0.0,
@@ -669,6 +670,23 @@ def row_main(name: str, config: str) -> None:
     report_result({"row": method.name, "runs": len(finals)})
 
 
+def timing_main(name: str, config: str) -> None:
+    """One row's timing process: `time_steps` steps on the domain task at the rate the
+    sweep chose, seed 0, with validation only before the first step and after the last.
+    The table's speed columns come from these runs, made one after another on an
+    otherwise idle machine once every training run is done, so the quality runs may
+    share the machine with other work without changing a speed figure."""
+    cfg = json.loads(Path(config).read_text())
+    method = method_named(name)
+    _LOG.append(Path(cfg["runs"]) / slug(method.name) / "log.txt")
+    chosen = json.loads((Path(cfg["runs"]) / slug(method.name) / "domain" / "chosen.json")
+                        .read_text())
+    run = one_run(cfg, method, "domain", chosen["lr"], 0, cfg["time_steps"], chosen["scheme"])
+    shutil.rmtree(run_dir(cfg, method, "domain", chosen["lr"], 0, cfg["time_steps"]) / "final",
+                  ignore_errors=True)
+    report_result({"row": method.name, "s_per_step": run["s_per_step"]})
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -679,11 +697,15 @@ def _mean_sd(values) -> tuple[float, float]:
     return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
-def time_to_quality(curve, target: float) -> float | None:
-    """Seconds until the validation loss first reaches `target`, or None."""
-    for seconds, _, loss in curve:
+def time_to_quality(curve, target: float, timing: dict | None = None) -> float | None:
+    """Seconds until the validation loss first reaches `target`, or None: with `timing`
+    (the row's timing run), its first step (compilation included) plus its median step
+    time for each later step; without, the run's own clock (evaluations included)."""
+    for seconds, step, loss in curve:
         if loss <= target:
-            return seconds
+            if timing is None:
+                return seconds
+            return 0.0 if step == 0 else timing["first_step_s"] + (step - 1) * timing["s_per_step"]
     return None
 
 
@@ -721,8 +743,20 @@ def collect(cfg: dict, methods) -> list[dict]:
                 rows.append({**row, "error": error})
                 continue
             row.update(lr=lr, sweep=sweep, runs=runs)
+            if method.kind != "pretrained" and cfg.get("time_steps"):
+                # Speed is measured once a method, on the domain task (both tasks' batches
+                # are padded to the same shape).
+                timing = run_dir(cfg, method, "domain", _chosen_lr(cfg, method, "domain"), 0,
+                                 cfg["time_steps"]) / "train.json"
+                if timing.is_file():
+                    row["timing"] = json.loads(timing.read_text())
             rows.append(row)
     return rows
+
+
+def _chosen_lr(cfg: dict, method: Method, task: str) -> float:
+    chosen = Path(cfg["runs"]) / slug(method.name) / task / "chosen.json"
+    return json.loads(chosen.read_text())["lr"] if chosen.is_file() else float("nan")
 
 
 def summarize(rows: list[dict]) -> None:
@@ -742,14 +776,19 @@ def summarize(rows: list[dict]) -> None:
             s["exact_match"], s["exact_match_sd"] = _mean_sd([x["exact_match"] for x in runs])
         if r["kind"] != "pretrained":
             s["valid_loss"], _ = _mean_sd([x["final_valid_loss"] for x in runs])
-            s["s_per_step"] = statistics.median(x["s_per_step"] for x in runs)
-            s["tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in runs)
+            timing = r.get("timing")
+            speed = [timing] if timing else runs
+            s["timed"] = "timing run" if timing else "training runs"
+            s["s_per_step"] = statistics.median(x["s_per_step"] for x in speed)
+            # This task's tokens per step (padding not counted) at that step time.
+            s["tokens_per_s"] = (statistics.mean(x["tokens"] / max(x["steps"], 1) for x in runs)
+                                 / s["s_per_step"])
             s["peak_rss_mib"] = max(x["peak_rss_mib"] for x in runs)
             s["trained_params"] = runs[0]["trained_params"]
             if r["task"] in ref:
                 target = (1 + QUALITY_MARGIN) * statistics.mean(
                     x["final_valid_loss"] for x in ref[r["task"]]["runs"])
-                times = [time_to_quality(x["valid_curve"], target) for x in runs]
+                times = [time_to_quality(x["valid_curve"], target, timing) for x in runs]
                 reached = [t for t in times if t is not None]
                 s["quality_target"] = target
                 # The pretrained model may already be within the margin (a task it
@@ -799,12 +838,18 @@ def markdown(rows, meta) -> str:
         "Columns: *test loss* on the task's test split (nats/token); *corpus loss*: the "
         "pretraining corpus's held-out files after fine-tuning, and its change from the "
         "pretrained model's (forgetting); *exact match*: the body's first line under greedy "
-        "decoding; *s/step*, *tokens/s*: medians of the steps after the first (pockjax's "
-        "first step compiles); *peak RSS*: the process's high-water mark during a run, "
-        "runtime included (max over seeds); *time to quality*: wall-clock from the first "
-        f"step until the validation loss is within {QUALITY_MARGIN:.0%} of {REFERENCE}'s final "
-        "one (compilation and periodic validation included), \"never\" otherwise; \"at "
-        "start\" where the pretrained model is already within it.", ""]
+        "decoding; *s/step*: the median of the steps after the first (pockjax's first step "
+        "compiles) in the row's timing run"
+        + (f" ({cfg['time_steps']} steps on the domain task at the chosen rate, seed 0, one "
+           "process per row, after all training, on an otherwise idle machine)"
+           if cfg.get("time_steps") else "s (the training runs themselves)")
+        + "; *tokens/s*: this task's tokens per step (padding not counted) at that step "
+        "time; *peak RSS*: the process's high-water mark during a training run, runtime "
+        "included (max over seeds); *time to quality*: the median over seeds of the time "
+        f"until the validation loss is within {QUALITY_MARGIN:.0%} of {REFERENCE}'s final "
+        "one, counted as the timing run's first step (compilation included) plus its "
+        "median step time for every further step (validation not counted), \"never\" "
+        "otherwise; \"at start\" where the pretrained model is already within it.", ""]
     for task in TASKS:
         em = task == "instruct"
         lines += [f"## Task: {task}", "",
@@ -845,8 +890,8 @@ def markdown(rows, meta) -> str:
 
 
 def plot(rows, path: Path) -> None:
-    """Validation loss against wall-clock seconds, seed 0 of every method, one panel a
-    task, with the time-to-quality target."""
+    """Validation loss against training seconds (as time to quality counts them), seed 0
+    of every method, one panel a task, with the time-to-quality target."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -857,15 +902,17 @@ def plot(rows, path: Path) -> None:
         for r in rows:
             if r["task"] != task or "runs" not in r or r["kind"] == "pretrained":
                 continue
-            curve = r["runs"][0]["valid_curve"]
-            ax.plot([c[0] for c in curve], [c[2] for c in curve], "o-", ms=3, lw=1,
+            curve, timing = r["runs"][0]["valid_curve"], r.get("timing")
+            at = ([0.0 if c[1] == 0 else timing["first_step_s"] + (c[1] - 1) * timing["s_per_step"]
+                   for c in curve] if timing else [c[0] for c in curve])
+            ax.plot(at, [c[2] for c in curve], "o-", ms=3, lw=1,
                     label=r["method"], ls="--" if r["kind"] in ("torch", "peft") else "-")
             target = r["summary"].get("quality_target")
         if target:
             ax.axhline(target, color="#555", lw=0.8, ls=":",
                        label=f"within {QUALITY_MARGIN:.0%} of {REFERENCE}")
         ax.set_title(f"task: {task}")
-        ax.set_xlabel("wall-clock seconds (first step's compilation included)")
+        ax.set_xlabel("training seconds (first step's compilation included)")
         ax.set_ylabel("validation loss (nats/token)")
     axes[-1].legend(fontsize=7, loc="upper right")
     fig.tight_layout()
@@ -907,10 +954,11 @@ def main(argv=None) -> int:
                                       "their slugs such as pockjax-last-1) to run; default all "
                                       "of the preset's")
     ap.add_argument("--row", help=argparse.SUPPRESS)
+    ap.add_argument("--timing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.row:
-        row_main(args.row, args.config)
+        (timing_main if args.timing else row_main)(args.row, args.config)
         return 0
 
     if args.task_dir:
@@ -943,13 +991,15 @@ def main(argv=None) -> int:
     tasks = quality_data.build_tasks(task_folder, where["model"], seq=seq,
                                      caps=settings["caps"], task_dir=args.task_dir,
                                      sample_pct=settings["sample_pct"])
-    cfg = {k: v for k, v in settings.items() if k not in ("caps", "row_timeout", "sample_pct")}
+    cfg = {k: v for k, v in settings.items()
+           if k not in ("caps", "row_timeout", "sample_pct", "time_steps")}
     cfg.update(seq=seq, pretrained=str(where["model"]),
                corpus_heldout=str(where["corpus"] / "heldout.jsonl"),
                tasks={t: {s: str(task_folder / t / f"{s}.jsonl") for s in quality_data.SPLITS}
                       for t in TASKS})
     runs = work / f"runs-{pretraining.settings_hash([cfg, tasks['settings']])}"
     cfg["runs"] = str(runs)
+    cfg["time_steps"] = settings["time_steps"]  # not in the hash: timing runs are separate
     runs.mkdir(parents=True, exist_ok=True)
     config = runs / "config.json"
     config.write_text(json.dumps(cfg, indent=1) + "\n")
@@ -968,7 +1018,23 @@ def main(argv=None) -> int:
         print(f"quality: {method.name}: {result.get('error') or 'done'} "
               f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
 
-    # 4. The table, the data and the chart.
+    # 4. Speed: each row again for `time_steps` steps, one process each, after all the
+    # training (run the benchmark on an idle machine for this part).
+    for method in methods if settings["time_steps"] else []:
+        if method.kind == "pretrained" or method.name in errors:
+            continue
+        t0 = time.perf_counter()
+        result = run_row(["-m", "benchmarks.quality", "--row", method.name, "--timing",
+                          "--config", str(config)], timeout=settings["row_timeout"])
+        if "error" in result:
+            errors[method.name] = f"timing: {result['error']}"
+            said = result["error"]
+        else:
+            said = f"{result['s_per_step']:.3f} s/step"
+        print(f"quality: timing {method.name}: {said} ({time.perf_counter() - t0:.0f} s)",
+              file=sys.stderr, flush=True)
+
+    # 5. The table, the data and the chart.
     rows = collect(cfg, methods)
     summarize(rows)
     for r in rows:

@@ -28,6 +28,7 @@ import numpy as np
 __all__ = ["BACKENDS", "BackendChoice", "Runner"]
 
 BACKENDS = ("auto", "xla", "iree")
+"""The values `backend=` accepts (`Runner`, `pockjax.nnx.Trainer`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,19 @@ class BackendChoice:
 
     `ms_per_step` holds the median step time of each backend measured (both under
     `"auto"`, none when the backend was named); `export_s` is the IREE export and
-    compilation time when IREE was built."""
+    compilation time when IREE was built.
+
+    `str()` of it is one line for reports.
+
+    Attributes:
+      backend: the backend that runs the step, `"xla"` or `"iree"`.
+      requested: the `backend=` asked for: `"auto"`, `"xla"` or `"iree"`.
+      ms_per_step: backend -> its median step time in milliseconds; empty unless
+        `"auto"` measured both.
+      steps: the timed steps per backend.
+      export_s: seconds the IREE export and compilation took, or None when IREE was
+        not built.
+    """
 
     backend: str
     requested: str
@@ -81,6 +94,23 @@ class Runner:
     device through an exported host-cpu artifact, built in `workdir`, a temporary
     directory by default) or `"auto"`: both, `steps` timed steps each after one untimed
     step, and the faster one runs. The choice is in `runner.choice` and in `report()`.
+
+    The constructor does the export and the measuring; neither advances `state`.
+
+    Args:
+      trainer: the `SparseTrainer` (on one device).
+      state: the `TrainState` training starts from.
+      batch: a batch of the shape training uses.
+      backend: `"auto"` (the default), `"xla"` or `"iree"`.
+      steps: timed steps per backend under `"auto"` (default 3, at least 1).
+      workdir: where the IREE artifact is written; None (the default): a temporary
+        directory.
+      progress: print what it is doing to stderr (default True).
+
+    Raises:
+      ValueError: `backend` is unknown, `steps` is below 1, or the trainer has a mesh
+        and `backend` is not `"xla"`.
+      TypeError: `trainer` is not a `SparseTrainer`.
     """
 
     def __init__(self, trainer, state, batch, *, backend: str = "auto", steps: int = 3,
@@ -156,10 +186,19 @@ class Runner:
 
     @property
     def backend(self) -> str:
+        """The backend that runs the step: `"xla"` or `"iree"`."""
         return self.choice.backend
 
     def step(self, batch) -> dict:
-        """One training step on the chosen backend; the metrics (`{"loss": ...}`)."""
+        """One training step on the chosen backend; the metrics (`{"loss": ...}`).
+
+        Args:
+          batch: a batch of the shape the runner was built with.
+
+        Returns:
+          The step's metrics, with the structure the trainer's step returns on either
+            backend.
+        """
         if self._session is None:
             self._state, metrics = self.trainer(self._state, batch)
             return metrics
@@ -180,6 +219,14 @@ class Runner:
             return load(path, self._state)
 
     def report(self, batch=None):
-        """`SparseTrainer.report` of the step, with the backend that runs it."""
+        """`SparseTrainer.report` of the step, with the backend that runs it.
+
+        Args:
+          batch: the batch to report on; None (the default): the batch the runner was
+            built with.
+
+        Returns:
+          The `TrainReport`, its `backend` field set to `str(self.choice)`.
+        """
         report = self.trainer.report(self.state, self._batch if batch is None else batch)
         return dataclasses.replace(report, backend=str(self.choice))

@@ -31,7 +31,8 @@ CHECKSUM = "sha256"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint file cannot be written, read, or does not fit the expected state."""
+    """Raised when a checkpoint cannot be written or read, is damaged, or does not fit
+    the state it is loaded into."""
 
 
 def _named(tree) -> tuple[dict[str, Any], Any]:
@@ -48,7 +49,16 @@ def _named(tree) -> tuple[dict[str, Any], Any]:
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file in the same directory."""
+    """Write `data` to `path` through a temporary file in the same directory.
+
+    The temporary file is flushed to disk and renamed over `path`, so `path` holds
+    either its old content or all of `data`; on an error the temporary file is removed
+    and the error propagates. Missing parent directories are created.
+
+    Args:
+      path: the file to write.
+      data: its full content.
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -77,7 +87,19 @@ def checksum(arrays: dict[str, np.ndarray]) -> str:
 
 def encode(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
     """A checkpoint file's bytes: `arrays` in safetensors with the format's metadata
-    (format, version, checksum) added to `metadata`."""
+    (format, version, checksum) added to `metadata`.
+
+    Args:
+      arrays: tensor name -> array (copied to C order).
+      metadata: extra metadata; values are stored as strings.
+
+    Returns:
+      The safetensors file's bytes.
+
+    Raises:
+      CheckpointError: a key of `metadata` is one the format reserves (`format`,
+        `version`, `sha256`).
+    """
     from safetensors.numpy import save as st_save
 
     arrays = {k: np.array(v, order="C") for k, v in arrays.items()}
@@ -97,8 +119,22 @@ def save(path: str | os.PathLike, state, *, scheme: Scheme | None = None,
          metadata: dict[str, str] | None = None) -> None:
     """Save `state` (a `TrainState` or any pytree of arrays) to a safetensors file.
 
-    The scheme is taken from `state.scheme` unless given. Extra `metadata` strings
-    are stored beside the format's own keys.
+    The file is written atomically (`write_atomic`). Its metadata holds `state.step`
+    where the state has one, and the scheme as JSON.
+
+    Args:
+      path: the file to write.
+      state: a `TrainState` or any pytree of arrays; each leaf is stored under its
+        "/"-joined path.
+      scheme: the scheme to record; None (the default) takes `state.scheme` where
+        there is one.
+      metadata: extra metadata, stored as strings beside the format's own keys;
+        default none.
+
+    Raises:
+      CheckpointError: two leaves share a path, or a `metadata` key is one the format
+        sets (`format`, `version`, `sha256`, and `step` or `scheme` where they are
+        saved).
     """
     import jax
 
@@ -115,7 +151,18 @@ def save(path: str | os.PathLike, state, *, scheme: Scheme | None = None,
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:
-    """The metadata of a checkpoint (format, version, step, scheme, user keys)."""
+    """The metadata of a checkpoint, read without loading its tensors.
+
+    Args:
+      path: the checkpoint file.
+
+    Returns:
+      The metadata as a dict of strings: format, version, checksum, step and scheme
+      where saved, and the user's keys.
+
+    Raises:
+      CheckpointError: the file does not exist or is not a readable safetensors file.
+    """
     from safetensors import safe_open
 
     try:
@@ -131,9 +178,23 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 def load(path: str | os.PathLike, like):
     """Load a checkpoint into the structure of `like` (a state of the same model).
 
-    Every tensor is read and checked before anything is returned: a file whose
-    names, shapes or dtypes differ from `like` fails with the full list of
-    differences, and a truncated or corrupt file fails with `CheckpointError`.
+    Every tensor is read and checked before anything is returned: the checksum (for
+    version-2 files), then the names, shapes and dtypes against `like`, and the scheme
+    where both the file and `like` have one.
+
+    Args:
+      path: the checkpoint file.
+      like: a state (or pytree) of the same model; only its structure, shapes, dtypes
+        and scheme are used.
+
+    Returns:
+      A pytree of `like`'s structure holding the file's tensors as JAX arrays.
+
+    Raises:
+      CheckpointError: the file is missing, not a pockjax checkpoint, of a version this
+        pockjax does not read, truncated or corrupt, or fails its checksum; or it does
+        not fit `like` (the message lists the differences: missing or extra names,
+        shapes, dtypes, the scheme).
     """
     import jax
     import jax.numpy as jnp

@@ -122,6 +122,8 @@ def _read_scheme(path: str):
 
 
 def cmd_targets(args) -> int:
+    """`pockjax targets`: print every export target with its compiler flags and GPU
+    families; returns exit status 0."""
     width = max(len(n) for n in TARGETS)
     for name, t in TARGETS.items():
         print(f"{name.ljust(width)}  {t.description}")
@@ -136,6 +138,8 @@ def cmd_targets(args) -> int:
 
 
 def cmd_export(args) -> int:
+    """`pockjax export`: compile the step `args.spec` names into the artifact directory
+    `args.out`; returns exit status 0 (errors propagate to `main`)."""
     _require_full_install("export", "exporting", {**_FULL_INSTALL, **_COMPILER}, "[export]")
     try:
         from pockjax.export import export
@@ -161,6 +165,8 @@ def cmd_export(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    """`pockjax inspect`: print the manifest of artifact `args.dir` (target, signature,
+    memory, parameters, files); returns exit status 0."""
     # Not pockjax.export.artifact, which imports JAX: inspect runs in the runtime-only install.
     from pockjax._report import format_bytes
     from pockjax.export.manifest import read_manifest
@@ -267,6 +273,8 @@ def _batches(manifest, data_path, steps, artifact):
 
 
 def cmd_run(args) -> int:
+    """`pockjax run`: run `args.steps` training steps of artifact `args.dir`, printing each
+    loss, and save a checkpoint with `--save`; returns exit status 0."""
     from pockjax import runtime
 
     if args.qemu_arm64 or args.tool:
@@ -296,6 +304,9 @@ def cmd_run(args) -> int:
 
 
 def cmd_search(args) -> int:
+    """`pockjax search`: choose a scheme under the budget for the model `args.spec` names
+    and write it to `args.out`; returns exit status 0, or 2 for a budget out of range or
+    data too short."""
     _require_full_install("search", "the scheme search", _FULL_INSTALL)
     written: list[str] = []
     try:
@@ -354,6 +365,12 @@ def _search(args, written: list[str]) -> int:
 
 
 def main(argv=None) -> int:
+    """Parse the command line (`argv`, default `sys.argv[1:]`) and run the command.
+
+    Returns the command's exit status; for `targets`, `export`, `inspect`, `run` and
+    `search`, 2 when the command raised `ExportError` and 130 when it was interrupted
+    with Ctrl-C (`finetune` and `generate` return `pockjax.finetuning`'s status).
+    """
     ap = argparse.ArgumentParser(prog="pockjax", description="Sparse on-device training with JAX and IREE")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("targets", help="list export targets and their IREE flags")

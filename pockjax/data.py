@@ -27,12 +27,14 @@ def check_token_ids(ids, vocab_size: int, *, what: str = "token id", where: str 
     Args:
       ids: token (or label) ids, any shape; a numpy or JAX array or nested lists.
       vocab_size: the model's vocabulary size.
-      what: what the ids are, for the message ("token id", "label id").
-      where: where they came from, for the message (", batch 3" or " in data.jsonl line 7").
-      ignore: a value allowed besides the vocabulary (e.g. -100 for ignored labels).
+      what: what the ids are, for the message; default "token id" (or "label id").
+      where: where they came from, appended to the message (", batch 3" or
+        " in data.jsonl line 7"); default empty.
+      ignore: a value allowed besides the vocabulary (e.g. -100 for ignored labels);
+        None (the default) allows none.
 
     Returns:
-      The ids as a numpy array.
+      The ids as a numpy array (`np.asarray(ids)`, not copied where it need not be).
 
     Raises:
       TypeError: the ids are not integers (float ids index nothing).
@@ -61,7 +63,8 @@ def check_token_ids(ids, vocab_size: int, *, what: str = "token id", where: str 
 
 
 class DataError(ValueError):
-    """A data file cannot be used: the message names the file, the line and the fix."""
+    """Raised when a data file cannot be used; the message names the file, the line and
+    the fix."""
 
 
 FORMATS = {
@@ -69,12 +72,18 @@ FORMATS = {
     "completion": ("prompt", "completion"),
     "chat": ("messages",),
 }
+"""The JSONL record formats: format name -> the keys a record of that format has."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    """One tokenized example: `ids` [n] and `mask` [n], True where the token is one the
-    loss predicts (the completion, the assistant's turns, or all of a text)."""
+    """One tokenized example.
+
+    Attributes:
+      ids: int32 token ids, shape [n].
+      mask: bool, shape [n]: True where the token is one the loss predicts (the
+        completion, the assistant's turns, or all of a text).
+    """
 
     ids: np.ndarray
     mask: np.ndarray
@@ -82,7 +91,19 @@ class Example:
 
 @dataclasses.dataclass
 class Dataset:
-    """The examples of a JSONL file, tokenized and cut to the sequence length."""
+    """The examples of a JSONL file, tokenized and cut to the sequence length
+    (`read_jsonl` makes one); `len(dataset)` is the number of examples.
+
+    Attributes:
+      examples: the `Example`s, in file order.
+      path: the file read.
+      format: the records' format, a key of `FORMATS`.
+      truncated: how many examples were longer than the sequence length and cut to it.
+      dropped: how many examples had nothing left to predict after the cut.
+      tokens: the tokens kept, all examples together.
+      targets: of those, the tokens the loss counts (masked positions after each
+        example's first token).
+    """
 
     examples: list[Example]
     path: str
@@ -96,6 +117,11 @@ class Dataset:
         return len(self.examples)
 
     def describe(self) -> str:
+        """A one-line summary: path, example and token counts, cut and dropped examples.
+
+        Returns:
+          The summary text.
+        """
         cut = f", {self.truncated} cut to the sequence length" if self.truncated else ""
         gone = (f", {self.dropped} dropped (nothing to predict within the sequence length)"
                 if self.dropped else "")
@@ -164,19 +190,25 @@ def read_jsonl(path, tokenizer, seq_len: int, *, vocab_size: int | None = None) 
     checked before this returns, so a bad line fails before training starts.
 
     Args:
-      path: the JSONL file.
+      path: the JSONL file (a string or path-like). Blank lines are skipped.
       tokenizer: a `pockjax.tokenizer.Tokenizer` (or an object with its `encode`,
         `encode_chat` and `eos_id`).
-      seq_len: the training sequence length.
-      vocab_size: the model's vocabulary; token ids at or above it are refused.
+      seq_len: the training sequence length, an integer >= 2.
+      vocab_size: the model's vocabulary; token ids at or above it are refused. None
+        (the default) checks nothing.
 
     Returns:
       A `Dataset`.
 
     Raises:
-      DataError: the file is missing or empty, a line is not JSON or not one of the
-        formats, the formats are mixed, or every example was dropped; the message
-        names the file and line.
+      DataError: `seq_len` is not an integer >= 2; the file is missing or holds no
+        records; a line is not a JSON object, not one of the formats, or of another
+        format than the first; a field has the wrong type or is empty (a `"text"`, a
+        `"completion"`, `"messages"`), a conversation has no assistant message or the
+        chat template refuses it; or every example was dropped. The message names the
+        file and line.
+      ValueError: with `vocab_size`, a token id is outside the vocabulary
+        (`check_token_ids`).
     """
     if not isinstance(seq_len, (int, np.integer)) or seq_len < 2:
         raise DataError(f"the sequence length must be an integer >= 2 (a token and the one it "
@@ -227,28 +259,73 @@ def read_jsonl(path, tokenizer, seq_len: int, *, vocab_size: int | None = None) 
 
 
 def steps_per_epoch(n: int, batch_size: int) -> int:
+    """Steps in one pass over `n` examples, the last batch possibly partial.
+
+    Args:
+      n: the number of examples.
+      batch_size: examples per step.
+
+    Returns:
+      `ceil(n / batch_size)`.
+    """
     return -(-n // batch_size)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
     """The examples' order in `epoch`: a permutation fixed by `(seed, epoch)` alone, so a
-    resumed run sees the same batches."""
+    resumed run sees the same batches.
+
+    Args:
+      n: the number of examples.
+      seed: the run's data seed.
+      epoch: the 0-based epoch.
+
+    Returns:
+      A permutation of `range(n)` as a numpy integer array.
+    """
     return np.random.default_rng([seed, epoch]).permutation(n)
 
 
 def batch_at(dataset: Dataset, step: int, batch_size: int, seq_len: int, *, seed: int,
              pad_id: int = 0, shuffle: bool = True) -> dict[str, np.ndarray]:
-    """The batch of training step `step` (0-based): `{"tokens": int32 [B, L], "mask":
-    float32 [B, L]}`, right-padded with `pad_id` (mask 0). Epoch `step // steps per epoch`
-    in the order `epoch_order` gives; the last batch of an epoch is filled with empty rows
-    (mask 0), so every example is seen once per epoch and the shapes never change."""
+    """The batch of training step `step` (0-based), right-padded with `pad_id` (mask 0).
+
+    Step `step` falls in epoch `step // steps_per_epoch(len(dataset), batch_size)` and
+    takes the next `batch_size` examples of that epoch's order; the last batch of an
+    epoch is filled with empty rows (mask 0), so every example is seen once per epoch
+    and the shapes never change.
+
+    Args:
+      dataset: the `Dataset`.
+      step: the 0-based training step.
+      batch_size: rows per batch (B).
+      seq_len: tokens per row (L); at least the longest example (the `seq_len` the
+        dataset was read with).
+      seed: the data seed (`epoch_order`).
+      pad_id: the token id written in padding; default 0.
+      shuffle: use `epoch_order` (the default); False keeps file order in every epoch.
+
+    Returns:
+      `{"tokens": int32 [B, L], "mask": float32 [B, L]}`.
+    """
     return pad_batch(batch_examples(dataset, step, batch_size, seed=seed, shuffle=shuffle),
                      batch_size, seq_len, pad_id)
 
 
 def batch_examples(dataset: Dataset, step: int, batch_size: int, *, seed: int,
                    shuffle: bool = True) -> list[Example]:
-    """The examples of training step `step` (see `batch_at`)."""
+    """The examples of training step `step` (see `batch_at`), unpadded.
+
+    Args:
+      dataset: the `Dataset`.
+      step: the 0-based training step.
+      batch_size: examples per step.
+      seed: the data seed (`epoch_order`).
+      shuffle: use `epoch_order` (the default); False keeps file order.
+
+    Returns:
+      Up to `batch_size` `Example`s (fewer in an epoch's last step).
+    """
     n = len(dataset)
     epoch, i = divmod(step, steps_per_epoch(n, batch_size))
     order = epoch_order(n, seed, epoch) if shuffle else np.arange(n)
@@ -256,6 +333,18 @@ def batch_examples(dataset: Dataset, step: int, batch_size: int, *, seed: int,
 
 
 def pad_batch(examples, batch_size: int, seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+    """`examples` as one right-padded batch of a fixed shape.
+
+    Args:
+      examples: at most `batch_size` `Example`s, each at most `seq_len` tokens long.
+      batch_size: rows in the batch (B); rows past the examples are padding.
+      seq_len: tokens per row (L).
+      pad_id: the token id written in padding; default 0.
+
+    Returns:
+      `{"tokens": int32 [B, L], "mask": float32 [B, L]}`; the mask is each example's
+      own mask, 0 on padding.
+    """
     tokens = np.full((batch_size, seq_len), pad_id, np.int32)
     mask = np.zeros((batch_size, seq_len), np.float32)
     for r, e in enumerate(examples):
@@ -265,6 +354,16 @@ def pad_batch(examples, batch_size: int, seq_len: int, pad_id: int = 0) -> dict[
 
 
 def eval_batches(dataset: Dataset, batch_size: int, seq_len: int, pad_id: int = 0):
-    """Every example once, in file order, in batches of the training shape."""
+    """Every example once, in file order, in batches of the training shape.
+
+    Args:
+      dataset: the `Dataset`.
+      batch_size: rows per batch.
+      seq_len: tokens per row.
+      pad_id: the token id written in padding; default 0.
+
+    Yields:
+      `pad_batch` batches; the last one is filled with empty rows (mask 0).
+    """
     for i in range(0, len(dataset), batch_size):
         yield pad_batch(dataset.examples[i:i + batch_size], batch_size, seq_len, pad_id)

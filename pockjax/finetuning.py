@@ -40,10 +40,12 @@ __all__ = ["finetune", "FinetuneError", "NonFiniteLoss", "Interrupted", "Finetun
 
 SCHEMES = ("paper", "paper:K", "full", "last:N", "blockwise:K", "blockwise:K:N", "lora:R",
            "search:BUDGET", "FILE.json")
+"""The forms of `finetune(scheme=...)` (`--scheme`), as `scheme_from_spec` reads them."""
 FRONTENDS = ("auto", "flax", "torch")
 # LoRA's targets for `--scheme lora:R`: every linear layer of a LLaMA block.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SCHEDULES = ("cosine", "linear", "constant")
+"""The learning-rate decays `finetune(schedule=...)` (`--schedule`) takes."""
 RUN = "run.json"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
@@ -55,15 +57,18 @@ _RESULT_OPTIONS = ("model", "data", "scheme", "total_steps", "batch", "seq", "lr
 
 
 class FinetuneError(RuntimeError):
-    """A fine-tuning run cannot start or go on; the message says why and what to do."""
+    """Raised when a fine-tuning run cannot start or go on; the message says why and what
+    to do."""
 
 
 class NonFiniteLoss(FinetuneError):
-    """The loss became NaN or infinite; the last good checkpoint is left as it was."""
+    """Raised when the loss becomes NaN or infinite; the last good checkpoint is left as
+    it was."""
 
 
 class Interrupted(FinetuneError):
-    """Ctrl-C stopped the run; a checkpoint of the last completed step was written."""
+    """Raised when Ctrl-C stops the run; a checkpoint of the last completed step was
+    written (where a step completed)."""
 
 
 # --------------------------------------------------------------------------- the model
@@ -71,7 +76,18 @@ class Interrupted(FinetuneError):
 
 @dataclasses.dataclass
 class LoadedModel:
-    """A model folder's model as parameters and a pure function of them."""
+    """A model folder's model as parameters and a pure function of them.
+
+    Attributes:
+      kind: "flax" (`pockjax.models.llama`) or "torch" (`pockjax.torch`).
+      params: the parameter pytree.
+      apply: `apply(params, tokens [B, L]) -> logits [B, L, V]`.
+      vocab_size: the model's vocabulary size.
+      num_layers: its number of blocks.
+      save: `save(params, folder)` writes a Hugging Face model folder (with the
+        tokenizer files).
+      description: a one-line description for logs.
+    """
 
     kind: str                      # "flax" (pockjax.models.llama) or "torch"
     params: Any
@@ -91,15 +107,25 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
     Args:
       folder: a folder with `config.json` and `model.safetensors` (or shards).
       frozen_dtype: "float32", or "bfloat16" to keep the weights in bfloat16 (computed
-        in float32); `finetune` then casts the trained ones back to float32 masters.
+        in float32); `finetune` then casts the trained ones back to float32 masters. An
+        integer format ("int8", "int4", "int4:GROUP") loads as bfloat16 (Flax models)
+        and `finetune` quantizes the frozen weights (`pockjax.lowbit`).
       frontend: "auto" (as above), "flax" (LLaMA families only) or "torch" (any causal
         LM transformers builds, LLaMA's too, through `pockjax.torch`).
       lora: a rank: LoRA adapters (`pockjax.models.lora`, alpha = 2 x rank, `a` drawn
-        from `seed`) on every linear layer of the blocks (Flax models); `save` writes
-        the weights with the adapters merged.
+        from `seed`) on every linear layer of the blocks (Flax models only); `save`
+        writes the weights with the adapters merged. None (the default): no adapters.
+      seed: the seed of the LoRA adapters' initialisation; default 0.
+
+    Returns:
+      A `LoadedModel`.
 
     Raises:
-      FinetuneError: the folder is not a model folder, or its architecture cannot load.
+      FinetuneError: the folder is not a model folder; `frozen_dtype` or `frontend` is
+        not one of its values; "flax" is asked for a family it does not load; `lora`
+        is given for a model that runs through `pockjax.torch`; "bfloat16" is asked
+        for a model through `pockjax.torch`; torch or transformers is missing, or
+        transformers cannot build the model.
     """
     from pockjax.models import hf
 
@@ -226,7 +252,17 @@ def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> Loade
 
 def lm_loss(logits, tokens, mask):
     """Mean next-token cross-entropy over the positions `mask` marks: `logits[:, t]`
-    predicts `tokens[:, t + 1]`, counted with weight `mask[:, t + 1]`."""
+    predicts `tokens[:, t + 1]`, counted with weight `mask[:, t + 1]`.
+
+    Args:
+      logits: `[B, L, V]` logits (computed in float32).
+      tokens: `[B, L]` integer token ids.
+      mask: `[B, L]` weights (bool or float); 0 leaves a position out.
+
+    Returns:
+      The weighted sum of the negative log-likelihoods divided by the total weight (at
+      least 1), a float32 scalar.
+    """
     import jax.numpy as jnp
 
     nll, w = _next_token_nll(logits, tokens, mask)
@@ -259,10 +295,29 @@ def _next_token_nll(logits, tokens, mask):
 
 def scheme_from_spec(spec: str, params, num_layers: int, *, search: Callable | None = None):
     """The scheme `finetune(scheme=spec)` trains, for a model's `params` with `num_layers`
-    blocks: "full", "paper" / "paper:K", "last:N", a scheme JSON file, "search:BUDGET"
-    (which calls `search(budget)`), or the schedule "blockwise:K" / "blockwise:K:N"
-    (`pockjax.schemes.blockwise`: the blocks, N at a time, each trained for K steps in
-    turn from the last). A bad spec raises `FinetuneError` naming it."""
+    blocks.
+
+    Args:
+      spec: "full"; "paper" (`pockjax.schemes.transformer` on the last
+        `max(1, num_layers // 2)` blocks) or "paper:K" (on the last K); "last:N" (the
+        last N blocks in full); "lora:R" (the LoRA adapters, which the model must
+        already have: `load_model(lora=R)`); "blockwise:K" / "blockwise:K:N" (the
+        schedule `pockjax.schemes.blockwise`: the blocks, N at a time, each trained for
+        K steps in turn from the last); "search:BUDGET" (calls `search(budget)`); or a
+        path ending in ".json" to a scheme written by `Scheme.to_json`.
+      params: the model's parameter pytree.
+      num_layers: the model's number of blocks.
+      search: `search(budget) -> Scheme`, for "search:BUDGET"; None (the default)
+        refuses that form.
+
+    Returns:
+      A `Scheme`, or a `pockjax.schedule.Schedule` for "blockwise:...".
+
+    Raises:
+      FinetuneError: the spec is none of the forms, a count in it is not a positive
+        whole number, a JSON file is missing, "search:" comes without `search`, or the
+        scheme does not fit `params` (the message names the spec).
+    """
     import pockjax as pj
 
     spec = str(spec)
@@ -318,7 +373,26 @@ def _count(spec: str, form: str) -> int:
 
 @dataclasses.dataclass
 class FinetuneResult:
-    """What a `finetune` run did: its folder, steps, losses and speed."""
+    """What a `finetune` run did: its folder, steps, losses and speed.
+
+    Attributes:
+      out: the run's folder.
+      final: the Hugging Face folder of the fine-tuned model (`out/final`).
+      steps: the run's total step count.
+      start_step: the step it resumed from (0 for a new run).
+      train_loss: the mean loss of the last (up to) 10 steps run in this call; NaN
+        when none ran.
+      valid_loss_before: the validation loss before training, or None (no `valid`
+        data, or a resumed run).
+      valid_loss: the validation loss at the end, or None without `valid` data.
+      seconds: training seconds in this call.
+      tokens_per_second: tokens of the examples trained on (padding not counted) per
+        second in this call.
+      skipped: steps skipped for a non-finite loss or gradient (`skip_nonfinite`).
+      trainable_params: parameters the scheme trains (the first scheme's for a
+        schedule).
+      total_params: all parameters of the model.
+    """
 
     out: str
     final: str                      # the Hugging Face folder of the fine-tuned model
@@ -473,37 +547,55 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
       model: a Hugging Face model folder (config.json, safetensors, tokenizer.json).
       data: a JSONL file of `{"text"}`, `{"prompt", "completion"}` or `{"messages"}`
         records (`pockjax.data.read_jsonl`).
-      out: the run's folder; must be new or empty unless `resume` or `overwrite`.
-      valid: a JSONL file of held-out records, evaluated every `eval_every` steps, before
-        training and at the end (loss and perplexity).
+      out: the run's folder; must be new or empty unless it holds a run and `resume`
+        or `overwrite` is given.
+      valid: a JSONL file of held-out records, evaluated (loss and perplexity) every
+        `eval_every` steps, before the first step of a run that starts at step 0, and at
+        the end; None (the default) for no evaluation.
       scheme: "paper" (PockEngine's transformer scheme on the last half of the blocks),
         "paper:K" (on the last K), "full", "last:N" (the last N blocks in full),
         "blockwise:K" / "blockwise:K:N" (the blocks take turns, N at a time, K steps
         each: `pockjax.schemes.blockwise`), "lora:R" (LoRA of rank R on every linear
         layer of the blocks, merged into the weights in `final/`), "search:BUDGET"
         (`pockjax.search` under a budget such as "40%" or "4GiB"), or a scheme JSON file
-        (`Scheme.to_json`).
-      steps: training steps; or `epochs`: passes over the data (default 1 epoch).
-      batch, seq: examples per step and tokens per example (longer ones are cut).
-      lr, warmup, schedule, weight_decay: AdamW's learning rate, linear warm-up steps,
-        the decay after it ("cosine", "linear" to 0, or "constant") and weight decay.
-      eval_every, save_every: steps between evaluations and between checkpoints (None:
-        at the end only); `keep`: checkpoints kept.
-      resume: continue the run in `out` from its newest checkpoint (same options).
-      overwrite: start again in `out`, deleting its run.
-      seed: the data order's seed.
-      frozen_dtype: the storage of the frozen weights: "float32", "bfloat16" (LLaMA
-        families), or "int8" / "int4" / "int4:GROUP" (`pockjax.lowbit`, any model).
-      frontend: "auto", "flax" or "torch": which model code runs (`load_model`).
+        (`Scheme.to_json`). Default "paper"; see `scheme_from_spec`.
+      steps: the run's total training steps, a positive whole number; give this or
+        `epochs`, not both.
+      epochs: passes over the data instead of `steps` (a positive number, rounded up to
+        whole steps); with neither, 1 epoch.
+      batch: examples per step; default 4.
+      seq: tokens per example, at least 2 (longer examples are cut); default 512.
+      lr: AdamW's peak learning rate, positive; default 1e-4.
+      warmup: linear warm-up steps from 0 to `lr`; default 0.
+      schedule: the decay after the warm-up: "cosine" (the default, to 0 at the last
+        step), "linear" (to 0 at the last step) or "constant".
+      weight_decay: AdamW's weight decay; default 0.
+      eval_every: steps between evaluations of `valid`; None (the default): before the
+        first step and at the end only.
+      save_every: steps between checkpoints; None (the default): at the end (and on
+        Ctrl-C) only.
+      keep: how many checkpoints are kept, the newest; default 3.
+      resume: continue the run in `out` from its newest checkpoint that loads; the
+        options that change what the run computes must be the same. With nothing to
+        resume, a new run starts.
+      overwrite: start again in `out`, deleting its run; not together with `resume`.
+      seed: the data order's seed (and the LoRA adapters' initialisation); default 0.
+      frozen_dtype: the storage of the frozen weights: "float32" (the default),
+        "bfloat16" (LLaMA families through the Flax frontend), or "int8" / "int4" /
+        "int4:GROUP" (`pockjax.lowbit`, any model); not with "lora:R" or "blockwise"
+        schemes.
+      frontend: "auto" (the default), "flax" or "torch": which model code runs
+        (`load_model`).
       skip_nonfinite: skip a step whose loss or gradient is not finite (counted) instead
-        of stopping.
-      plot: draw `loss.png` at the end (matplotlib); the metrics log is written either way.
+        of stopping; default False.
+      plot: draw `loss.png` at the end (matplotlib, skipped where it is not installed);
+        the metrics log is written either way. Default True.
       prefix_cache: "auto" (the default: when the data is seen more than once and the
         frozen prefix is a large enough part of the step, compute it once per example and
         keep its output; `pockjax.prefix`), "on" or "off". The results are the same; a
         line in the log says whether it is on and what it saves. Values past a quarter of
         the available memory (at most 4 GiB) go to `out/prefix-cache/`, removed at the end.
-      progress: a progress bar and log lines on stderr.
+      progress: a progress bar and log lines on stderr; default True.
 
     Returns:
       A `FinetuneResult`.

@@ -29,9 +29,10 @@ converts) are not repeated, so on matmul- and convolution-dominated programs the
 two agree within a few percent, and exactly on loops once XLA's body is multiplied
 out.
 
-    >>> import jax, jax.numpy as jnp
-    >>> count_flops(jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((2, 3)), jnp.ones((3, 4))))
-    48.0
+Examples:
+  >>> import jax, jax.numpy as jnp
+  >>> count_flops(jax.make_jaxpr(lambda a, b: a @ b)(jnp.ones((2, 3)), jnp.ones((3, 4))))
+  48.0
 """
 from __future__ import annotations
 
@@ -55,7 +56,17 @@ __all__ = ["FlopCount", "analyze_flops", "count_flops", "flops_of"]
 class FlopCount:
     """What `analyze_flops` counted: `flops` (as XLA's "flops"), `transcendentals`,
     `flops` by primitive name, primitives with no rule (counted 0), and how many
-    while loops had no known trip count (their body counted once)."""
+    while loops had no known trip count (their body counted once).
+
+    Two counts add with `+` (fields summed, sets joined).
+
+    Attributes:
+      flops: floating-point operations, as XLA's cost analysis reports "flops".
+      transcendentals: transcendental operations (exp, log, tanh, ...), not in `flops`.
+      by_primitive: primitive name -> its share of `flops`.
+      unknown_primitives: names of the primitives with no rule (counted 0).
+      unknown_trip_loops: how many while loops had no known trip count.
+    """
 
     flops: float = 0.0
     transcendentals: float = 0.0
@@ -72,7 +83,15 @@ class FlopCount:
                          self.unknown_trip_loops + other.unknown_trip_loops)
 
     def times(self, n: float) -> "FlopCount":
-        """The cost of running this `n` times (what the flags say is not multiplied)."""
+        """The cost of running this `n` times (what the flags say is not multiplied).
+
+        Args:
+          n: how many times.
+
+        Returns:
+          A `FlopCount` with `flops`, `transcendentals` and `by_primitive` times `n`;
+            `unknown_primitives` and `unknown_trip_loops` as they are.
+        """
         return dataclasses.replace(self, flops=self.flops * n, transcendentals=self.transcendentals * n,
                                    by_primitive={k: v * n for k, v in self.by_primitive.items()})
 
@@ -80,14 +99,33 @@ class FlopCount:
 def count_flops(program) -> float:
     """FLOPs of a jaxpr (`Jaxpr`, `ClosedJaxpr`, a `jax.stages.Traced` from
     `jax.jit(f).trace(...)`, or the `GradProgram` of `sparse_grad(f, scheme).trace(...)`,
-    which computes the value and the gradients), loops counted times their trip count."""
+    which computes the value and the gradients), loops counted times their trip count.
+
+    Args:
+      program: a `Jaxpr`, a `ClosedJaxpr`, a `jax.stages.Traced` or a `GradProgram`.
+
+    Returns:
+      The FLOPs, a float (`analyze_flops(program).flops`).
+
+    Raises:
+      TypeError: `program` is none of these (a function: use `flops_of`).
+    """
     return analyze_flops(program).flops
 
 
 def flops_of(fn: Callable, *args, **kwargs) -> float:
     """FLOPs of `fn(*args, **kwargs)` (a jitted function or any other callable, e.g. a
     `pockjax.sparse_grad` function; arrays or `jax.ShapeDtypeStruct`s), counted on the
-    jaxpr that `jax.jit` lowers."""
+    jaxpr that `jax.jit` lowers.
+
+    Args:
+      fn: the function; one that is not jitted is wrapped in `jax.jit`.
+      *args: its positional arguments (arrays or `jax.ShapeDtypeStruct`s).
+      **kwargs: its keyword arguments.
+
+    Returns:
+      The FLOPs of one call, a float.
+    """
     # Only a jitted function's `trace` is a `jax.stages` trace; other callables have
     # their own (`sparse_grad`'s returns its `GradProgram`).
     traced = (fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)).trace(*args, **kwargs)
@@ -96,7 +134,20 @@ def flops_of(fn: Callable, *args, **kwargs) -> float:
 
 def analyze_flops(program) -> FlopCount:
     """`count_flops` with the details: transcendentals, FLOPs by primitive, and what
-    could not be counted exactly."""
+    could not be counted exactly.
+
+    Dead code is dropped first, as the compiler drops it.
+
+    Args:
+      program: a `Jaxpr`, a `ClosedJaxpr`, a `jax.stages.Traced` (`jax.jit(f).trace(...)`)
+        or a `GradProgram` (`sparse_grad(f, scheme).trace(...)`).
+
+    Returns:
+      The `FlopCount` of one run of the program.
+
+    Raises:
+      TypeError: `program` is none of these (a function: use `flops_of`).
+    """
     if isinstance(program, jax.stages.Traced):
         program = program.jaxpr
     elif isinstance(program, GradProgram):  # `sparse_grad(f, scheme).trace(*args)`

@@ -10,13 +10,14 @@ Flax; importing this module registers `split(model)[1]` as the parameters of an
 `nnx.Module` (`pockjax.schemes.register_params_of`), so `pj.schemes.transformer(model)`
 and `pj.scheme_search.find_candidates(model)` take a module.
 
->>> import optax, jax.numpy as jnp, pockjax as pj
->>> from flax import nnx
->>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
->>> trainer = pj.nnx.Trainer(model, lambda m, b: jnp.mean(m(b) ** 2), optimizer=optax.sgd(0.1),
-...                          scheme=nnx.PathContains("bias"))
->>> metrics = trainer(jnp.ones((4, 3)))
->>> trainer.update(model)          # the trained values back into the module
+Examples:
+  >>> import optax, jax.numpy as jnp, pockjax as pj
+  >>> from flax import nnx
+  >>> model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  >>> trainer = pj.nnx.Trainer(model, lambda m, b: jnp.mean(m(b) ** 2), optimizer=optax.sgd(0.1),
+  ...                          scheme=nnx.PathContains("bias"))
+  >>> metrics = trainer(jnp.ones((4, 3)))
+  >>> trainer.update(model)          # the trained values back into the module
 
 `Trainer(..., remat="blocks")` checkpoints each block (each module held in a list such
 as LLaMA's `layers` or MobileNetV2's `blocks`; or name them, `remat="layers/*"`): the
@@ -47,13 +48,33 @@ Filter = Any
 
 
 def split(model: nnx.Module, wrt: Filter = nnx.Param) -> tuple[Any, dict, dict]:
-    """`(graphdef, params, rest)`: the `wrt` variables and all others as nested dicts of arrays."""
+    """`(graphdef, params, rest)`: the `wrt` variables and all others as nested dicts of arrays.
+
+    Args:
+      model: the module.
+      wrt: an NNX filter of the variables that train (default `nnx.Param`).
+
+    Returns:
+      A tuple `(graphdef, params, rest)`: the module's graph definition, its `wrt`
+        variables and all its other variables (batch statistics, RNG counters), each
+        as a nested dict of arrays keyed by attribute names and list indices.
+    """
     graphdef, params, rest = nnx.split(model, wrt, ...)
     return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
 
 def merge(graphdef, params: dict, rest: dict) -> nnx.Module:
-    """The module back from `split`'s parts (a new module; inside a trace, a traced one)."""
+    """The module back from `split`'s parts (a new module; inside a trace, a traced one).
+
+    Args:
+      graphdef: the graph definition from `split`.
+      params: the `wrt` variables as `split` returns them (or trained values of the
+        same structure).
+      rest: the other variables as `split` returns them.
+
+    Returns:
+      A new `nnx.Module`.
+    """
     return nnx.merge(graphdef, params, rest)
 
 
@@ -68,7 +89,15 @@ def _variables(model: nnx.Module, wrt: Filter):
 
 
 def param_paths(model: nnx.Module, wrt: Filter = nnx.Param) -> list[str]:
-    """The "/"-joined paths of the module's `wrt` variables, as schemes see them."""
+    """The "/"-joined paths of the module's `wrt` variables, as schemes see them.
+
+    Args:
+      model: the module.
+      wrt: an NNX filter of the variables (default `nnx.Param`).
+
+    Returns:
+      The paths, sorted (`"layers/0/attn/q_proj/kernel"`).
+    """
     return sorted("/".join(map(str, p)) for p, _ in _variables(model, wrt))
 
 
@@ -81,10 +110,27 @@ def scheme(model: nnx.Module, rules: Filter | Sequence[tuple[Filter, Decision]],
     (`nnx.LoRAParam`), `nnx.PathContains("attn")`, `nnx.Any(...)`, `nnx.All(...)`,
     `nnx.Not(...)`, a predicate `(path, variable) -> bool`, or a string tag.
 
-    >>> from flax import nnx; import pockjax as pj
-    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    >>> pj.nnx.scheme(model, nnx.PathContains("bias"))
-    Scheme({'bias': Full()}, default=Frozen())
+    Args:
+      model: the module.
+      rules: one NNX filter, whose variables train in full, or a sequence of
+        `(filter, decision)` pairs; a variable takes the decision of the first filter
+        that matches it.
+      default: the decision of variables no filter matches (default `Frozen()`).
+      wrt: an NNX filter of the variables the scheme covers (default `nnx.Param`).
+
+    Returns:
+      A `Scheme` with one exact-path rule per matched variable whose decision differs
+        from `default`.
+
+    Raises:
+      SchemeError: a filter matches no `wrt` variable that an earlier filter did not
+        match already.
+
+    Examples:
+      >>> from flax import nnx; import pockjax as pj
+      >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      >>> pj.nnx.scheme(model, nnx.PathContains("bias"))
+      Scheme({'bias': Full()}, default=Frozen())
     """
     if isinstance(rules, (list, tuple)) and rules and all(
             isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], DECISION_TYPES) for r in rules):
@@ -146,12 +192,27 @@ def remat_blocks(model: nnx.Module, remat: str | Sequence[str]) -> tuple[list[tu
     pattern matching no callable submodule is a `ValueError` listing the block lists and
     submodules there are.
 
-    >>> from flax import nnx; import pockjax as pj
-    >>> from pockjax.models.llama import Llama, LlamaConfig
-    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-    >>> paths, where = pj.nnx.remat_blocks(model, "blocks")
-    >>> paths, where
-    ([('layers', 0), ('layers', 1)], 'blocks = layers/* (2 LlamaBlock)')
+    Args:
+      model: the module.
+      remat: `"blocks"`, a glob pattern over "/"-joined module paths, or a list or tuple
+        of patterns.
+
+    Returns:
+      A pair: the key paths of the chosen submodules (tuples of attribute names and
+        list indices), and a description of the choice for reports.
+
+    Raises:
+      ValueError: `"blocks"` finds no list of submodules, or a pattern matches no
+        callable submodule.
+      TypeError: `remat` is neither a string nor a list or tuple of strings.
+
+    Examples:
+      >>> from flax import nnx; import pockjax as pj
+      >>> from pockjax.models.llama import Llama, LlamaConfig
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> paths, where = pj.nnx.remat_blocks(model, "blocks")
+      >>> paths, where
+      ([('layers', 0), ('layers', 1)], 'blocks = layers/* (2 LlamaBlock)')
     """
     name = type(model).__name__
     lists = _block_lists(model)
@@ -320,6 +381,45 @@ class Trainer:
     the state) and keeps the faster (`pockjax.backend.Runner`). `trainer.choice` and
     `report()` say what was measured and chosen. On IREE, `state` is read back from the
     session when asked for.
+
+    Args:
+      model: the `nnx.Module` to train; its parameters are copied (or handed over with
+        `copy=False`) into the trainer's state.
+      loss_fn: `loss_fn(model, batch)` -> the loss, or `(loss, aux)` with `has_aux`.
+      optimizer: an optax `GradientTransformation`.
+      scheme: a `pockjax.Scheme`, an NNX filter, or `(filter, decision)` pairs (see
+        `scheme`); None (the default) trains every `wrt` variable.
+      wrt: an NNX filter of the variables that can train (default `nnx.Param`); all
+        other variables are the module's other state.
+      has_aux: whether `loss_fn` returns `(loss, aux)` (default False).
+      donate: donate the state to each step, so the new state reuses its buffers
+        (default True).
+      copy: copy the parameters into the trainer (default True); False hands over the
+        module's arrays, which the first step donates (with `donate`).
+      frozen_norms: `"batch"` (the default) or `"running"`.
+      mesh: a `jax.sharding.Mesh` to train on all its devices; None (the default): one
+        device.
+      data_axis: the mesh axis the batch is split over (default `"data"`).
+      param_axis: the mesh axis parameters are sharded over, FSDP-style; None (the
+        default): replicated. Needs `mesh`.
+      param_specs: per-parameter layouts, `{path: PartitionSpec}` or a function of
+        `(path, shape)` returning one or None. Needs `mesh`.
+      remat: None (the default: no checkpointing), `"blocks"`, `"full"`, or module path
+        patterns (a string or a list of them).
+      remat_policy: what a checkpointed block saves: None (nothing), a name from
+        `jax.checkpoint_policies`, or a policy function. Needs `remat`.
+      backend: `"xla"` (the default), `"iree"` or `"auto"`.
+      skip_nonfinite: skip steps whose loss or any gradient is not finite (default
+        False).
+
+    Raises:
+      ValueError: `backend` is unknown, or not `"xla"` with a `mesh`; `frozen_norms`
+        is neither `"batch"` nor `"running"`; `remat_policy` is given without `remat`;
+        or a `remat` pattern matches no callable submodule.
+      TypeError: `model` is not an `nnx.Module`, `param_axis` or `param_specs` is given
+        without a `mesh`, or `remat` has the wrong type.
+      SchemeError: the module has no `wrt` variables, or a filter of `scheme` matches
+        none.
     """
 
     def __init__(self, model: nnx.Module, loss_fn: Callable, *, optimizer, scheme=None,
@@ -383,11 +483,20 @@ class Trainer:
 
     @property
     def scheme(self) -> Scheme:
+        """The `Scheme` the trainer applies (a filter given to the constructor, converted)."""
         return self.sparse.scheme
 
     def step_batch(self, batch):
         """`batch` as `self.sparse` (the `SparseTrainer`) takes it: with the module's other
-        state (batch statistics) under `"model_state"` when it has any."""
+        state (batch statistics) under `"model_state"` when it has any.
+
+        Args:
+          batch: a batch as `loss_fn` takes it.
+
+        Returns:
+          `{"batch": batch, "model_state": ...}` for a module with other state, else
+            `batch` itself.
+        """
         return {"batch": batch, "model_state": self.rest} if self.rest else batch
 
     def _metrics(self, metrics):
@@ -403,7 +512,10 @@ class Trainer:
     @property
     def state(self) -> TrainState:
         """The `TrainState` (step, parameters, optimizer state); read back from IREE's
-        session when the step runs there (once per step at most)."""
+        session when the step runs there (once per step at most).
+
+        Assigning a `TrainState` replaces the trainer's state; when the step runs on
+        IREE, assigning any other state raises `ValueError`."""
         if self._runner is None:
             return self._state
         if self._read_back is None:
@@ -430,7 +542,18 @@ class Trainer:
             self._runner = runner
 
     def __call__(self, batch) -> dict:
-        """One step; `{"loss": ..., "aux": ...}`. The trainer's state advances in place."""
+        """One step; `{"loss": ..., "aux": ...}`. The trainer's state advances in place.
+
+        On the first call with `backend="iree"` or `"auto"`, the IREE artifact is built
+        (and, for `"auto"`, both backends are timed) before the step.
+
+        Args:
+          batch: a batch as `loss_fn` takes it.
+
+        Returns:
+          The metrics: `"loss"`, `"aux"` with `has_aux`, and `"skipped"` with
+            `skip_nonfinite`.
+        """
         if self.backend != "xla" and self.choice is None:
             self._start_backend(batch)
         if self._runner is not None:
@@ -440,7 +563,20 @@ class Trainer:
         return self._metrics(metrics)
 
     def fit(self, batches: Iterable, steps: int | None = None, **kwargs) -> History:
-        """`pockjax.fit` over `batches` (progress bar, losses); the state advances."""
+        """`pockjax.fit` over `batches` (progress bar, losses); the state advances.
+
+        Args:
+          batches: an iterable of batches as `loss_fn` takes them, or a function of the
+            (0-based) step giving its batch (then `steps` is needed).
+          steps: the step count to reach; None (the default): until the batches run out.
+          **kwargs: other arguments of `pockjax.fit` (`progress`, `log_every`,
+            `evaluate`, `save`, ...). A callback that gets the state (`evaluate`,
+            `save`) receives `(TrainState, other module state)`, with None in place of
+            the `TrainState` when the step runs on IREE.
+
+        Returns:
+          The run's `History`.
+        """
         if self.backend != "xla" and self.choice is None:
             # export and measure before fit's clock starts (History.seconds is training)
             batches = iter(batches)
@@ -460,35 +596,84 @@ class Trainer:
         return history
 
     def params(self) -> dict:
-        """The current parameters as a nested dict."""
+        """The current parameters as a nested dict.
+
+        Returns:
+          `state.params`: the `wrt` variables, keyed as `split` keys them.
+        """
         return self.state.params
 
     def model(self) -> nnx.Module:
-        """A new module with the trained parameters and state."""
+        """A new module with the trained parameters and state.
+
+        Returns:
+          A new `nnx.Module` built from the graph definition, the current parameters
+            and the module's other state.
+        """
         return nnx.merge(self.graphdef, self.state.params, self.rest) if self.rest else \
             nnx.merge(self.graphdef, self.state.params)
 
     def update(self, model: nnx.Module) -> None:
-        """Write the trained parameters and state into `model` (the module trained)."""
+        """Write the trained parameters and state into `model` (the module trained).
+
+        Args:
+          model: the module to update in place: the one the trainer was built from, or
+            one of the same structure.
+        """
         nnx.update(model, self.state.params, *([self.rest] if self.rest else []))
 
     def report(self, batch):
         """`SparseTrainer.report` for this step: FLOPs and memory against full training,
-        and the backend that runs it."""
+        and the backend that runs it.
+
+        Args:
+          batch: a batch as `loss_fn` takes it (arrays or `jax.ShapeDtypeStruct`s).
+
+        Returns:
+          The `TrainReport`, its `backend` set to the backend choice once one is made.
+        """
         report = self.sparse.report(self.state, self.step_batch(batch))
         return report if self.choice is None else dataclasses.replace(report,
                                                                        backend=str(self.choice))
 
     def explain(self, batch):
+        """What `sparse_grad` did to this step's backward pass.
+
+        Args:
+          batch: a batch as `loss_fn` takes it.
+
+        Returns:
+          The `TransformInfo` (rules, fallbacks, the rewritten jaxpr).
+        """
         return self.sparse.explain(self.state, self.step_batch(batch))
 
     def lower(self, batch):
+        """The lowered step, for `.as_text()`, `.compile().memory_analysis()`, ...
+
+        Args:
+          batch: a batch as `loss_fn` takes it (arrays or `jax.ShapeDtypeStruct`s).
+
+        Returns:
+          A `jax.stages.Lowered`.
+        """
         return self.sparse.lower(self.state, self.step_batch(batch))
 
     def export(self, batch, target: str = "host-cpu", out_dir: str = "export", **kwargs):
         """Export the step (see `pockjax.export`). A module with other state (batch
         statistics) takes it as batch inputs `model_state/...` and returns it as outputs
-        `aux/model_state/...`."""
+        `aux/model_state/...`.
+
+        Args:
+          batch: a batch of the shape the artifact is compiled for.
+          target: an export target name (default `"host-cpu"`; see
+            `pockjax.export.TARGETS`).
+          out_dir: the artifact directory to write (default `"export"`).
+          **kwargs: other arguments of `SparseTrainer.export` (`gpu`, `extra_flags`,
+            `progress`).
+
+        Returns:
+          The `pockjax.export.Artifact` written.
+        """
         return self.sparse.export(self.state, self.step_batch(batch), target=target,
                                   out_dir=out_dir, **kwargs)
 
@@ -504,7 +689,26 @@ def search(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%
     memory budget. `loss_fn(model, batch)` and `data = (train_batches, heldout_batches)`
     as for `Trainer`; other keyword arguments go to `pockjax.search`. Returns the
     `Scheme` (exact parameter paths; `Trainer(..., scheme=scheme)` takes it) and the
-    `SearchReport`. The module is not changed: every candidate trains a copy."""
+    `SearchReport`. The module is not changed: every candidate trains a copy.
+
+    Args:
+      model: the module.
+      loss_fn: `loss_fn(model, batch)` -> the loss, or `(loss, aux)` with `has_aux`.
+      optimizer: an optax `GradientTransformation`.
+      data: `(train_batches, heldout_batches)`, or a dict with `"train"` and
+        `"heldout"`.
+      budget: the memory budget (default `"40%"`; see `pockjax.scheme_search.parse_budget`).
+      has_aux: whether `loss_fn` returns `(loss, aux)` (default False).
+      wrt: an NNX filter of the variables that can train (default `nnx.Param`).
+      **kwargs: other arguments of `pockjax.search` (`steps`, `candidates`, `cache`, ...,
+        and `find_candidates` options).
+
+    Returns:
+      A pair: the chosen `Scheme` and the `SearchReport`.
+
+    Raises:
+      TypeError: `model` is not an `nnx.Module` (and as `pockjax.search` raises).
+    """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"pockjax.nnx.search needs an nnx.Module, got {type(model).__name__}; "
                         "for parameter trees use pockjax.search")
@@ -547,13 +751,27 @@ def frozen_norms_in_inference_mode(model: nnx.Module, scheme: Scheme | Any, *, f
     ones, and they no longer move), so the loss differs from a training-mode step by design;
     it is the same function as the model with those batch norms in eval mode, folded or not.
 
-    >>> import jax.numpy as jnp, pockjax as pj
-    >>> from flax import nnx
-    >>> from pockjax.models import MobileNetV2
-    >>> model = MobileNetV2(10, width_mult=0.35, input_size=32, rngs=nnx.Rngs(0))
-    >>> scheme = pj.schemes.mobilenetv2(model, norms=True)
-    >>> pj.nnx.frozen_norms_in_inference_mode(model, scheme)
-    ['blocks/0/depthwise/bn', 'blocks/0/project/bn', 'head/bn', 'stem/bn']
+    Args:
+      model: the module, changed in place.
+      scheme: a `pockjax.Scheme`, an NNX filter or `(filter, decision)` pairs.
+      fold: fold each switched batch norm into the convolution of a layer that has a
+        `fold_norm` attribute (default True).
+      wrt: an NNX filter of the variables `scheme` covers (default `nnx.Param`).
+
+    Returns:
+      The "/"-joined paths of the batch norms switched to inference mode, sorted.
+
+    Raises:
+      SchemeError: a filter of `scheme` matches no `wrt` variable.
+
+    Examples:
+      >>> import jax.numpy as jnp, pockjax as pj
+      >>> from flax import nnx
+      >>> from pockjax.models import MobileNetV2
+      >>> model = MobileNetV2(10, width_mult=0.35, input_size=32, rngs=nnx.Rngs(0))
+      >>> scheme = pj.schemes.mobilenetv2(model, norms=True)
+      >>> pj.nnx.frozen_norms_in_inference_mode(model, scheme)
+      ['blocks/0/depthwise/bn', 'blocks/0/project/bn', 'head/bn', 'stem/bn']
     """
     if not isinstance(scheme, Scheme):
         scheme = _filter_scheme(model, scheme, wrt=wrt)

@@ -54,12 +54,19 @@ _EXAMPLE, _WHOLE, _TRAINED = 1, 2, 4
 
 
 class PrefixCacheError(ValueError):
-    """The step cannot be split, or a cut value would mix examples."""
+    """Raised when a step cannot be split at a frozen prefix, or a cut value would mix
+    examples of the batch."""
 
 
 @dataclasses.dataclass(frozen=True)
 class CutValue:
-    """One cached value: its shape per example, dtype and the source line computing it."""
+    """One cached value of the cut.
+
+    Attributes:
+      shape: its shape per example (without the example axis).
+      dtype: its dtype.
+      source: the user's source line that computes it.
+    """
 
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -67,11 +74,41 @@ class CutValue:
 
     @property
     def nbytes(self) -> int:
+        """Bytes per example."""
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
 class PrefixSplit:
-    """A loss function split at its cut for one batch signature (see `find_cut`)."""
+    """A loss function split at its cut for one batch signature (see `find_cut`).
+
+    The loss is traced for the batch's shapes, and again with one more example to tell
+    which values carry the example axis. The cut is the set of values the trained part
+    reads that depend on per-example batch inputs and frozen parameters only.
+    Values the suffix can recompute in a few cheap equations from the rest of the cut
+    are left out of it.
+
+    Args:
+      loss_fn: `loss_fn(params, batch)`, returning the loss (and aux with `has_aux`).
+      params: the parameter pytree (arrays or `jax.ShapeDtypeStruct`s).
+      batch: a batch of the signature to split for; its first batch array with an
+        axis gives the example count.
+      scheme: a `Scheme`, or decisions already resolved for `params`
+        (`Scheme.resolve`), saying which leaves train.
+      has_aux: whether `loss_fn` returns `(loss, aux)`.
+
+    Attributes:
+      examples: the batch's example count.
+      jaxpr: the traced loss function (calls inlined).
+      consts: the jaxpr's constants.
+      has_aux: as given.
+      cut_vars: the jaxpr variables of the cut, in computation order.
+      values: a `CutValue` per cut variable.
+
+    Raises:
+      PrefixCacheError: the batch has no arrays, no batch array has an example axis,
+        or no parameter trains.
+      SchemeError: `scheme` does not fit `params`.
+    """
 
     def __init__(self, loss_fn, params, batch, scheme, has_aux: bool):
         p_leaves, self._p_def = jax.tree_util.tree_flatten(params)
@@ -206,6 +243,7 @@ class PrefixSplit:
 
     @property
     def bytes_per_example(self) -> int:
+        """Bytes of cut values per example (0 for an empty cut)."""
         return sum(v.nbytes for v in self.values)
 
     def _run(self, eqns, env, targets):
@@ -227,18 +265,40 @@ class PrefixSplit:
         return dict(zip(list(self.jaxpr.constvars) + list(self.jaxpr.invars), args))
 
     def prefix(self, params, batch) -> list:
-        """The cut values of `batch` (each with the example axis first)."""
+        """The cut values of `batch`.
+
+        Args:
+          params: the parameters (same structure as at the split).
+          batch: a batch of the split's signature.
+
+        Returns:
+          A list of arrays in `cut_vars` order, each with the example axis first.
+        """
         return self._run(self._prefix_eqns, self._inputs(params, batch), self.cut_vars)
 
     def suffix_loss(self, params, sbatch):
-        """The loss function's output from `{"batch": batch, "cut": values}`."""
+        """The loss function's output from the batch and its cut values: the same loss
+        (and aux) as `loss_fn(params, batch)`, without computing the prefix.
+
+        Args:
+          params: the parameters.
+          sbatch: `{"batch": batch, "cut": values}`, `values` as `prefix` returns them.
+
+        Returns:
+          What `loss_fn` returns.
+        """
         env = self._inputs(params, sbatch["batch"])
         env.update(zip(self.cut_vars, sbatch["cut"]))
         outs = self._run(self._suffix_eqns, env, self.jaxpr.outvars)
         return jax.tree_util.tree_unflatten(self._out_def, outs)
 
     def prefix_jaxpr(self):
-        """The prefix as a closed jaxpr over (params leaves, dynamic batch leaves)."""
+        """The prefix as a closed jaxpr.
+
+        Returns:
+          A closed jaxpr (as `jax.make_jaxpr` gives it) over the parameter leaves
+          followed by the batch's array leaves, giving the cut values.
+        """
         n = len(self.jaxpr.invars)
         return jax.make_jaxpr(lambda *a: self._run(
             self._prefix_eqns, dict(zip(list(self.jaxpr.constvars) + list(self.jaxpr.invars),
@@ -246,6 +306,12 @@ class PrefixSplit:
             *avals(self.jaxpr.invars[:n]))
 
     def describe(self) -> str:
+        """The cut in words: its values, their dtypes and shapes, bytes per example and
+        the source line of each.
+
+        Returns:
+          The multi-line description.
+        """
         lines = [f"cut: {len(self.values)} value(s), {self.bytes_per_example:,} bytes per "
                  f"example (batch of {self.examples})"]
         lines += [f"  {v.dtype}{list(v.shape)} from {v.source}" for v in self.values]
@@ -278,9 +344,23 @@ def _needed(jaxpr, targets, stop) -> list[int]:
 def find_cut(loss_fn: Callable, params, batch, scheme: Scheme, *, has_aux: bool = False) -> PrefixSplit:
     """Split `loss_fn(params, batch)` at its frozen prefix for this batch's shapes.
 
-    Raises `PrefixCacheError` when nothing trains or the batch has no example axis. A
-    split whose cut is empty (the trained part reads the batch directly) is valid and
-    saves nothing (`bytes_per_example == 0`, no prefix equations)."""
+    A split whose cut is empty (the trained part reads the batch directly) is valid and
+    saves nothing (`bytes_per_example == 0`, no prefix equations).
+
+    Args:
+      loss_fn: `loss_fn(params, batch)`.
+      params: the parameter pytree.
+      batch: a batch of the shapes to split for.
+      scheme: the `Scheme` (or resolved decisions) saying which parameters train.
+      has_aux: whether `loss_fn` returns `(loss, aux)`; default False.
+
+    Returns:
+      The `PrefixSplit`.
+
+    Raises:
+      PrefixCacheError: nothing trains, or the batch has no arrays or none with an
+        example axis.
+    """
     return PrefixSplit(loss_fn, params, batch, scheme, has_aux)
 
 
@@ -289,9 +369,29 @@ def find_cut(loss_fn: Callable, params, batch, scheme: Scheme, *, has_aux: bool 
 
 class PrefixCache:
     """Cut values per example key: in RAM up to `budget_bytes`, then in memory-mapped
-    files under `spill_dir` (a temporary folder by default, removed by `close()`).
-    `dtype="bfloat16"` stores floating values in bfloat16 (half the bytes; the suffix
-    then sees rounded inputs, so results differ from the uncached run)."""
+    files under `spill_dir`. `len(cache)` is the number of keys held, `key in cache`
+    whether one is.
+
+    Args:
+      values: the `CutValue`s each key holds one row of (`PrefixSplit.values`).
+      budget_bytes: RAM for rows; default 1 GiB.
+      spill_dir: the folder for rows past the budget; None (the default) makes a
+        temporary folder when first needed, removed by `close()`.
+      dtype: "float32" (the default: values kept as they are) or "bfloat16" (floating
+        values wider than 2 bytes stored in bfloat16: half the bytes; the suffix then
+        sees rounded inputs, so results differ from the uncached run).
+      chunk: rows per memory-mapped file; default 256.
+
+    Attributes:
+      values: the `CutValue`s, as a list.
+      row_bytes: stored bytes per key.
+      budget_bytes: the RAM budget.
+      hits: lookups found in the cache (counted by `PrefixCachedTrainer`).
+      misses: lookups computed and added (counted by `PrefixCachedTrainer`).
+
+    Raises:
+      ValueError: `dtype` is not "float32" or "bfloat16".
+    """
 
     def __init__(self, values: Sequence[CutValue], budget_bytes: int = 2**30,
                  spill_dir: str | None = None, dtype: str = "float32", chunk: int = 256):
@@ -314,20 +414,32 @@ class PrefixCache:
         self.hits = self.misses = 0
 
     def __len__(self) -> int:
+        """The number of keys held, in RAM and on disk."""
         return len(self._ram) + len(self._disk)
 
     @property
     def ram_bytes(self) -> int:
+        """Bytes of rows held in RAM."""
         return len(self._ram) * self.row_bytes
 
     @property
     def disk_bytes(self) -> int:
+        """Bytes of rows written to the spill files."""
         return len(self._disk) * self.row_bytes
 
     def __contains__(self, key) -> bool:
+        """Whether `key` has a row."""
         return key in self._ram or key in self._disk
 
     def put(self, key, rows: Sequence[np.ndarray]) -> None:
+        """Store one example's rows under `key`, in RAM while the budget allows, else in
+        the spill files. A key already held is left as it is.
+
+        Args:
+          key: a hashable example key.
+          rows: one array per cut value, without the example axis (cast to the stored
+            dtype).
+        """
         rows = [np.asarray(r).astype(d, copy=False) for r, d in zip(rows, self._stored)]
         if key in self:
             return
@@ -351,7 +463,14 @@ class PrefixCache:
                 for i, (v, d) in enumerate(zip(self.values, self._stored))]
 
     def get(self, keys: Sequence) -> list[np.ndarray]:
-        """The stacked rows of `keys` (all present), in the values' own dtypes."""
+        """The stacked rows of `keys`, in the values' own dtypes.
+
+        Args:
+          keys: example keys, all present in the cache.
+
+        Returns:
+          One array per cut value, `[len(keys), *shape]`.
+        """
         rows = []
         for k in keys:
             if k in self._ram:
@@ -387,7 +506,16 @@ def _whole_digest(batch, examples: int) -> bytes:
 
 def example_keys(batch, examples: int) -> list[bytes]:
     """A content hash per example: the example's rows of every batch array with the
-    example axis first, and every other batch leaf whole."""
+    example axis first, and every other batch leaf whole.
+
+    Args:
+      batch: the batch pytree.
+      examples: the example count (the leading axis length that marks a per-example
+        array).
+
+    Returns:
+      `examples` 16-byte BLAKE2b digests, in example order.
+    """
     leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(batch) if is_dynamic(x)]
     whole = hashlib.blake2b(digest_size=16)
     for x in leaves:
@@ -414,7 +542,12 @@ AUTO_MIN_FLOPS_PER_BYTE = 16.0
 
 def default_budget() -> int:
     """RAM for cut values when none is given: a quarter of the memory available now, at
-    most 4 GiB (rows past it go to disk)."""
+    most 4 GiB (rows past it go to disk).
+
+    Returns:
+      The budget in bytes, from `/proc/meminfo`'s MemAvailable; 1 GiB where that cannot
+      be read.
+    """
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -427,7 +560,17 @@ def default_budget() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PrefixReport:
-    """What caching the prefix saves for one batch signature."""
+    """What caching the prefix saves for one batch signature; `str()` says it in a line.
+
+    Attributes:
+      values: the cut's `CutValue`s (empty where the step was not split).
+      examples: the batch's example count.
+      prefix_flops: FLOPs of the prefix's forward pass, whole batch.
+      step_flops: FLOPs of the uncached training step.
+      suffix_flops: FLOPs of the cached training step (the suffix's).
+      on: whether steps of this signature use the cache.
+      why: the reason for `on` ("asked for", "auto", or why the cache is off).
+    """
 
     values: tuple[CutValue, ...]
     examples: int
@@ -439,6 +582,7 @@ class PrefixReport:
 
     @property
     def bytes_per_example(self) -> int:
+        """Bytes of cut values per example."""
         return sum(v.nbytes for v in self.values)
 
     @property
@@ -468,17 +612,30 @@ class PrefixCachedTrainer:
     and uncached steps can be mixed on it.
 
     Args:
-      trainer: a `pockjax.SparseTrainer`.
-      budget_bytes: RAM for cut values (default `default_budget()`); rows past it are
-        written to memory-mapped files in `spill_dir` (default: a temporary folder,
-        removed by `close()`).
-      dtype: "float32" (exact: the same results as the uncached step) or "bfloat16"
-        (half the bytes; results move by the rounding of the cut values).
-      check: probe the first batch of each shape for values that mix examples.
+      trainer: a `pockjax.SparseTrainer`, or a `ScheduledTrainer` (from `sparse_train`
+        with a schedule: the cut then lies below every parameter any of its schemes
+        trains).
+      budget_bytes: RAM for cut values; None (the default) uses `default_budget()`.
+        Rows past it are written to memory-mapped files in `spill_dir`.
+      spill_dir: the folder for rows past the budget; None (the default): a temporary
+        folder, removed by `close()`.
+      dtype: "float32" (the default; exact: the same results as the uncached step) or
+        "bfloat16" (half the bytes; results move by the rounding of the cut values).
+      check: probe the first batch of each shape for values that mix examples; default
+        True.
       auto: per batch shape, cache only where `report` finds it worthwhile (the prefix
         at least `AUTO_MIN_SHARE` of the step's FLOPs, `AUTO_MIN_FLOPS_PER_BYTE` per
         byte of cut values) and the step can be split; otherwise run `trainer` as is.
-        Without `auto`, a step that cannot be split raises `PrefixCacheError`.
+        Without `auto` (the default), a step that cannot be split raises.
+
+    Attributes:
+      trainer: the wrapped trainer.
+      budget_bytes: the RAM budget of each batch signature's cache.
+      reports: batch signature -> its `PrefixReport`.
+
+    Raises:
+      TypeError: `trainer` is not a `SparseTrainer` or `ScheduledTrainer`.
+      ValueError: `dtype` is not "float32" or "bfloat16".
     """
 
     def __init__(self, trainer, *, budget_bytes: int | None = None, spill_dir: str | None = None,
@@ -503,8 +660,22 @@ class PrefixCachedTrainer:
                            for x in leaves)
 
     def split(self, state, batch) -> tuple[PrefixSplit, Any, PrefixCache] | None:
-        """(the split, its suffix trainer, its cache) for this batch's signature; None
-        where `auto` runs the trainer as is."""
+        """The split of this batch's signature, made (and reported) on first use.
+
+        Args:
+          state: the `TrainState`.
+          batch: a batch of the signature.
+
+        Returns:
+          `(split, suffix trainer, cache)`: the `PrefixSplit`, the trainer of its
+          suffix loss and the signature's `PrefixCache`; None where `auto` runs the
+          trainer as is.
+
+        Raises:
+          PrefixCacheError: without `auto`, the step cannot be split or (with `check`)
+            a cut value mixes examples. Without `auto`, other errors from tracing the
+            loss propagate as they are.
+        """
         key = self._signature(state.params, batch)
         if key not in self._splits:
             self._splits[key] = self._make(state, batch, key)
@@ -581,13 +752,42 @@ class PrefixCachedTrainer:
                             suffix_flops, on, why)
 
     def report(self, state, batch) -> PrefixReport:
-        """Whether this batch shape's steps use the cache, its cut and what it saves."""
+        """Whether this batch shape's steps use the cache, its cut and what it saves.
+
+        Args:
+          state: the `TrainState`.
+          batch: a batch of the shape.
+
+        Returns:
+          The signature's `PrefixReport` (of the scheme `state` holds, for a schedule).
+
+        Raises:
+          PrefixCacheError: as `split`.
+        """
         self.split(state, batch)
         return self.reports[self._signature(state.params, batch)]
 
     def __call__(self, state, batch, keys: Sequence | None = None):
-        """One step: `(state, batch) -> (new state, metrics)`; `keys` name the examples
-        (hashable, one per example; default: a hash of each example's contents)."""
+        """One training step, through the cache where this batch shape uses it.
+
+        Examples whose keys are not in the cache get their cut values computed by the
+        prefix and stored; the suffix's step then runs on the cached values. Where the
+        shape does not use the cache (`auto`), the trainer's own step runs.
+
+        Args:
+          state: the `TrainState` (the trainer's own: `trainer.init(params)`).
+          batch: the step's batch.
+          keys: one hashable name per example; the batch's other inputs (arrays without
+            the example axis) are added to each. None (the default): `example_keys`, a
+            hash of each example's contents.
+
+        Returns:
+          `(new state, metrics)`, as the trainer's step returns them.
+
+        Raises:
+          ValueError: `keys` does not hold one key per example.
+          PrefixCacheError: as `split`.
+        """
         entry = self._splits.get(self._signature(state.params, batch), False)
         if entry is False:
             self.split(state, batch)
@@ -625,6 +825,22 @@ class PrefixCachedTrainer:
 
             values = cache.get(key) or sess.prefix(batch)
             sess.step({"batch": batch, "cut": values})
+
+        Args:
+          state: the `TrainState`.
+          batch: a batch of the shape to compile for.
+          target: the IREE target's name (`pockjax.export.TARGETS`); default "host-cpu".
+          out_dir: the artifact directory to write; default "export".
+          gpu: the GPU family, for GPU targets; None for the target's default.
+          extra_flags: more compiler flags (`--iree-...=value`).
+          progress: name each stage on stderr as it starts; default False.
+
+        Returns:
+          The `pockjax.export.Artifact`.
+
+        Raises:
+          PrefixCacheError: the trainer is a `ScheduledTrainer`, or this batch shape has
+            no cached step (`auto` found it not worthwhile), or as `split`.
         """
         from pockjax.export.artifact import export
 
@@ -641,6 +857,11 @@ class PrefixCachedTrainer:
                       prefix=split.prefix)
 
     def caches(self) -> list[PrefixCache]:
+        """The caches of the batch signatures that use one.
+
+        Returns:
+          A list of `PrefixCache`s.
+        """
         return [e[3] for e in self._splits.values() if e is not None]
 
     def close(self) -> None:

@@ -37,18 +37,31 @@ __all__ = ["load", "Session", "ToolSession", "qemu_arm64", "DEVICES", "Incompati
            "DeviceLost", "CompilingPipelines"]
 
 DEVICES = ("local-task", "local-sync", "vulkan", "cuda")
+"""The IREE devices `load` opens: `"local-task"` and `"local-sync"` run CPU artifacts
+(multi-threaded and single-threaded), `"vulkan"` and `"cuda"` GPU ones."""
 _CPU_DEVICES = ("local-task", "local-sync")
 
 
 class IncompatibleDevice(ExportError):
-    """The device lacks what the artifact was compiled for (it would compute wrong)."""
+    """Raised when loading a Vulkan artifact on a device that lacks what the artifact was
+    compiled for (it would compute wrong)."""
 
 
 class DeviceLost(ExportError):
-    """The Vulkan driver lost the device during a call (VK_ERROR_DEVICE_LOST). Every
-    buffer on it is gone, the session's trained state with them; the device is dropped,
-    so the next `load` opens a new one. `during` names the call, `driver_message` is
-    IREE's error."""
+    """Raised when the Vulkan driver loses the device during a call (VK_ERROR_DEVICE_LOST).
+
+    Every buffer on it is gone, the session's trained state with them; the device is
+    dropped, so the next `load` opens a new one.
+
+    Args:
+      message: the error message.
+      during: what the session was doing (`"loading"`, `"a training step"`, ...).
+      driver_message: the line of IREE's error that reports the loss.
+
+    Attributes:
+      during: what the session was doing when the device was lost.
+      driver_message: the line of IREE's error that reports the loss.
+    """
 
     def __init__(self, message: str, during: str, driver_message: str):
         super().__init__(message)
@@ -67,8 +80,9 @@ _LOST_WHILE_LOADING = (("transient buffer has no staged Vulkan backing",),)
 
 
 class CompilingPipelines(UserWarning):
-    """A function's first call on a Vulkan device that runs on the CPU (lavapipe) waits
-    while the driver compiles its pipelines; filter this category to silence it."""
+    """Warned before a function's first call on a Vulkan device that runs on the CPU
+    (lavapipe): the call waits while the driver compiles its pipelines. Filter this
+    category to silence it."""
 
 
 def _loss_line(text: str, loading: bool) -> str | None:
@@ -144,7 +158,16 @@ def _np_dtype(name: str):
 def named_leaves(tree, prefix: str = "") -> list[tuple[str, object]]:
     """`[(path, leaf)]` of a batch in JAX's flattening order and with its path names
     (dicts by sorted key, lists and tuples by index, named tuples by field; None is
-    empty), without JAX: the runtime runs where JAX is not installed."""
+    empty), without JAX: the runtime runs where JAX is not installed.
+
+    Args:
+      tree: the batch: nested dicts, lists, tuples and named tuples of arrays.
+      prefix: the path the tree's own leaves are named under (`"a/b"`); empty at the
+        root, where a single leaf is named `""`.
+
+    Returns:
+      `(path, leaf)` pairs, paths joined with `/`.
+    """
     join = (lambda k: f"{prefix}/{k}") if prefix else str
     if tree is None:
         return []
@@ -239,17 +262,31 @@ class _Artifact:
         return self._batch_args(batch, "prefix")
 
     def params(self):
-        """The current parameters as a numpy pytree with the original paths."""
+        """The current parameters as a numpy pytree with the original paths.
+
+        Returns:
+          Nested dicts (lists where every key is an index) of numpy arrays, trained
+          and frozen parameters together.
+        """
         values = {k[len("params/"):]: v for k, v in self._values().items()
                   if k.startswith("params/")}
         return _unflatten(self.manifest["params_tree"]["params"], values)
 
     @property
     def step_count(self) -> int:
+        """The number of training steps the state has taken (the state's `step`)."""
         return int(self._state_value(self._state_names.index("step")))
 
     def save(self, path: str) -> None:
-        """A checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`)."""
+        """Write a checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`).
+
+        The checkpoint holds every parameter, the optimizer state and the step count,
+        with the scheme in its metadata; it is written to a temporary file and renamed
+        into place.
+
+        Args:
+          path: the checkpoint file to write (`.safetensors`).
+        """
         from pockjax.checkpoint import encode, write_atomic
 
         values = self._values()
@@ -261,8 +298,24 @@ class _Artifact:
 class Session(_Artifact):
     """A loaded artifact on one IREE device; see `pockjax.runtime.load`.
 
+    The trainable parameters and optimizer state stay on the device between calls:
+    `step` updates them in place, `params` and `save` copy them back.
     `close()` (or leaving a `with` block) frees its device memory at once; otherwise
-    that happens when the session is garbage or at interpreter exit."""
+    that happens when the session is garbage or at interpreter exit.
+
+    Args:
+      path: the artifact directory.
+      device: one of `DEVICES` that runs the artifact's target: `"local-task"` or
+        `"local-sync"` for a CPU target, `"vulkan"` or `"cuda"` for a GPU one.
+
+    Raises:
+      ExportError: `device` is unknown, cannot run this artifact's target or is not
+        available here; an android-arm64 artifact on a machine that is not aarch64;
+        a missing or damaged artifact file; IREE cannot load the artifact.
+      IncompatibleDevice: a Vulkan artifact compiled for a GPU the device does not
+        match.
+      DeviceLost: the Vulkan driver lost the device while loading.
+    """
 
     _closed = False
 
@@ -452,7 +505,20 @@ class Session(_Artifact):
     # -- calls -------------------------------------------------------------------
 
     def step(self, batch) -> dict[str, np.ndarray]:
-        """One training step on the device; returns the metrics as numpy values."""
+        """One training step on the device; returns the metrics as numpy values.
+
+        Args:
+          batch: one batch with the inputs, shapes and dtypes the artifact was
+            exported for (a pytree of arrays, as given to the Python trainer).
+
+        Returns:
+          The step's outputs by name: `"loss"` and any `"aux/<path>"`.
+
+        Raises:
+          ExportError: the session is closed, or the batch's inputs, shapes or dtypes
+            are not the artifact's.
+          DeviceLost: the Vulkan driver lost the device (the trained state is lost).
+        """
         self._check_open()
         args = self._batch_args(batch)
         self._first_call("train_step")
@@ -464,9 +530,20 @@ class Session(_Artifact):
             return {name: self._host(o) for name, o in zip(names, outs[n:])}
 
     def prefix(self, batch) -> list[np.ndarray]:
-        """A prefix cache's artifact: the cut values of `batch` (the original batch,
-        without "cut"), to keep per example and pass to `step` as
-        `{"batch": batch, "cut": values}`."""
+        """A prefix cache's artifact: the cut values of `batch`, to keep per example and
+        pass to `step` as `{"batch": batch, "cut": values}`.
+
+        Args:
+          batch: the original batch, without `"cut"`.
+
+        Returns:
+          The cut values, one numpy array each.
+
+        Raises:
+          ExportError: the session is closed, the artifact has no prefix function (it
+            is not a prefix cache's export), or the batch does not match it.
+          DeviceLost: the Vulkan driver lost the device.
+        """
         self._check_open()
         args = self._prefix_inputs(batch)
         self._first_call("prefix")
@@ -474,7 +551,19 @@ class Session(_Artifact):
             return [self._host(o) for o in _as_list(self._fn["prefix"](*args))]
 
     def evaluate(self, batch) -> np.ndarray:
-        """The loss on `batch` with the current parameters (no update)."""
+        """The loss on `batch` with the current parameters (no update).
+
+        Args:
+          batch: one batch with the inputs, shapes and dtypes the artifact was
+            exported for.
+
+        Returns:
+          The loss as a 0-d numpy array.
+
+        Raises:
+          ExportError: the session is closed, or the batch does not match the artifact.
+          DeviceLost: the Vulkan driver lost the device.
+        """
         self._check_open()
         args = self._batch_args(batch)
         self._first_call("eval")
@@ -562,8 +651,20 @@ class ToolSession(_Artifact):
     This is how an artifact runs where no Python is: on a phone over `adb shell`, or
     here under `qemu-aarch64` with the aarch64 build of the tool (see `qemu_arm64`).
     The state lives in `.npy` files in `workdir` between calls: `train_step` reads the
-    current state and writes the next one. `command` is the tool and anything that
-    must precede it (an emulator and its options).
+    current state and writes the next one. Constructing the session checks the
+    artifact's files and runs its `init` function once.
+
+    Args:
+      path: the artifact directory.
+      command: the tool and anything that must precede it (an emulator and its
+        options), as a list of words or one string naming the tool.
+      device: the tool's `--device` (default `"local-task"`).
+      workdir: the directory for the state and batch files, created if missing;
+        None: a new temporary directory.
+
+    Raises:
+      ExportError: a missing or damaged artifact file, a tool that cannot be started,
+        or a call that fails (its command line and the end of its output are shown).
     """
 
     def __init__(self, path: str, command=("iree-run-module",), device: str = "local-task",
@@ -610,7 +711,18 @@ class ToolSession(_Artifact):
         return files
 
     def step(self, batch) -> dict[str, np.ndarray]:
-        """One training step in a new process; returns the metrics."""
+        """One training step in a new process; returns the metrics.
+
+        Args:
+          batch: one batch with the inputs, shapes and dtypes the artifact was
+            exported for.
+
+        Returns:
+          The step's outputs by name: `"loss"` and any `"aux/<path>"`.
+
+        Raises:
+          ExportError: the batch does not match the artifact, or the tool failed.
+        """
         fn = self.manifest["functions"]["train_step"]
         # Read one set of state files, write the other.
         tag = "state1" if self._state_files[0].endswith("state0_0.npy") else "state0"
@@ -620,7 +732,18 @@ class ToolSession(_Artifact):
         return {name: np.load(f) for name, f in zip(fn["outputs"], outs[len(self._state_names):])}
 
     def prefix(self, batch) -> list[np.ndarray]:
-        """The cut values of `batch` (see `Session.prefix`), in a new process."""
+        """The cut values of `batch` (see `Session.prefix`), in a new process.
+
+        Args:
+          batch: the original batch, without `"cut"`.
+
+        Returns:
+          The cut values, one numpy array each.
+
+        Raises:
+          ExportError: the artifact has no prefix function, the batch does not match
+            it, or the tool failed.
+        """
         files = []
         for i, x in enumerate(self._prefix_inputs(batch)):
             files.append(os.path.join(self.workdir, f"prefix_in_{i}.npy"))
@@ -629,6 +752,18 @@ class ToolSession(_Artifact):
         return [np.load(f) for f in self._call("prefix", files, n, "prefix")]
 
     def evaluate(self, batch) -> np.ndarray:
+        """The loss on `batch` with the current parameters (no update), in a new process.
+
+        Args:
+          batch: one batch with the inputs, shapes and dtypes the artifact was
+            exported for.
+
+        Returns:
+          The loss as a 0-d numpy array.
+
+        Raises:
+          ExportError: the batch does not match the artifact, or the tool failed.
+        """
         state = [self._state_files[i] for i in self._eval_indices()]
         out, = self._call("eval", state + self._write_batch(batch), 1, "eval")
         return np.load(out)
@@ -649,6 +784,18 @@ def qemu_arm64(runtime_dir: str, sysroot: str = "/usr/aarch64-linux-gnu") -> lis
     libraries (Debian: libc6-arm64-cross, libstdc++6-arm64-cross). IREE's CPU kernels are
     self-contained ELF files, so an artifact for the Android triple runs on this glibc
     build of the tool.
+
+    Args:
+      runtime_dir: the unpacked aarch64 `iree-base-runtime` wheel.
+      sysroot: the aarch64 sysroot for `qemu-aarch64 -L` (default Debian's
+        cross-compilation one).
+
+    Returns:
+      The command as a list of words, for `ToolSession(path, command)`.
+
+    Raises:
+      ExportError: `runtime_dir` has no `iree/_runtime_libs/iree-run-module`, or
+        `sysroot` is not a directory.
     """
     tool = os.path.join(runtime_dir, "iree", "_runtime_libs", "iree-run-module")
     if not os.path.isfile(tool):
@@ -669,9 +816,26 @@ def _as_list(outs) -> list:
 def load(path: str, device: str = "local-task") -> Session:
     """Load an exported artifact directory onto an IREE device.
 
-    If the driver loses the device while loading (nothing is trained yet), the artifact
-    is loaded once more on a new device, with a warning; a second loss raises
-    `DeviceLost`."""
+    The artifact's files are checked against the manifest's sizes and hashes. If the
+    driver loses the device while loading (nothing is trained yet), the artifact is
+    loaded once more on a new device, with a warning; a second loss raises
+    `DeviceLost`.
+
+    Args:
+      path: the artifact directory (`pockjax.export` wrote it).
+      device: one of `DEVICES` that runs the artifact's target (default
+        `"local-task"`, for CPU artifacts).
+
+    Returns:
+      The `Session`, with the initial state on the device.
+
+    Raises:
+      ExportError: see `Session`: an unknown or unavailable device, an artifact for
+        another target, a missing or damaged file.
+      IncompatibleDevice: a Vulkan artifact compiled for a GPU the device does not
+        match.
+      DeviceLost: the device was lost twice while loading.
+    """
     try:
         return Session(path, device)
     except DeviceLost as e:

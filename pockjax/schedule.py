@@ -14,19 +14,20 @@ of every leaf that ever trains, which is full training's memory. Learning-rate
 schedules inside the optax chain (`optax.scale_by_schedule`, `inject_hyperparams`)
 continue from the global step, so the rate follows the run, not the turn.
 
->>> import jax.numpy as jnp, optax, pockjax as pj
->>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
->>> schedule = pj.schemes.schedule([pj.Scheme({"a": pj.Full()}),
-...                                 pj.Scheme({"b": pj.Full()})], every=2)
->>> [schedule.index(step) for step in range(6)]
-[0, 0, 1, 1, 0, 0]
->>> trainer = pj.sparse_train(lambda p, x: jnp.sum((p["a"] * p["b"] - x) ** 2),
-...                           optimizer=optax.sgd(0.1), scheme=schedule)
->>> state = trainer.init(params)
->>> for _ in range(3):
-...     state, metrics = trainer(state, jnp.zeros(2))
->>> int(state.step), state.scheme == schedule.schemes[1]
-(3, True)
+Examples:
+  >>> import jax.numpy as jnp, optax, pockjax as pj
+  >>> params = {"a": jnp.ones(2), "b": jnp.ones(2)}
+  >>> schedule = pj.schemes.schedule([pj.Scheme({"a": pj.Full()}),
+  ...                                 pj.Scheme({"b": pj.Full()})], every=2)
+  >>> [schedule.index(step) for step in range(6)]
+  [0, 0, 1, 1, 0, 0]
+  >>> trainer = pj.sparse_train(lambda p, x: jnp.sum((p["a"] * p["b"] - x) ** 2),
+  ...                           optimizer=optax.sgd(0.1), scheme=schedule)
+  >>> state = trainer.init(params)
+  >>> for _ in range(3):
+  ...     state, metrics = trainer(state, jnp.zeros(2))
+  >>> int(state.step), state.scheme == schedule.schemes[1]
+  (3, True)
 """
 from __future__ import annotations
 
@@ -46,13 +47,26 @@ ORDERS = ("cycle", "random")
 class Schedule:
     """Schemes that take turns: `schemes[index(step)]` trains at (0-based) step `step`.
 
+    Frozen (immutable and hashable). `pockjax.schemes.schedule` and
+    `pockjax.schemes.blockwise` build one; `sparse_train(..., scheme=schedule)` trains it.
+
     Args:
-      schemes: the schemes, in turn order.
+      schemes: the schemes, in turn order (any sequence of `Scheme`s; stored as a tuple).
+      every: steps each turn lasts, a positive whole number.
+      order: "cycle" (the default: the list's order, again and again) or "random" (each
+        round, every scheme once, in an order drawn from `seed` and the round number, as
+        in LISA and BAdam).
+      seed: the random order's seed (unused with "cycle"); default 0.
+
+    Attributes:
+      schemes: the schemes, as a tuple, in turn order.
       every: steps each turn lasts.
-      order: "cycle" (the list's order, again and again) or "random" (each round, every
-        scheme once, in an order drawn from `seed` and the round number, as LISA and
-        BAdam's random order).
+      order: "cycle" or "random".
       seed: the random order's seed.
+
+    Raises:
+      SchemeError: `schemes` is empty or holds something other than `Scheme`s, `every`
+        is not a positive whole number, or `order` is not "cycle" or "random".
     """
 
     schemes: tuple[Scheme, ...]
@@ -72,7 +86,14 @@ class Schedule:
             raise SchemeError(f"a schedule's order is one of {ORDERS}, got {self.order!r}")
 
     def index(self, step: int) -> int:
-        """Which scheme trains at (0-based) step `step`."""
+        """Which scheme trains at (0-based) step `step`.
+
+        Args:
+          step: the 0-based step number (an int, or anything `int()` takes).
+
+        Returns:
+          The scheme's position in `schemes`.
+        """
         turn, n = int(step) // self.every, len(self.schemes)
         if self.order == "cycle":
             return turn % n
@@ -80,11 +101,26 @@ class Schedule:
         return int(order[turn % n])
 
     def at(self, step: int) -> Scheme:
-        """The scheme that trains at (0-based) step `step`."""
+        """The scheme that trains at (0-based) step `step`.
+
+        Args:
+          step: the 0-based step number.
+
+        Returns:
+          `schemes[index(step)]`.
+        """
         return self.schemes[self.index(step)]
 
     def resolve(self, params) -> None:
-        """Check every scheme against `params` (raises `SchemeError` naming the bad one)."""
+        """Check every scheme against `params` (`Scheme.resolve` on each).
+
+        Args:
+          params: the model's parameter pytree.
+
+        Raises:
+          SchemeError: a scheme does not fit `params`; the message starts with the
+            scheme's position in the schedule.
+        """
         for i, scheme in enumerate(self.schemes):
             try:
                 scheme.resolve(params)
@@ -92,6 +128,12 @@ class Schedule:
                 raise SchemeError(f"the schedule's scheme {i}: {e}") from None
 
     def to_json(self) -> str:
+        """The schedule as JSON text.
+
+        Returns:
+          A JSON object with `every`, `order`, `seed` and `schemes` (each scheme's
+          `Scheme.to_json` object).
+        """
         import json
         return json.dumps({"every": self.every, "order": self.order, "seed": self.seed,
                            "schemes": [json.loads(s.to_json()) for s in self.schemes]})
@@ -121,10 +163,21 @@ def _continue_schedules(opt_state, step: int):
 
 class ScheduledTrainer:
     """A `SparseTrainer` per scheme of a `Schedule`, switched as the step count passes
-    each turn's end. Made by `sparse_train(..., scheme=schedule)`; used like a
-    `SparseTrainer`: `state = trainer.init(params)`, `state, metrics = trainer(state,
-    batch)`. A state always holds the scheme it was last stepped with
-    (`state.scheme`)."""
+    each turn's end.
+
+    Made by `sparse_train(..., scheme=schedule)`; used like a `SparseTrainer`:
+    `state = trainer.init(params)`, `state, metrics = trainer(state, batch)`. A state
+    always holds the scheme it was last stepped with (`state.scheme`). Schemes that
+    appear more than once in the schedule share one trainer (and one compiled step).
+
+    Args:
+      trainer: the `SparseTrainer` whose loss, optimizer and settings every scheme's
+        trainer copies (`trainer.replace(scheme=...)`); its own scheme is not used.
+      schedule: the `Schedule` to follow.
+
+    Attributes:
+      schedule: the `Schedule` followed.
+    """
 
     def __init__(self, trainer, schedule: Schedule):
         self.schedule = schedule
@@ -144,6 +197,7 @@ class ScheduledTrainer:
 
     @property
     def scheme(self) -> Schedule:
+        """The `Schedule` (the counterpart of `SparseTrainer.scheme`)."""
         return self.schedule
 
     @property
@@ -158,12 +212,36 @@ class ScheduledTrainer:
         return list(self._trainers)
 
     def trainer_at(self, step: int):
-        """The `SparseTrainer` that runs (0-based) step `step`."""
+        """The `SparseTrainer` that runs (0-based) step `step`.
+
+        Args:
+          step: the 0-based step number.
+
+        Returns:
+          The trainer of the scheme `schedule.at(step)`.
+        """
         return self._trainers[self._which[self.schedule.index(step)]]
 
     def init(self, params, *, copy: bool = True, step: int = 0):
         """The state to start (or resume) at `step`: that of the scheme whose turn ran
-        the step before it (`SparseTrainer.init`; `copy` as there)."""
+        the step before it (`SparseTrainer.init`).
+
+        With `step > 0` the state's step count is set to `step` and the step counts of
+        the learning-rate schedules in the optimizer state (`optax.scale_by_schedule`,
+        `inject_hyperparams`) follow it; the rest of the optimizer state starts fresh.
+
+        Args:
+          params: the model's parameter pytree.
+          copy: as in `SparseTrainer.init`: True (the default) copies the parameters,
+            False hands them over to the state.
+          step: the step count the run has reached (0, the default, for a new run).
+
+        Returns:
+          A `TrainState` for the scheme of step `max(step - 1, 0)`.
+
+        Raises:
+          SchemeError: a scheme of the schedule does not fit `params`.
+        """
         self.schedule.resolve(params)
         trainer = self.trainer_at(max(step - 1, 0))
         state = trainer.init(params, copy=copy)
@@ -179,8 +257,19 @@ class ScheduledTrainer:
 
     def switch(self, state, step: int):
         """`state` made for the scheme that runs step `step`: the same parameters, new
-        optimizer state for that scheme's leaves. With `donate` (the default) the old
-        optimizer state is deleted first, as a step would, so two never coexist."""
+        optimizer state for that scheme's leaves.
+
+        A state that already holds that scheme is returned as it is. Otherwise, when the
+        base trainer donates (`donate=True`, the default) the old optimizer state is
+        deleted first, as a step would, so two never coexist.
+
+        Args:
+          state: a `TrainState` of one of the schedule's schemes.
+          step: the 0-based step about to run.
+
+        Returns:
+          The `TrainState` for step `step`'s scheme, its step count set to `step`.
+        """
         trainer = self.trainer_at(step)
         if state.scheme == trainer.scheme:
             return state
@@ -193,6 +282,18 @@ class ScheduledTrainer:
         return self._at_step(new, step)
 
     def __call__(self, state, batch):
+        """One training step, switching scheme first where the step starts a new turn.
+
+        The step count is read from `state` once for a state this trainer did not
+        return (a restored checkpoint), and tracked on the host after that.
+
+        Args:
+          state: the `TrainState` (from `init`, or a previous call's).
+          batch: the step's batch, as the loss function takes it.
+
+        Returns:
+          `(new state, metrics)`, as `SparseTrainer.__call__` returns them.
+        """
         if state is self._last:
             step = self._last_step
         else:  # a state from elsewhere (a restored checkpoint): read its count once
@@ -203,15 +304,48 @@ class ScheduledTrainer:
         return state, metrics
 
     def explain(self, state, batch):
-        """The explanation (`SparseTrainer.explain`) of the scheme `state` holds."""
+        """`SparseTrainer.explain` for the scheme `state` holds.
+
+        Args:
+          state: a `TrainState` of one of the schedule's schemes.
+          batch: a batch of the training shape.
+
+        Returns:
+          The `TransformInfo` of that scheme's step.
+
+        Raises:
+          SchemeError: `state.scheme` is not one of the schedule's schemes.
+        """
         return self.trainer_of(state).explain(state, batch)
 
     def report(self, state, batch, **kw):
-        """`SparseTrainer.report` of the scheme `state` holds."""
+        """`SparseTrainer.report` for the scheme `state` holds.
+
+        Args:
+          state: a `TrainState` of one of the schedule's schemes.
+          batch: a batch of the training shape.
+          **kw: passed on to `SparseTrainer.report`.
+
+        Returns:
+          The `TrainReport` of that scheme's step.
+
+        Raises:
+          SchemeError: `state.scheme` is not one of the schedule's schemes.
+        """
         return self.trainer_of(state).report(state, batch, **kw)
 
     def trainer_of(self, state):
-        """The `SparseTrainer` of the scheme `state` holds."""
+        """The `SparseTrainer` of the scheme `state` holds.
+
+        Args:
+          state: a `TrainState`.
+
+        Returns:
+          The trainer whose scheme equals `state.scheme`.
+
+        Raises:
+          SchemeError: `state.scheme` is not one of the schedule's schemes.
+        """
         for t in self._trainers:
             if t.scheme == state.scheme:
                 return t
@@ -228,14 +362,27 @@ def blockwise(params, *, every: int, group: int = 1, order: str = "descending",
     full for `every` steps (block-coordinate descent over the blocks).
 
     Args:
-      params: the model's parameters (or a module `pockjax.schemes.params_of` takes).
+      params: the model's parameters (or a model `pockjax.schemes.params_of` takes).
       every: steps a group trains before the next one's turn.
-      group: blocks per group (the last group may be smaller).
-      order: "descending" (the last group first: the blocks nearest the output, whose
-        gradients cost least), "ascending", or "random" (`Schedule`'s random order).
-      seed: the random order's seed.
-      extra: glob patterns trained in every turn as well (e.g. the final norm).
-      name: the blocks' container, as `pockjax.schemes.blocks`.
+      group: blocks per group, a positive whole number (default 1; the last group may be
+        smaller).
+      order: "descending" (the default: the last group first, the blocks nearest the
+        output, whose gradients cost least), "ascending", or "random" (`Schedule`'s
+        random order).
+      seed: the random order's seed; default 0.
+      extra: glob patterns trained in full in every turn as well (e.g. the final norm);
+        default none.
+      name: the blocks' container, as in `pockjax.schemes.blocks`; None (the default)
+        picks the one with the most blocks.
+
+    Returns:
+      A `Schedule` with one scheme per group (`{block}/**` trained in full, everything
+      else frozen but `extra`).
+
+    Raises:
+      SchemeError: the parameters have no repeated blocks (or none named `name`),
+        `group` is not a positive whole number, `order` is unknown, no parameter matches
+        `extra`, or `every` is not a positive whole number.
     """
     from pockjax import schemes as _schemes
 

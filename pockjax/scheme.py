@@ -4,11 +4,12 @@ A scheme is an ordered list of glob patterns over "/"-joined parameter paths; th
 first pattern that matches a parameter decides what happens to it, and parameters
 that no pattern matches get the default decision.
 
->>> import jax.numpy as jnp, pockjax as pj
->>> params = {"dense": {"kernel": jnp.zeros((8, 4)), "bias": jnp.zeros(4)}}
->>> scheme = pj.Scheme({"**/bias": pj.Full(), "dense/kernel": pj.Channels(count=2, axis="in")})
->>> scheme.resolve(params)["dense"]["kernel"]
-Channels(count=2, axis=0)
+Examples:
+  >>> import jax.numpy as jnp, pockjax as pj
+  >>> params = {"dense": {"kernel": jnp.zeros((8, 4)), "bias": jnp.zeros(4)}}
+  >>> scheme = pj.Scheme({"**/bias": pj.Full(), "dense/kernel": pj.Channels(count=2, axis="in")})
+  >>> scheme.resolve(params)["dense"]["kernel"]
+  Channels(count=2, axis=0)
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ __all__ = [
 
 
 class SchemeError(ValueError):
-    """A scheme does not fit the parameters it is applied to."""
+    """Raised when a scheme, decision or schedule is malformed or does not fit the
+    parameters it is applied to; the message names the pattern or parameter path."""
 
 
 # --------------------------------------------------------------------------- decisions
@@ -46,7 +48,7 @@ class SchemeError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Full:
-    """The whole tensor trains."""
+    """Decision: the whole tensor trains."""
 
     def __repr__(self) -> str:
         return "Full()"
@@ -54,7 +56,7 @@ class Full:
 
 @dataclasses.dataclass(frozen=True)
 class Frozen:
-    """The tensor does not train and gets no gradient work."""
+    """Decision: the tensor does not train and gets no gradient work."""
 
     def __repr__(self) -> str:
         return "Frozen()"
@@ -65,15 +67,34 @@ _AXIS_NAMES = {"in": -2, "out": -1}
 
 @dataclasses.dataclass(frozen=True)
 class Channels:
-    """A contiguous range of channels along one axis trains; the rest is frozen.
+    """Decision: a contiguous range of channels along one axis trains; the rest is frozen.
 
-    Give exactly one of `ratio` (fraction in (0, 1], rounded up to whole channels) or
-    `count`. `axis` is "in" or "out" (the input/output-feature axis of a dense kernel
-    `[in, out]` or a 2-D/3-D conv kernel HWIO/DHWIO, i.e. axis -2 / -1; "out" is axis 0
-    of a vector) or an int. A rank-3 weight needs an int axis: its layout cannot be
-    told from its shape (a 1-D conv `[width, in, out]`, a `DenseGeneral` kernel
-    `[in, heads, head_dim]`, a stacked `[layers, in, out]`). The kept range is the
-    first channels, or the last ones with `last=True`.
+    Give exactly one of `ratio` or `count`. A rank-3 weight needs an int axis: its
+    layout cannot be told from its shape (a 1-D conv `[width, in, out]`, a
+    `DenseGeneral` kernel `[in, heads, head_dim]`, a stacked `[layers, in, out]`).
+    `resolve` turns the decision into its resolved form for one leaf: a `count` and a
+    non-negative int `axis`.
+
+    Args:
+      ratio: the fraction of the axis's channels that trains, in (0, 1], rounded up to
+        whole channels (at least one); None when `count` is given.
+      count: the number of channels that trains, a positive int; None when `ratio` is
+        given.
+      axis: "out" (the default) or "in": the output/input-feature axis of a dense
+        kernel `[in, out]` or a 2-D/3-D conv kernel HWIO/DHWIO, i.e. axis -1 / -2 ("out"
+        is axis 0 of a vector); or an int axis. A leaf whose layout is registered with
+        `register_layouts` reads "in"/"out" from there.
+      last: keep the last channels of the axis instead of the first (default False).
+
+    Attributes:
+      ratio: the fraction given, or None.
+      count: the channel count given (or resolved), or None.
+      axis: "in", "out" or an int (a non-negative int once resolved).
+      last: whether the kept range is at the end of the axis.
+
+    Raises:
+      SchemeError: both or neither of `ratio` and `count` are given, `ratio` is not in
+        (0, 1], `count` is not a positive int, or `axis` is not "in", "out" or an int.
     """
 
     ratio: float | None = None
@@ -109,14 +130,40 @@ class Channels:
         return f"Channels({', '.join(parts)})"
 
     def bounds(self, shape: Sequence[int]) -> tuple[int, int, int]:
-        """`(axis, start, stop)` of the kept range for a leaf of this shape (resolved form)."""
+        """`(axis, start, stop)` of the kept range for a leaf of this shape.
+
+        Only for the resolved form (`count` set, `axis` a non-negative int), as
+        `resolve` returns it.
+
+        Args:
+          shape: the leaf's shape.
+
+        Returns:
+          The axis and the kept range's start and stop indices along it.
+        """
         assert self.count is not None and isinstance(self.axis, int) and self.axis >= 0
         n = shape[self.axis]
         return (self.axis, n - self.count, n) if self.last else (self.axis, 0, self.count)
 
     def resolve(self, path: str, shape: tuple[int, ...], layout=None) -> "Channels":
         """This decision for the leaf `path` of `shape`: an int axis and a count (a named
-        axis read through the leaf's `layout`, see `register_layouts`)."""
+        axis read through the leaf's `layout`, see `register_layouts`).
+
+        Args:
+          path: the leaf's "/"-joined path, for error messages.
+          shape: the leaf's shape.
+          layout: the leaf's registered layout (`{"in": axis, "out": axis}`, or a string
+            saying why its axes are unknown), or None (the default) for JAX's layout.
+
+        Returns:
+          A `Channels` with `count` (from `ratio`, rounded up) and a non-negative int
+          `axis`; `ratio` is None.
+
+        Raises:
+          SchemeError: the leaf is a scalar; a named axis does not apply (a rank-3 or
+            rank > 5 leaf, a vector's "in", a layout string); an int axis is out of range;
+            or `count` is larger than the axis.
+        """
         ndim = len(shape)
         if ndim == 0:
             raise SchemeError(f"parameter '{path}' is a scalar; Channels needs an axis to slice. "
@@ -161,6 +208,7 @@ class Channels:
 
 
 Decision = Union[Full, Frozen, Channels]
+"""What a scheme decides for one parameter: `Full`, `Frozen` or `Channels`."""
 DECISION_TYPES = (Full, Frozen, Channels)
 
 
@@ -207,12 +255,28 @@ _QUANTIZED_PART = re.compile(r"/@(data|scale|zero)$")
 
 
 def path_str(path: Sequence[Any]) -> str:
-    """"/"-joined form of a `jax.tree_util` key path: dict keys, indices, attribute names."""
+    """The "/"-joined form of a `jax.tree_util` key path.
+
+    Args:
+      path: a key path, as `jax.tree_util.tree_flatten_with_path` gives it.
+
+    Returns:
+      Its dict keys, sequence indices and attribute names joined by "/"
+      (`"blocks_0/attn/q/kernel"`).
+    """
     return "/".join(_key_str(k) for k in path)
 
 
 def leaves_with_paths(tree) -> tuple[list[tuple[str, Any]], Any]:
-    """`[(path, leaf)]` in flattening order, and the treedef."""
+    """The leaves of `tree` with their "/"-joined paths.
+
+    Args:
+      tree: any pytree.
+
+    Returns:
+      `([(path, leaf), ...], treedef)`: the leaves in flattening order, each with its
+      `path_str`, and the tree's structure.
+    """
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
     return [(path_str(p), leaf) for p, leaf in flat], treedef
 
@@ -229,15 +293,36 @@ _LAYOUTS: dict = {}
 
 def register_layouts(params, layouts: Mapping[str, Any], note: str = "") -> None:
     """Declare the named axes of `params`' leaves by path (`{"in": 1, "out": 0}` for a
-    torch Linear weight). Trees without an entry keep JAX's layout ("in"/"out" = axes
-    -2/-1). `note` is added to errors about patterns that match nothing (e.g. how this
-    framework names its weights)."""
+    torch Linear weight).
+
+    The entry is keyed by the tree's structure, so every tree of the same structure
+    (the trainer's updated parameters, a checkpoint loaded back) finds it. Trees
+    without an entry keep JAX's layout ("in"/"out" = axes -2/-1). A later call for the
+    same structure replaces the entry.
+
+    Args:
+      params: a parameter pytree; only its structure is used.
+      layouts: path -> `{"in": axis, "out": axis}`, or a string saying why that leaf's
+        axes are unknown (a named `Channels` axis on it is then an error).
+      note: text added to errors about patterns that match nothing (e.g. how this
+        framework names its weights); default none.
+    """
     _LAYOUTS[jax.tree_util.tree_structure(params)] = (dict(layouts), note)
 
 
 def layouts_of(params) -> tuple[dict, str]:
-    """`(layouts by path, note)` registered for `params`' structure, or for a dict's
-    top-level entries (a torch model's parameters as `{"model": params, ...}`)."""
+    """The layouts registered for `params`' structure (see `register_layouts`).
+
+    Where the whole structure has no entry and `params` is a mapping, the entries of
+    its top-level values are combined, their paths prefixed with the key (a torch
+    model's parameters as `{"model": params, ...}`).
+
+    Args:
+      params: a parameter pytree.
+
+    Returns:
+      `(layouts by path, note)`; `({}, "")` when nothing is registered.
+    """
     found = _LAYOUTS.get(jax.tree_util.tree_structure(params))
     if found is not None:
         return found
@@ -305,7 +390,25 @@ def glob_to_regex(pattern: str) -> re.Pattern:
 class Scheme:
     """Ordered glob rules from parameter paths to decisions; the first match wins.
 
+    Patterns are shell-style globs over "/"-joined parameter paths: `*` and `?` stay
+    within one path component, `**` spans several, `[...]` is a character class.
+    Schemes compare equal (and hash equal) when their rules and default are equal.
+
     >>> scheme = Scheme({"**/bias": Full(), "head/**": Full()}, default=Frozen())
+
+    Args:
+      rules: `{pattern: decision}` or a sequence of `(pattern, decision)` pairs, in
+        priority order; default none.
+      default: the decision for parameters no pattern matches; default `Frozen()`.
+
+    Attributes:
+      rules: the `(pattern, decision)` pairs, as a tuple.
+      default: the decision for unmatched parameters.
+
+    Raises:
+      SchemeError: a rule is not a `(pattern, decision)` pair, a pattern is not a
+        non-empty string, or a decision (or `default`) is not `Full`, `Frozen` or
+        `Channels`.
     """
 
     def __init__(self, rules: Mapping[str, Decision] | Sequence[tuple[str, Decision]] = (),
@@ -337,7 +440,14 @@ class Scheme:
         return hash((self.rules, self.default))
 
     def match(self, path: str) -> Decision:
-        """The decision for one path (unresolved: ratios and named axes as written)."""
+        """The decision for one path (unresolved: ratios and named axes as written).
+
+        Args:
+          path: a "/"-joined parameter path.
+
+        Returns:
+          The decision of the first pattern that matches `path`, else `default`.
+        """
         for rx, (_, decision) in zip(self._regex, self.rules):
             if rx.match(path):
                 return decision
@@ -346,9 +456,22 @@ class Scheme:
     def resolve(self, params, *, allow_empty: bool = False):
         """The pytree of decisions for `params`, with Channels resolved to counts and int axes.
 
-        Raises `SchemeError` for a pattern that matches no parameter, Channels that do
-        not fit a leaf, a non-floating leaf that would train, or a scheme that trains
-        nothing (unless `allow_empty=True`).
+        A `Channels` decision that keeps every channel of its axis resolves to `Full()`.
+
+        Args:
+          params: the model's parameter pytree (arrays or `jax.ShapeDtypeStruct`s).
+          allow_empty: accept a scheme under which every parameter is frozen (default
+            False: that raises).
+
+        Returns:
+          A pytree of `params`' structure with a `Full`, `Frozen` or resolved `Channels`
+          at each leaf.
+
+        Raises:
+          SchemeError: `params` has no leaves, a pattern matches no parameter (the
+            message lists the nearest paths), a `Channels` decision does not fit its
+            leaf, a non-floating leaf would train, or nothing trains (unless
+            `allow_empty=True`).
         """
         named, treedef = leaves_with_paths(params)
         if not named:
@@ -396,6 +519,15 @@ class Scheme:
     # ----------------------------------------------------------------------- JSON
 
     def to_json(self, **dumps_kwargs) -> str:
+        """The scheme as JSON text (version 1), which `from_json` reads back.
+
+        Args:
+          **dumps_kwargs: passed to `json.dumps` (e.g. `indent=2`).
+
+        Returns:
+          A JSON object with `version`, `rules` (`pattern` and `decision` each) and
+          `default`.
+        """
         obj = {"version": 1,
                "rules": [{"pattern": p, "decision": decision_to_json(d)} for p, d in self.rules],
                "default": decision_to_json(self.default)}
@@ -403,6 +535,18 @@ class Scheme:
 
     @classmethod
     def from_json(cls, text: str) -> "Scheme":
+        """The scheme written by `to_json`.
+
+        Args:
+          text: the JSON text.
+
+        Returns:
+          The `Scheme`; a missing `default` reads as `Frozen()`.
+
+        Raises:
+          SchemeError: the text is not JSON, not a version-1 scheme object, or holds a
+            malformed rule or decision.
+        """
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:

@@ -77,16 +77,35 @@ def _ratio_str(r: float) -> str:
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One thing that could train: `rules` (exact paths -> decisions), in `group`
-    (a search picks at most one candidate per group: one ratio per weight)."""
+    (a search picks at most one candidate per group: one ratio per weight).
+
+    Attributes:
+      name: a readable label, unique among a search's candidates
+        (`"blocks/0/mlp/kernel 1/4 in"`).
+      group: the search picks at most one candidate per group; `find_candidates` uses
+        the weight's path (or `"biases"` / `"vectors"` for the block vectors).
+      rules: `(exact parameter path, decision)` pairs.
+    """
 
     name: str
     group: str
     rules: tuple[tuple[str, Decision], ...]
 
     def scheme(self) -> Scheme:
+        """The scheme that trains this candidate alone.
+
+        Returns:
+          A `Scheme` with one exact-path rule per entry of `rules`, everything else
+            Frozen.
+        """
         return Scheme([(exact_pattern(p), d) for p, d in self.rules], default=Frozen())
 
     def key(self) -> str:
+        """The candidate's cache key.
+
+        Returns:
+          Its rules as JSON (paths and decisions, keys sorted), independent of `name`.
+        """
         return json.dumps([[p, decision_to_json(d)] for p, d in self.rules], sort_keys=True)
 
 
@@ -106,12 +125,36 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
 
     - every floating weight (2 or more dimensions) matching `include` (globs; all by
       default) and not `exclude`: Full, and Channels at each of `ratios` along `axis`
-      (ratios that round to the whole axis are dropped as duplicates of Full);
+      (ratios that round to the whole axis, or to the count of a smaller ratio, are
+      dropped as duplicates); with a named `axis`, a weight whose named axes are
+      unknown (rank 3 or above 5 without a registered layout, or a layout string) gets
+      Full only;
     - the 1-D parameters named in `vectors` (biases) of the last k blocks, k = 1..K,
       as one group; a model without biases uses all its 1-D parameters (norm scales).
       Vectors outside the blocks (a head's bias) are candidates of their own;
     - each weight matching `stacked` (globs) has a leading layer axis: its last k
       layers, k = 1..L, train (`Channels(count=k, axis=0, last=True)`).
+
+    Args:
+      params: the parameters (a pytree) or a model with a registered converter.
+      ratios: the Channels ratios, each in (0, 1); default `RATIOS` (1/8, 1/4, 1/2).
+      axis: the axis the Channels candidates slice: `"in"` (the default), `"out"` or
+        an int.
+      include: globs over parameter paths that may train; None (the default): all.
+      exclude: globs over parameter paths that never train (default none).
+      vectors: last path components of the 1-D parameters the block-vector candidates
+        take (default `("bias",)`); when none matches, every 1-D parameter.
+      stacked: globs of weights with a leading layer axis (default none).
+      block_name: the blocks' container for `pockjax.schemes.blocks` (`"layers"`,
+        `"blocks"`); None (the default) picks the one with the most blocks. Without
+        blocks every vector is a candidate of its own.
+
+    Returns:
+      The list of `Candidate`s.
+
+    Raises:
+      SchemeError: a ratio is not in (0, 1), a `stacked` parameter has fewer than 2
+        dimensions, or no candidate was found.
     """
     params = params_of(params)
     named = [(p, x) for p, x in leaves_with_paths(params)[0]
@@ -193,7 +236,20 @@ _UNITS = {"b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "
 
 
 def parse_budget(budget, full_bytes: int) -> int:
-    """Bytes for a budget: "40%" of `full_bytes`, "2GiB", "512MB", or an int of bytes."""
+    """Bytes for a budget: "40%" of `full_bytes`, "2GiB", "512MB", or an int of bytes.
+
+    Args:
+      budget: a percentage string (`"40%"`), a size string with a unit (B, kB, MB, GB,
+        KiB, MiB or GiB, case and spaces ignored; no unit: bytes), or an int of bytes.
+      full_bytes: what 100% is: full fine-tuning's step memory.
+
+    Returns:
+      The budget in bytes, an int.
+
+    Raises:
+      ValueError: `budget` is a bool or a float (ambiguous), cannot be read, or has an
+        unknown unit.
+    """
     if isinstance(budget, bool):
         raise ValueError(f"budget must be a percentage such as '40%' or a size such as '2GiB', "
                          f"got {budget!r}")
@@ -220,7 +276,22 @@ def parse_budget(budget, full_bytes: int) -> int:
 
 @dataclasses.dataclass
 class CandidateResult:
-    """What one candidate's run measured."""
+    """What one candidate's run measured.
+
+    Attributes:
+      name: the candidate's name.
+      group: the candidate's group.
+      rules: the candidate's `[path, decision JSON]` pairs.
+      loss: the mean held-out loss after the run.
+      contribution: the held-out loss before the run minus `loss` (minus infinity when
+        the loss is not finite).
+      peak_bytes: the compiled peak memory of the candidate's step.
+      added_bytes: `peak_bytes` minus the forward pass's compiled peak (at least 0).
+      flops: the FLOPs of the candidate's step (`pockjax.count_flops`).
+      seconds: the run's wall time, compilation included.
+      opt_state_bytes: of the step's memory, the optimizer state of the trainable view;
+        None in results cached without it.
+    """
 
     name: str
     group: str
@@ -234,13 +305,42 @@ class CandidateResult:
     opt_state_bytes: int | None = None  # of that: its trainable view's optimizer state
 
     def candidate(self) -> Candidate:
+        """The candidate this result measured.
+
+        Returns:
+          A `Candidate` with this result's name, group and rules (decisions read back
+            from JSON).
+        """
         return Candidate(self.name, self.group,
                          tuple((p, decision_from_json(d)) for p, d in self.rules))
 
 
 @dataclasses.dataclass
 class SearchReport:
-    """Contributions and costs of every candidate, and how the search chose."""
+    """Contributions and costs of every candidate, and how the search chose.
+
+    `str()` of it is a table of the candidates, best first, the chosen marked `*`, and a
+    summary of the budget and the chosen set.
+
+    Attributes:
+      results: every candidate's `CandidateResult`.
+      baseline_loss: the mean held-out loss of the starting parameters.
+      forward_bytes: the compiled peak memory of the forward pass alone.
+      full_bytes: the compiled peak memory of a full fine-tuning step.
+      full_flops: the FLOPs of a full fine-tuning step.
+      budget_bytes: the memory budget in bytes.
+      flop_budget: the FLOP budget, or None.
+      chosen: the names of the chosen candidates.
+      predicted_bytes: the memory the knapsack predicted for the chosen set (the
+        forward pass plus the summed added bytes).
+      measured_bytes: the compiled peak memory of the chosen scheme's step.
+      measured_flops: the FLOPs of the chosen scheme's step.
+      log: the search's steps, one line each.
+      scheme: the chosen `Scheme`.
+      steps: the training steps each candidate ran.
+      min_contribution: the noise floor: candidates whose contribution is not above it
+        were left out.
+    """
 
     results: list[CandidateResult]
     baseline_loss: float
@@ -259,11 +359,21 @@ class SearchReport:
     min_contribution: float = 0.0
 
     def as_dict(self) -> dict:
+        """The report as plain data (for JSON).
+
+        Returns:
+          A dict of the fields, `scheme` as its JSON object.
+        """
         d = dataclasses.asdict(self)
         d["scheme"] = json.loads(self.scheme.to_json())
         return d
 
     def save(self, path: str) -> None:
+        """Write `as_dict()` as JSON to `path` (atomically: a reader never sees half a file).
+
+        Args:
+          path: the file to write.
+        """
         write_atomic(path, json.dumps(self.as_dict(), indent=1).encode())
 
     def __str__(self) -> str:
@@ -295,7 +405,14 @@ class SearchReport:
         return "\n".join(lines)
 
     def plot(self, path: str) -> None:
-        """Contribution against added memory, the chosen candidates highlighted (PNG)."""
+        """Contribution against added memory, the chosen candidates highlighted (PNG).
+
+        Args:
+          path: the PNG file to write.
+
+        Raises:
+          ImportError: matplotlib is not installed.
+        """
         try:
             import matplotlib
         except ImportError:
@@ -393,15 +510,51 @@ def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, bud
     arguments go to `find_candidates()`. With `cache` (a directory) each candidate's
     result is saved as it finishes and reused by a later call on the same parameters,
     data, steps and `cache_key` (change it when you change the optimizer).
-    Candidates that improve the held-out loss by less than `min_contribution` times
+    Candidates that improve the held-out loss by no more than `min_contribution` times
     the best candidate's improvement are treated as noise and left out. `calibrate`
     caps the knapsack rounds (each compiles its set once), and the fill stops after
     `max_fill` candidates that did not fit.
-    Returns the chosen `Scheme` and a `SearchReport`.
 
     The steps, each a function below: `_references` (forward pass, full fine-tuning,
     the budget), `_measure` (every candidate's run), `_solve` (the knapsack, calibrated
     against compiled sets, each `_repair`ed to fit), `_fill` (room left).
+
+    Args:
+      trainer_factory: `trainer_factory(scheme)` -> a `SparseTrainer` for that scheme.
+      params: the starting parameters (every candidate trains from them).
+      data: `(train_batches, heldout_batches)`, or a dict with `"train"` and
+        `"heldout"`; at least `steps` training batches and one held-out batch.
+      budget: the memory budget: a percentage of full fine-tuning's step memory
+        (`"40%"`, the default), a size (`"2GiB"`) or an int of bytes (see
+        `parse_budget`); it must lie between the forward pass's memory and full
+        fine-tuning's.
+      steps: training steps per candidate (default 20).
+      candidates: the candidates to choose from; None (the default):
+        `find_candidates(params, **candidate_options)`.
+      flop_budget: the most FLOPs the chosen step may take; None (the default): no
+        limit.
+      cache: a directory for the per-candidate results; None (the default): no cache.
+      cache_key: a string that is part of the cache's key (default empty).
+      progress: show a progress bar (default True).
+      calibrate: the most knapsack rounds (default 4).
+      max_fill: the fill stops after this many candidates that did not fit (default 6).
+      min_contribution: the noise floor as a fraction of the best contribution
+        (default 0.02).
+      **candidate_options: keyword arguments for `find_candidates` (not together with
+        `candidates`).
+
+    Returns:
+      A pair: the chosen `Scheme` (exact parameter paths, everything else Frozen) and
+        the `SearchReport`.
+
+    Raises:
+      TypeError: both `candidates` and `candidate_options` are given, `data` is not two
+        sequences of batches, or `trainer_factory` does not return a `SparseTrainer`.
+      SchemeError: candidate names repeat (or `find_candidates` finds none).
+      ValueError: `steps` is below 1 or above the number of training batches, there are
+        no held-out batches, the budget is not between the forward pass's and full
+        fine-tuning's memory, no candidate fits the memory or FLOP budget, no candidate
+        improves the held-out loss, or no set fits the budget once compiled.
     """
     train, heldout = _split_data(data, steps)
     if candidates is not None and candidate_options:

@@ -37,14 +37,31 @@ _PARAMS_OF: dict[type, Callable[[Any], Any]] = {}
 
 def register_params_of(cls: type, fn: Callable[[Any], Any]) -> None:
     """Let the helpers here (and `pockjax.search`'s candidates) take instances of `cls`
-    (and its subclasses): `fn(model)` returns the model's parameters as a pytree whose
-    "/"-joined paths are what schemes glob. `pockjax.nnx` registers `nnx.Module`."""
+    (and its subclasses). `pockjax.nnx` registers `nnx.Module`.
+
+    Args:
+      cls: the model type.
+      fn: `fn(model)` returns the model's parameters as a pytree whose "/"-joined paths
+        are what schemes glob. A later registration for the same `cls` replaces it.
+    """
     _PARAMS_OF[cls] = fn
 
 
 def params_of(model) -> Any:
-    """`model`'s parameter tree: through the converter registered for its type (see
-    `register_params_of`), else `model` itself, which must be a pytree of arrays."""
+    """`model`'s parameter tree.
+
+    Args:
+      model: a model whose type (or a base class of it) has a converter registered
+        with `register_params_of`, or a parameter pytree.
+
+    Returns:
+      The converter's result for the first registered type in `model`'s method
+      resolution order, else `model` itself.
+
+    Raises:
+      TypeError: `model` is a Flax NNX object and no converter for it is registered
+        (`import pockjax.nnx` registers one).
+    """
     for cls in type(model).__mro__:
         if cls in _PARAMS_OF:
             return _PARAMS_OF[cls](model)
@@ -56,8 +73,18 @@ def params_of(model) -> Any:
 
 
 def param_paths(params) -> list[str]:
-    """The "/"-joined paths of `params`' leaves (a pytree, or a model with a registered
-    converter: see `register_params_of`)."""
+    """The "/"-joined paths of `params`' leaves.
+
+    Args:
+      params: a parameter pytree, or a model with a registered converter (see
+        `register_params_of`).
+
+    Returns:
+      The paths, in flattening order.
+
+    Raises:
+      TypeError: as `params_of`.
+    """
     return [p for p, _ in leaves_with_paths(params_of(params))[0]]
 
 
@@ -76,11 +103,20 @@ def blocks(params, name: str | None = None) -> list[str]:
     """Glob prefixes of the model's repeated blocks in order: `layers/0`, `layers/1`, ...
     (a list or `nnx.List` of modules) or `Block_0`, `Block_1`, ... (Linen's naming).
 
-    `name` picks the container (`"layers"`, `"blocks"`, `"Block"`); by default the one
-    with the most blocks.
-
     >>> blocks({"h": [{"w": 0.0}, {"w": 0.0}], "head": {"w": 0.0}})
     ['h/0', 'h/1']
+
+    Args:
+      params: the model's parameters (or a model `params_of` takes).
+      name: the blocks' container (`"layers"`, `"blocks"`, `"Block"`); None (the
+        default) picks the one with the most blocks.
+
+    Returns:
+      The block prefixes, sorted by block number.
+
+    Raises:
+      SchemeError: no container is named `name`, or the parameters have no repeated
+        blocks.
     """
     paths = param_paths(params)
     found: dict[str, set[int]] = {}
@@ -115,10 +151,19 @@ def _chosen(params, last: int | None, name: str | None) -> list[str]:
 def bias_only(params=None, names: Sequence[str] = ("bias",)) -> Scheme:
     """Train only biases (BitFit): every parameter whose last path component is in `names`.
 
-    With `params`, only names the model has are kept (and none raises).
-
     >>> bias_only().match("blocks_0/mlp/bias")
     Full()
+
+    Args:
+      params: the model's parameters (or a model `params_of` takes); with them, only
+        the names the model has are kept. None (the default) keeps every name.
+      names: the last path components that train; default `("bias",)`.
+
+    Returns:
+      A `Scheme` with `**/{name}` in full for each kept name, everything else frozen.
+
+    Raises:
+      SchemeError: `params` is given and has none of `names`.
     """
     rules = [(f"**/{n}", Full()) for n in names]
     if params is not None:
@@ -128,8 +173,23 @@ def bias_only(params=None, names: Sequence[str] = ("bias",)) -> Scheme:
 
 def last_blocks(params, k: int, *, decision: Decision = Full(), extra: Sequence[str] = (),
                 block_name: str | None = None) -> Scheme:
-    """The last `k` blocks train (with `decision`), plus the `extra` glob patterns in full
-    (e.g. `"norm/**"`, `"lm_head/**"`, `"classifier/**"`)."""
+    """The last `k` blocks train (with `decision`), plus the `extra` glob patterns in full.
+
+    Args:
+      params: the model's parameters (or a model `params_of` takes).
+      k: how many blocks train, counted from the last; 1 to the number of blocks.
+      decision: what each chosen block's parameters get; default `Full()`.
+      extra: glob patterns trained in full as well (e.g. `"norm/**"`, `"lm_head/**"`,
+        `"classifier/**"`); patterns that match nothing are dropped. Default none.
+      block_name: the blocks' container, as `name` in `blocks`.
+
+    Returns:
+      A `Scheme`; every other parameter is frozen.
+
+    Raises:
+      SchemeError: the model has no such blocks, `k` is out of range, or `extra` is
+        given and none of its patterns matches a parameter.
+    """
     rules = [(f"{b}/**", decision) for b in _chosen(params, k, block_name)]
     rules += _keep_matching([(p, Full()) for p in extra], param_paths(params),
                             f"extra patterns {list(extra)}") if extra else []
@@ -147,10 +207,33 @@ def transformer(params, *, last: int | None = None, attention: Sequence[str] = A
     """PockEngine's transformer scheme: in each chosen block the attention projections and
     the first MLP linear (gate and up) train, the second (down) does not.
 
-    `last` keeps the last k blocks only; `ratio` trains that fraction of each chosen
-    kernel's channels along `axis` ("out" or "in"); `norms` also trains the chosen blocks'
-    normalisation scales; `extra` adds glob patterns trained in full (`"lm_head/**"`).
-    Projection names are the last-but-one path component (`.../q_proj/kernel`).
+    Projection names are the last-but-one path component (`.../q_proj/kernel`, or
+    `.../q_proj/weight` for a PyTorch model through `pockjax.torch`). A projection's
+    bias, where it has one, trains in full.
+
+    Args:
+      params: the model's parameters (or a model `params_of` takes).
+      last: train the last `last` blocks only; None (the default) trains every block.
+      attention: the attention projections' names; default
+        `("q_proj", "k_proj", "v_proj", "o_proj")`.
+      mlp: the first MLP linears' names; default `("gate_proj", "up_proj")`.
+      ratio: train this fraction of each chosen kernel's channels along `axis`
+        (`Channels(ratio=ratio, axis=axis)`); None (the default) trains the kernels in
+        full.
+      axis: the channel axis for `ratio`: "out" (the default), "in" or an int.
+      norms: also train the chosen blocks' normalisation parameters (`*norm*/scale`,
+        `weight` and `bias`) in full; default False.
+      extra: glob patterns trained in full as well (`"lm_head/**"`); default none.
+      block_name: the blocks' container, as `name` in `blocks`.
+
+    Returns:
+      A `Scheme` holding the rules that match a parameter; every other parameter is
+      frozen.
+
+    Raises:
+      SchemeError: the model has no such blocks, `last` is out of range, none of the
+        chosen blocks' rules matches a parameter, or `extra` is given and none of its
+        patterns matches.
     """
     paths = param_paths(params)
     decision = _decision(ratio, axis)
@@ -176,11 +259,26 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
     chosen inverted-residual block trains; the depth-wise and the second point-wise
     (projection) convolutions do not.
 
-    `last` keeps the last k blocks that have an expansion; `ratio` trains that fraction
-    of each kernel's channels along `axis`; `norms` also trains the chosen blocks' batch
-    norm scales and biases; `classifier` trains the classifier (a new task's head).
     Paths follow `pockjax.models.MobileNetV2` (`blocks/{i}/expand/conv/kernel`) or
     torchvision's `mobilenet_v2` through `pockjax.torch` (`features/{i}/conv/0/0/weight`).
+
+    Args:
+      params: the model's parameters (or a model `params_of` takes).
+      last: train the last `last` blocks that have an expansion convolution; None (the
+        default) trains all of them.
+      ratio: train this fraction of each expansion kernel's channels along `axis`;
+        None (the default) trains the kernels in full.
+      axis: the channel axis for `ratio`: "out" (the default), "in" or an int.
+      norms: also train the chosen blocks' batch norm scales and biases; default False.
+      classifier: train the classifier (`classifier/**`, a new task's head) in full;
+        default True.
+
+    Returns:
+      A `Scheme`; every other parameter is frozen.
+
+    Raises:
+      SchemeError: the parameters have neither path layout, `last` is out of range, or
+        `classifier` is True and the model has no `classifier/**` parameter.
     """
     paths = param_paths(params)
     if not any(p.startswith("blocks/") for p in paths) and any(
@@ -222,22 +320,65 @@ def _torchvision_mobilenetv2(paths, last, ratio, axis, norms, classifier) -> Sch
 
 
 def lora(names: Sequence[str] = ("lora_a", "lora_b")) -> Scheme:
-    """Only the LoRA adapters train (see `pockjax.models.lora`)."""
+    """Only the LoRA adapters train (see `pockjax.models.lora`).
+
+    Args:
+      names: the adapters' last path components; default `("lora_a", "lora_b")`.
+
+    Returns:
+      A `Scheme` with `**/{name}` in full for each name, everything else frozen. It is
+      not checked against a model here; `Scheme.resolve` does that.
+    """
     return Scheme({f"**/{n}": Full() for n in names}, default=Frozen())
 
 
 def schedule(schemes: Sequence[Scheme], *, every: int, order: str = "cycle", seed: int = 0):
     """A `pockjax.schedule.Schedule`: `schemes` take turns, each training for `every`
-    steps, in the list's order ("cycle") or a random order each round ("random").
-    `sparse_train(..., scheme=schedule)` trains it."""
+    steps. `sparse_train(..., scheme=schedule)` trains it.
+
+    Args:
+      schemes: the schemes, in turn order.
+      every: steps each turn lasts, a positive whole number.
+      order: "cycle" (the default: the list's order, again and again) or "random" (a
+        random order each round, drawn from `seed` and the round number).
+      seed: the random order's seed; default 0.
+
+    Returns:
+      The `Schedule`.
+
+    Raises:
+      SchemeError: `schemes` is empty or holds something other than `Scheme`s, `every`
+        is not a positive whole number, or `order` is unknown.
+    """
     from pockjax.schedule import Schedule
     return Schedule(tuple(schemes), every, order, seed)
 
 
 def blockwise(params, *, every: int, group: int = 1, order: str = "descending",
               seed: int = 0, extra: Sequence[str] = (), name: str | None = None):
-    """Every block in turn, `group` at a time, each for `every` steps: see
-    `pockjax.schedule.blockwise`."""
+    """Every block of the model in turn, `group` blocks at a time, each group trained in
+    full for `every` steps (block-coordinate descent over the blocks).
+
+    Args:
+      params: the model's parameters (or a model `params_of` takes).
+      every: steps a group trains before the next one's turn.
+      group: blocks per group, a positive whole number (default 1; the last group may be
+        smaller).
+      order: "descending" (the default: the last group first, the blocks nearest the
+        output, whose gradients cost least), "ascending", or "random".
+      seed: the random order's seed; default 0.
+      extra: glob patterns trained in full in every turn as well (e.g. the final norm);
+        default none.
+      name: the blocks' container, as in `blocks`; None (the default) picks the one
+        with the most blocks.
+
+    Returns:
+      A `pockjax.schedule.Schedule` with one scheme per group.
+
+    Raises:
+      SchemeError: the parameters have no repeated blocks (or none named `name`),
+        `group`, `every` or `order` is invalid, or no parameter matches `extra`.
+    """
     from pockjax.schedule import blockwise as _blockwise
     return _blockwise(params, every=every, group=group, order=order, seed=seed, extra=extra,
                       name=name)

@@ -18,16 +18,17 @@
 
 How one weight is laid out (on 4 devices, as the tests run):
 
->>> import jax, pockjax as pj
->>> from pockjax.sharding import Layout
->>> layout = Layout(jax.make_mesh((4,), ("data",)), param_axis="data")
->>> layout.param_spec("up/kernel", (512, 2048))             # the largest dimension
-P(None, 'data')
->>> keep = pj.Channels(count=256, axis=1)                    # its output channels train
->>> layout.param_spec("up/kernel", (512, 2048), keep)       # so split the input axis
-P('data',)
->>> layout.param_spec("norm/scale", (6,))                   # 4 does not divide 6
-P()
+Examples:
+  >>> import jax, pockjax as pj
+  >>> from pockjax.sharding import Layout
+  >>> layout = Layout(jax.make_mesh((4,), ("data",)), param_axis="data")
+  >>> layout.param_spec("up/kernel", (512, 2048))             # the largest dimension
+  P(None, 'data')
+  >>> keep = pj.Channels(count=256, axis=1)                    # its output channels train
+  >>> layout.param_spec("up/kernel", (512, 2048), keep)       # so split the input axis
+  P('data',)
+  >>> layout.param_spec("norm/scale", (6,))                   # 4 does not divide 6
+  P()
 
 `jax.make_mesh` gives Explicit axes by default; the step runs on the same devices
 and axis names in Auto mode, which lets XLA's SPMD partitioner place the
@@ -78,7 +79,27 @@ def _axis_entry(names: tuple[str, ...]):
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where a training step's arrays live on `mesh` (see the module docstring)."""
+    """Where a training step's arrays live on `mesh` (see the module docstring).
+
+    A mesh with axes that are not in Auto mode is replaced by one with the same devices
+    and axis names in Auto mode.
+
+    Attributes:
+      mesh: the `jax.sharding.Mesh` the step runs on.
+      data_axis: the mesh axis (or tuple of axes) the batch's leading dimension is
+        split over (default `"data"`); None replicates the batch.
+      param_axis: the mesh axis (or tuple of axes) parameters are sharded over,
+        FSDP-style; None (the default) replicates them.
+      param_specs: layouts of chosen parameters: `{path: PartitionSpec}` or a function
+        of `(path, shape)` returning a `PartitionSpec` or None (None: the default
+        layout); None (the default): none.
+      batch_specs: layouts of chosen batch leaves, in the same forms (`P()` replicates
+        a leaf); None (the default): none.
+
+    Raises:
+      TypeError: `mesh` is not a `jax.sharding.Mesh`.
+      ValueError: `data_axis` or `param_axis` names an axis the mesh does not have.
+    """
 
     mesh: Mesh
     data_axis: AxisName = "data"
@@ -105,10 +126,19 @@ class Layout:
     # -- sizes -----------------------------------------------------------------
 
     def axis_size(self, axis: AxisName) -> int:
+        """The number of devices along mesh axes.
+
+        Args:
+          axis: an axis name, a tuple of names, or None.
+
+        Returns:
+          The product of the axes' sizes (1 for None).
+        """
         return math.prod(self.mesh.shape[a] for a in _axis_tuple(axis))
 
     @property
     def replicated(self) -> NamedSharding:
+        """A `NamedSharding` that replicates an array on every device of the mesh."""
         return NamedSharding(self.mesh, P())
 
     # -- parameters ------------------------------------------------------------
@@ -128,7 +158,24 @@ class Layout:
         return spec
 
     def param_spec(self, path: str, shape: Sequence[int], decision=None) -> P:
-        """The PartitionSpec of one parameter."""
+        """The PartitionSpec of one parameter.
+
+        A `param_specs` layout wins; otherwise the parameter is split over `param_axis`
+        along its largest dimension that the axis size divides, never the dimension a
+        `Channels` decision slices, and replicated when there is none.
+
+        Args:
+          path: the parameter's "/"-joined path.
+          shape: its shape.
+          decision: its resolved decision; None (the default) avoids no dimension.
+
+        Returns:
+          The `PartitionSpec`, without trailing `None`s.
+
+        Raises:
+          TypeError: `param_specs` gave something other than a `PartitionSpec` or None.
+          ValueError: `param_specs` gave more entries than the parameter has dimensions.
+        """
         shape = tuple(int(s) for s in shape)
         user = self._user_spec(path, shape)
         if user is not None:
@@ -149,13 +196,29 @@ class Layout:
         return _spec(entries)
 
     def param_shardings(self, params, decisions) -> Any:
+        """The sharding of every parameter (see `param_spec`).
+
+        Args:
+          params: the parameter pytree (arrays or `jax.ShapeDtypeStruct`s).
+          decisions: the resolved decision of each leaf, in flattening order.
+
+        Returns:
+          A tree with the structure of `params` holding a `NamedSharding` per leaf.
+        """
         named, treedef = leaves_with_paths(params)
         out = [NamedSharding(self.mesh, self.param_spec(p, np.shape(x), d))
                for (p, x), d in zip(named, decisions)]
         return jax.tree_util.tree_unflatten(treedef, out)
 
     def gathered(self, spec: P) -> NamedSharding:
-        """`spec` with the parameter axis taken out: how the step reads a weight."""
+        """`spec` with the parameter axis taken out: how the step reads a weight.
+
+        Args:
+          spec: a parameter's `PartitionSpec`.
+
+        Returns:
+          A `NamedSharding` on the mesh with `param_axis` removed from every entry.
+        """
         drop = set(_axis_tuple(self.param_axis))
 
         def keep(entry):
@@ -167,7 +230,16 @@ class Layout:
     def read_gathered(self, params, decisions) -> Any:
         """`params` as an FSDP step reads them: each constrained to its layout with the
         parameter axis taken out (gathered); other axes of a `param_specs` layout stay
-        split. Call inside the traced step."""
+        split. Call inside the traced step.
+
+        Args:
+          params: the parameter pytree (traced values).
+          decisions: the resolved decision of each leaf, in flattening order.
+
+        Returns:
+          A tree like `params`, each leaf constrained to its gathered sharding (or as it
+            is when its layout has no `param_axis` entry).
+        """
         named, treedef = leaves_with_paths(params)
         out = []
         for (path, x), d in zip(named, decisions):
@@ -178,7 +250,16 @@ class Layout:
 
     def view_shardings(self, params, decisions) -> Any:
         """Shardings of the trainable view (`None` for frozen leaves): a kept slice is
-        split like its weight, unless the slice is on the split dimension and uneven."""
+        split like its weight, unless the slice is on the split dimension and uneven.
+
+        Args:
+          params: the parameter pytree.
+          decisions: the resolved decision of each leaf, in flattening order.
+
+        Returns:
+          A tree with the structure of `params`: `None` for a Frozen leaf, a
+            `NamedSharding` for a trained one.
+        """
         named, treedef = leaves_with_paths(params)
         out = []
         for (p, x), d in zip(named, decisions):
@@ -196,7 +277,22 @@ class Layout:
 
     def opt_state_shardings(self, optimizer, view_avals, view_shardings, opt_state_avals) -> Any:
         """Optimizer state follows the trainable view: moments are split like their
-        parameter, counters and scalars are replicated."""
+        parameter, counters and scalars are replicated.
+
+        A state that `optax.tree_map_params` cannot map back to the parameters is
+        matched by shape: a leaf with the shape of view arrays that all have one
+        sharding gets that sharding; any other leaf is replicated.
+
+        Args:
+          optimizer: the optax `GradientTransformation`.
+          view_avals: the trainable view's shapes (`None` for frozen leaves).
+          view_shardings: the trainable view's shardings (`view_shardings`).
+          opt_state_avals: the optimizer state's shapes.
+
+        Returns:
+          A tree with the structure of `opt_state_avals` holding a `NamedSharding` per
+            leaf.
+        """
         try:
             return optax.tree_map_params(
                 optimizer, lambda _, s: s, opt_state_avals, view_shardings,
@@ -219,7 +315,24 @@ class Layout:
         """The leading dimension of every array in the batch split over `data_axis`.
 
         With `per_process=True` the batch is one process's part of the global batch
-        (multi-host training), which its own devices on the axis must divide."""
+        (multi-host training), which its own devices on the axis must divide.
+
+        A `batch_specs` layout wins; a scalar leaf, or any leaf without `data_axis`, is
+        replicated.
+
+        Args:
+          batch: the batch pytree (arrays or `jax.ShapeDtypeStruct`s).
+          per_process: the batch is this process's part of the global batch (default
+            False).
+
+        Returns:
+          A tree with the structure of `batch` holding a `NamedSharding` per leaf.
+
+        Raises:
+          ValueError: the devices on `data_axis` do not divide a leaf's leading
+            dimension, or `batch_specs` gave more entries than a leaf has dimensions.
+          TypeError: `batch_specs` gave something other than a `PartitionSpec` or None.
+        """
         names = _axis_tuple(self.data_axis)
         n = self.axis_size(self.data_axis)
         if per_process:
@@ -244,7 +357,18 @@ class Layout:
 
     def put_batch(self, batch):
         """Place a batch on the mesh. With several processes each passes its own part
-        of the global batch (`jax.make_array_from_process_local_data`)."""
+        of the global batch (`jax.make_array_from_process_local_data`).
+
+        Args:
+          batch: the batch pytree (arrays, or `jax.Array`s already on the mesh).
+
+        Returns:
+          The batch as `jax.Array`s laid out by `batch_shardings`; an array already laid
+            out that way is returned as it is.
+
+        Raises:
+          ValueError: as `batch_shardings` raises.
+        """
         multi = jax.process_count() > 1
 
         def put(x, s):
@@ -259,6 +383,11 @@ class Layout:
         return jax.tree_util.tree_map(put, batch, self.batch_shardings(batch, per_process=local))
 
     def describe(self) -> str:
+        """A one-line description for reports.
+
+        Returns:
+          The mesh's axes and devices, the batch axis and how parameters are laid out.
+        """
         axes = ", ".join(f"{a}={s}" for a, s in self.mesh.shape.items())
         params = "replicated" if not _axis_tuple(self.param_axis) else f"sharded over {self.param_axis!r}"
         return (f"mesh ({axes}) on {self.mesh.devices.size} {self.mesh.devices.flat[0].platform} "
@@ -287,7 +416,16 @@ _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([0-9,]*)\]")
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-    """One collective operation of a compiled step: its kind and result arrays."""
+    """One collective operation of a compiled step: its kind and result arrays.
+
+    `str()` of it reads like HLO: `all-reduce(f32[512,2048])`.
+
+    Attributes:
+      op: `"all-reduce"`, `"reduce-scatter"`, `"all-gather"`, `"collective-permute"` or
+        `"all-to-all"` (an asynchronous `-start` form counts as its operation).
+      shapes: the shape of each result array.
+      dtypes: the HLO element type of each result array (`"f32"`, `"bf16"`, ...).
+    """
 
     op: str
     shapes: tuple[tuple[int, ...], ...]
@@ -295,6 +433,8 @@ class Collective:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the result arrays (an element type this module does not know counts
+        as 4 bytes)."""
         return sum(math.prod(s) * jnp.dtype(_np_dtype(d)).itemsize
                    for s, d in zip(self.shapes, self.dtypes))
 
@@ -311,7 +451,15 @@ def _np_dtype(hlo: str) -> str:
 
 def collectives(compiled) -> list[Collective]:
     """The collective operations in a compiled step's optimized HLO (all-reduce,
-    reduce-scatter, all-gather, collective-permute, all-to-all), in program order."""
+    reduce-scatter, all-gather, collective-permute, all-to-all), in program order.
+
+    Args:
+      compiled: a compiled step (`jax.stages.Compiled`, read with `as_text()`), or its
+        HLO text.
+
+    Returns:
+      A list of `Collective`s.
+    """
     text = compiled if isinstance(compiled, str) else compiled.as_text()
     out = []
     for line in re.sub(r"/\*.*?\*/", "", text).splitlines():

@@ -36,8 +36,8 @@ _CONVERT_HINT = ("re-save it once as a fast tokenizer with transformers: "
 
 
 class TokenizerError(ValueError):
-    """A tokenizer folder, chat template or conversation pockjax cannot use; the message
-    names the file or message and what to do."""
+    """Raised for a tokenizer folder, chat template or conversation pockjax cannot use;
+    the message names the file or message and what to do."""
 
 
 class Tokenizer:
@@ -58,13 +58,30 @@ class Tokenizer:
     ...                  {"role": "assistant", "content": "world"}])
     ([2, 1, 3, 1], [False, False, True, True])
 
+    The constructor takes the pieces as they are and registers no tokens; use
+    `from_folder` or `from_tokenizer`, which register the special tokens as
+    transformers does (what makes `encode` equal transformers').
+
+    Args:
+      backend: the `tokenizers.Tokenizer`, its tokens already registered.
+      special: special-token name (`"bos_token"`, `"eos_token"`, ...) -> its text.
+      templates: chat template name -> Jinja source; the one named "default" is used.
+      config: the `tokenizer_config.json` contents (`clean_up_tokenization_spaces` is
+        read from it; `save` writes it back).
+      folder: the folder it was read from, for messages; None when built in memory.
+      template_file: where the chat templates came from, for messages.
+
     Attributes:
       vocab_size: how many ids the tokenizer can produce, added tokens included
         (`len(transformers_tokenizer)`). A special token the config names but the
         vocabulary lacks is added, as transformers adds it, so this can exceed the
         model's embedding rows.
-      bos_token, eos_token, pad_token: the special tokens' text, or None.
-      bos_id, eos_id, pad_id: their ids, or None.
+      bos_token: the beginning-of-sequence token's text, or None.
+      eos_token: the end-of-sequence token's text, or None.
+      pad_token: the padding token's text, or None.
+      bos_id: `bos_token`'s id, or None.
+      eos_id: `eos_token`'s id, or None.
+      pad_id: `pad_token`'s id, or None.
       chat_template: the Jinja chat template used (the one named "default" where the
         folder has several), or None.
       backend: the `tokenizers.Tokenizer` doing the work.
@@ -129,8 +146,10 @@ class Tokenizer:
           The tokenizer.
 
         Raises:
-          TokenizerError: the folder has no `tokenizer.json` (a slow-tokenizer-only folder:
-            the message says how to convert it), or a file there cannot be read.
+          TokenizerError: `folder` is not a directory; it has no `tokenizer.json` (a
+            slow-tokenizer-only folder: the message says how to convert it); a file
+            there cannot be read or parsed; or `tokenizer_config.json` is not a JSON
+            object or holds a special token or chat template of the wrong type.
         """
         folder = Path(folder)
         if not folder.is_dir():
@@ -189,8 +208,11 @@ class Tokenizer:
 
         Args:
           tokenizer: the tokenizers pipeline.
-          bos_token, eos_token, pad_token: the special tokens' text, or None.
-          chat_template: a Jinja chat template, or a list of `{"name", "template"}`.
+          bos_token: the beginning-of-sequence token's text; None (the default) for none.
+          eos_token: the end-of-sequence token's text; None (the default) for none.
+          pad_token: the padding token's text; None (the default) for none.
+          chat_template: a Jinja chat template, or a list of `{"name", "template"}`
+            (the one named "default" is used); None (the default) for none.
 
         Returns:
           The tokenizer.
@@ -215,10 +237,14 @@ class Tokenizer:
 
         Args:
           text: the text; special tokens written in it (e.g. "</s>") become their ids.
-          add_special_tokens: let the post-processor add its tokens (e.g. LLaMA's BOS).
+          add_special_tokens: let the post-processor add its tokens (e.g. LLaMA's BOS);
+            default True.
 
         Returns:
-          The ids.
+          The ids, as a list of ints.
+
+        Raises:
+          TypeError: `text` is not a `str`.
         """
         return list(self.backend.encode(_str(text), add_special_tokens=add_special_tokens).ids)
 
@@ -229,10 +255,13 @@ class Tokenizer:
 
         Args:
           text: the text.
-          add_special_tokens: as in `encode`.
+          add_special_tokens: as in `encode`, but False by default.
 
         Returns:
-          `(ids, offsets)`.
+          `(ids, offsets)`: a list of ints and a list of `(start, end)` pairs.
+
+        Raises:
+          TypeError: `text` is not a `str`.
         """
         enc = self.backend.encode(_str(text), add_special_tokens=add_special_tokens)
         return list(enc.ids), [tuple(o) for o in enc.offsets]
@@ -242,7 +271,8 @@ class Tokenizer:
 
         Args:
           ids: token ids: a list, or a numpy or JAX array (flattened).
-          skip_special_tokens: leave special tokens (BOS, EOS, padding, ...) out.
+          skip_special_tokens: leave special tokens (BOS, EOS, padding, ...) out;
+            default True.
 
         Returns:
           The text.
@@ -267,15 +297,17 @@ class Tokenizer:
         Args:
           messages: `[{"role": ..., "content": ...}, ...]`.
           add_generation_prompt: end with the header of an assistant turn (e.g.
-            "<|im_start|>assistant\\n"), to generate a reply.
+            "<|im_start|>assistant\\n"), to generate a reply; default False.
 
         Returns:
           The rendered text.
 
         Raises:
-          TokenizerError: the folder has no chat template; a message is not an object with
-            "role" and "content"; the template refuses a message (its `raise_exception`
-            text and the message's index) or fails.
+          TokenizerError: the tokenizer has no chat template (or only named ones, none
+            "default"); the template is not valid Jinja; `messages` is not a non-empty
+            list, or a message is not an object with a string "role" and a "content";
+            the template refuses a message (its `raise_exception` text and the message's
+            index) or fails.
         """
         template = self._compiled_template()
         messages = self._prepare(messages)

@@ -9,18 +9,19 @@ schemes, `search`, `export`) takes them unchanged. Each weight carries its layou
 `Linear`, `OIHW` convolutions and GPT-2's `[in, out]` `Conv1D`.
 `load_state(module, params)` writes trained values back into the module.
 
->>> import torch, optax, jax.numpy as jnp, pockjax as pj
->>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
->>> params, apply = pj.torch.functional(net)
->>> params["0"]["weight"].shape                      # torch's [out, in]
-(8, 4)
->>> scheme = pj.Scheme({"2/**": pj.Full(), "0/weight": pj.Channels(ratio=0.5, axis="in")})
->>> scheme.resolve(params)["0"]["weight"]             # "in" is axis 1 here
-Channels(count=2, axis=1)
->>> trainer = pj.sparse_train(lambda p, b: jnp.mean((apply(p, b) - 1.0) ** 2),
-...                           optimizer=optax.adamw(1e-3), scheme=scheme)
->>> state, metrics = trainer(trainer.init(params), jnp.ones((3, 4)))
->>> names = pj.torch.load_state(net, state.params)   # trained values back into the module
+Examples:
+  >>> import torch, optax, jax.numpy as jnp, pockjax as pj
+  >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+  >>> params, apply = pj.torch.functional(net)
+  >>> params["0"]["weight"].shape                      # torch's [out, in]
+  (8, 4)
+  >>> scheme = pj.Scheme({"2/**": pj.Full(), "0/weight": pj.Channels(ratio=0.5, axis="in")})
+  >>> scheme.resolve(params)["0"]["weight"]             # "in" is axis 1 here
+  Channels(count=2, axis=1)
+  >>> trainer = pj.sparse_train(lambda p, b: jnp.mean((apply(p, b) - 1.0) ** 2),
+  ...                           optimizer=optax.adamw(1e-3), scheme=scheme)
+  >>> state, metrics = trainer(trainer.init(params), jnp.ones((3, 4)))
+  >>> names = pj.torch.load_state(net, state.params)   # trained values back into the module
 
 Buffers (BatchNorm running statistics, rotary tables) are kept apart from the
 parameters, in `apply.buffers`; `apply` reads them as constants.
@@ -100,7 +101,15 @@ _TELEMETRY_VAR = "ENABLE_RUNTIME_UPTIME_TELEMETRY"
 
 def import_torchax():
     """`torchax`, imported so that it works with this torch and leaves no trace in the
-    environment variables. Raises ImportError naming the versions when it cannot."""
+    environment variables. Raises ImportError naming the versions when it cannot.
+
+    Returns:
+      The `torchax` module (already imported: the one in `sys.modules`).
+
+    Raises:
+      ImportError: PyTorch or torchax is not installed, or torchax does not import
+        with the installed torch.
+    """
     import sys
 
     if "torchax" in sys.modules and "torchax.decompositions" in sys.modules:
@@ -145,7 +154,15 @@ _ENV = None
 def environment():
     """pockjax's own torchax environment (the user's `torchax.default_env()` is left
     as it is), with the op definitions pockjax corrects: batch norm's running statistics
-    and attention rows whose keys are all masked (`_sdpa`)."""
+    and attention rows whose keys are all masked (`_sdpa`).
+
+    Built on the first call; later calls return the same one, so an op definition
+    added with `environment().override_op_definition(op, fn)` applies to every
+    `functional` module.
+
+    Returns:
+      The `torchax.tensor.Environment`.
+    """
     global _ENV
     if _ENV is None:
         import torch
@@ -267,7 +284,18 @@ def _weight_layout(module, name: str, ndim: int):
 
 def layouts(module) -> dict[str, Any]:
     """`{path: layout}` of the module's parameters ("/"-joined, deduplicated as
-    `named_parameters()` does); `{"in": 1, "out": 0}` for a Linear weight."""
+    `named_parameters()` does); `{"in": 1, "out": 0}` for a Linear weight.
+
+    Args:
+      module: a `torch.nn.Module`.
+
+    Returns:
+      A dict from each parameter path with 2 or more dimensions to its layout:
+        `{"in": axis, "out": axis}` for the weights of `Linear`, convolutions,
+        transposed convolutions, embeddings, GPT-2's `Conv1D` and
+        `MultiheadAttention.in_proj_weight`, else a string saying the layout is
+        unknown. Vectors are left out (their "out" is axis 0, as in JAX).
+    """
     out = {}
     seen = set()
     for mname, m in module.named_modules():
@@ -309,7 +337,22 @@ def _flatten(tree, sep: str = ".") -> dict:
 class TorchFunction:
     """`apply(params, *args, **kwargs)`: the module's forward as a JAX function returning
     arrays. `buffers` are the module's buffers (constants to `apply`);
-    `stateful(params, buffers, *args, **kwargs)` returns `(outputs, new_buffers)`."""
+    `stateful(params, buffers, *args, **kwargs)` returns `(outputs, new_buffers)`.
+
+    `functional` makes one; the module runs in its current train/eval mode.
+
+    Args:
+      module: the `torch.nn.Module`.
+      buffers: the module's buffers as a nested dict of JAX arrays.
+      output: a function picking arrays from what the forward returns, or None.
+      env: the torchax environment the forward runs in (`environment()`).
+
+    Attributes:
+      module: the `torch.nn.Module`.
+      buffers: the module's buffers, a nested dict of JAX arrays keyed like the
+        parameters.
+      output: the function picking arrays from the forward's result, or None.
+    """
 
     def __init__(self, module, buffers: dict, output: Callable | None, env):
         self.module, self.buffers, self.output, self._env = module, buffers, output, env
@@ -319,9 +362,45 @@ class TorchFunction:
         return f"pockjax.torch.functional({type(self.module).__name__})"
 
     def __call__(self, params, *args, **kwargs):
+        """Run the module's forward with `params` and the stored `buffers`.
+
+        Args:
+          params: the parameters, a nested dict as `functional` returns.
+          *args: the forward's positional arguments (JAX or NumPy arrays, or other
+            Python values).
+          **kwargs: the forward's keyword arguments.
+
+        Returns:
+          The forward's result (after `output`) with tensors as JAX arrays.
+
+        Raises:
+          TypeError: an argument is a `torch.Tensor`, or the result holds something
+            other than arrays.
+          NotImplementedError: torchax cannot run one of the module's ops.
+          RuntimeError: the forward mixes a CPU torch tensor with the model's tensors.
+        """
         return self._run(params, self.buffers, args, kwargs)[0]
 
     def stateful(self, params, buffers, *args, **kwargs):
+        """Run the module's forward with `params` and `buffers`, returning the new buffers.
+
+        Args:
+          params: the parameters, a nested dict as `functional` returns.
+          buffers: the buffers, a nested dict like `self.buffers`.
+          *args: the forward's positional arguments.
+          **kwargs: the forward's keyword arguments.
+
+        Returns:
+          A pair `(outputs, new_buffers)`: the forward's result as for `__call__`, and
+            the buffers after the forward (those a train-mode BatchNorm updates
+            changed); `buffers` itself when the module has none.
+
+        Raises:
+          TypeError: an argument is a `torch.Tensor`, or the result holds something
+            other than arrays.
+          NotImplementedError: torchax cannot run one of the module's ops.
+          RuntimeError: the forward mixes a CPU torch tensor with the model's tensors.
+        """
         return self._run(params, buffers, args, kwargs)
 
     def _run(self, params, buffers, args, kwargs):
@@ -497,6 +576,20 @@ def functional(module, *, output: Callable | None = None) -> tuple[dict, TorchFu
     returns (`lambda out: out.logits` for a Hugging Face model). Buffers are in
     `apply.buffers`. Dropout under torchax draws from torchax's generator, not
     torch's: use `module.eval()` or dropout 0 to compare with torch.
+
+    Args:
+      module: a `torch.nn.Module` with parameters.
+      output: a function picking arrays from what the forward returns; None (the
+        default): the forward returns arrays (or tuples and dicts of them) itself.
+
+    Returns:
+      A pair `(params, apply)`: the parameters as a nested dict of JAX arrays, and the
+        `TorchFunction` running the forward.
+
+    Raises:
+      ImportError: PyTorch or torchax is missing or does not import.
+      TypeError: `module` is not a `torch.nn.Module`.
+      ValueError: `module` has no parameters.
     """
     import torch
 
@@ -530,6 +623,26 @@ def trainer(module, loss_fn: Callable, *, optimizer, scheme=None, output: Callab
         trainer, state = pj.torch.trainer(
             model, lambda apply, p, b: lm_loss(apply(p, b["ids"], use_cache=False), b["ids"]),
             optimizer=optax.adamw(1e-3), scheme=scheme, output=lambda out: out.logits)
+
+    Args:
+      module: a `torch.nn.Module` with parameters.
+      loss_fn: `loss_fn(apply, params, batch)` -> the loss, or `(loss, aux)` with
+        `has_aux`.
+      optimizer: an optax `GradientTransformation`.
+      scheme: a `pockjax.Scheme`; None (the default) trains every parameter.
+      output: a function picking arrays from what the forward returns (see
+        `functional`); None (the default): none.
+      has_aux: whether `loss_fn` returns `(loss, aux)` (default False).
+      donate: donate the state to each step (default True).
+
+    Returns:
+      A pair `(trainer, state)`: the `SparseTrainer` and its initial `TrainState`, made
+        from the module's parameters without a copy (`init(params, copy=False)`).
+
+    Raises:
+      ImportError: PyTorch or torchax is missing or does not import.
+      TypeError: `module` is not a `torch.nn.Module`.
+      ValueError: `module` has no parameters.
     """
     from pockjax.scheme import Full, Scheme
     from pockjax.train import sparse_train
@@ -554,9 +667,22 @@ def load_state(module, params, *, strict: bool = True) -> list[str]:
 
     `params` is a nested dict as `functional` gives (a trainer's `state.params`, an
     exported artifact's `session.params()`, `apply.buffers`) or a flat dict with "/"-
-    or "."-joined names. With `strict`, a name the module does not have or a shape
-    that differs raises `KeyError`/`ValueError`. Tied weights are written once and
-    stay tied.
+    or "."-joined names. With `strict`, a name the module does not have raises
+    `KeyError`; without it, such names are skipped. A shape that differs raises
+    `ValueError` either way. Tied weights are written once and stay tied.
+
+    Args:
+      module: the `torch.nn.Module` to write into.
+      params: the values: a nested dict, or a flat dict of "/"- or "."-joined names;
+        JAX or NumPy arrays or torch tensors.
+      strict: raise on a name the module does not have (default True); False skips it.
+
+    Returns:
+      The dotted names written, in the order of `params`.
+
+    Raises:
+      KeyError: with `strict`, a name is neither a parameter nor a buffer of `module`.
+      ValueError: a value's shape differs from its tensor's.
     """
     import torch
 

@@ -50,7 +50,15 @@ __all__ = ["TrainState", "SparseTrainer", "sparse_train", "fit", "History", "Tra
 class TrainState:
     """Step counter, full parameters, and optimizer state for the trainable view.
 
-    A pytree (the scheme is static metadata, used by `pockjax.save`).
+    A pytree (the scheme is static metadata, used by `pockjax.save`). Made by
+    `SparseTrainer.init`; each step returns a new one.
+
+    Attributes:
+      step: the number of steps taken, an int32 scalar array.
+      params: the full parameter pytree, frozen leaves included.
+      opt_state: the optimizer's state for the trainable view (the trained leaves, and
+        the kept channels of `Channels` leaves).
+      scheme: the `Scheme` the state was made for, or None.
     """
 
     step: Any
@@ -59,6 +67,14 @@ class TrainState:
     scheme: Scheme | None = None
 
     def replace(self, **changes) -> "TrainState":
+        """A copy with some fields changed.
+
+        Args:
+          **changes: new values by field name (`step`, `params`, `opt_state`, `scheme`).
+
+        Returns:
+          The new `TrainState`.
+        """
         return dataclasses.replace(self, **changes)
 
 
@@ -90,9 +106,15 @@ class Remat:
     instead of keeping it from the forward pass.
 
     Users pass `remat=` as a string or a policy function (`SparseTrainer`,
-    `sparse_train`, `pockjax.nnx.Trainer`) and get one of these; `report()` prints it.
-    `in_loss=True` says the loss function checkpoints itself (the NNX trainer wraps each
-    block's call) and the trainer only reports it.
+    `sparse_train`, `pockjax.nnx.Trainer`) and get one of these (`Remat.of`); `report()`
+    prints it.
+
+    Attributes:
+      policy: the `jax.checkpoint` policy function.
+      policy_name: its name, for reports.
+      where: what is checkpointed, for reports; default "the whole loss".
+      in_loss: True where the loss function checkpoints itself (the NNX trainer wraps
+        each block's call) and the trainer only reports it; default False.
     """
 
     policy: Callable
@@ -103,10 +125,25 @@ class Remat:
     @classmethod
     def of(cls, remat: Any, where: str = "the whole loss", in_loss: bool = False,
            arg: str = "remat") -> "Remat":
-        """`remat=` as given: `"full"` (nothing saved: the backward recomputes everything
-        it reads), a policy name of `jax.checkpoint_policies` (`"dots_saveable"`, ...),
-        a policy function (`jax.checkpoint_policies.save_only_these_names("block")`), or
-        a `Remat`. `arg` is the parameter's name in error messages."""
+        """The `Remat` of a `remat=` argument.
+
+        Args:
+          remat: `"full"` (nothing saved: the backward recomputes everything it reads),
+            a policy name of `jax.checkpoint_policies` (`"dots_saveable"`, ...), a policy
+            function (`jax.checkpoint_policies.save_only_these_names("block")`), or a
+            `Remat` (returned as it is).
+          where: what is checkpointed, for reports; default "the whole loss".
+          in_loss: whether the loss function checkpoints itself; default False.
+          arg: the parameter's name in error messages; default "remat".
+
+        Returns:
+          The `Remat`.
+
+        Raises:
+          ValueError: `remat` is a string that is neither "full" nor a policy name (a
+            policy factory's name gets a hint to call it).
+          TypeError: `remat` is neither a string, a callable nor a `Remat`.
+        """
         if isinstance(remat, Remat):
             return remat
         if isinstance(remat, str):
@@ -218,40 +255,62 @@ def checkpoint_call(fn: Callable, policy: Callable, *args, recompute_after_cotan
 
 def checkpoint_block(fn: Callable | None = None, *, policy: Any = "full",
                      weights: int | Sequence[int] = 0) -> Callable:
-    """Activation checkpointing for one block of a plain loss function: `fn` as it is in
-    the forward pass, but its backward pass recomputes the block's activations from its
-    inputs instead of keeping them, as `pockjax.nnx.Trainer(remat="blocks")` does for the
-    blocks of a module. Use it bare or with arguments, as a decorator or a wrapper:
+    """Activation checkpointing for one block of a plain loss function.
 
-    >>> import jax, jax.numpy as jnp, pockjax as pj
-    >>> @pj.checkpoint_block
-    ... def block(p, h):
-    ...     return h + jax.nn.relu(h @ p["up"]) @ p["down"]
-    >>> def loss(params, x):
-    ...     h = x
-    ...     for name in ("b0", "b1"):
-    ...         h = block(params[name], h)
-    ...     return jnp.mean(h ** 2)
-    >>> p = {"up": jnp.ones((4, 8)) / 8, "down": jnp.ones((8, 4)) / 8}
-    >>> g = jax.grad(loss)({"b0": p, "b1": p}, jnp.ones((2, 4)))
-    >>> g["b1"]["up"].shape
-    (4, 8)
-    >>> def loss2(p, x):  # weights closed over, the matmuls' outputs saved
-    ...     up = pj.checkpoint_block(lambda h: jax.nn.relu(h @ p["up"]), weights=(),
-    ...                              policy="dots_saveable")
-    ...     return jnp.sum(up(x))
-    >>> jax.grad(loss2)(p, jnp.ones((2, 4)))["up"].shape
-    (4, 8)
+    The result is `fn` as it is in the forward pass, but its backward pass recomputes the
+    block's activations from its inputs instead of keeping them, as
+    `pockjax.nnx.Trainer(remat="blocks")` does for the blocks of a module. Use it bare or
+    with arguments, as a decorator or a wrapper (see the examples). Values are those of
+    `fn` itself.
 
-    `policy` takes what `remat=` takes: `"full"` (nothing saved inside the block), a
-    name from `jax.checkpoint_policies` (`"dots_saveable"`, ...) or a policy function;
-    None returns `fn` unchanged. `weights` numbers the positional arguments that hold the
-    block's weights (the first by default, as in `block(params, h)`; `()` when they are
-    closed over): the recomputation waits for the block output's cotangent, tied to it by
-    data through every other input (see `checkpoint_call`), while the weights are used as
+    The recomputation waits for the block output's cotangent, tied to it by data through
+    every input but the weights (see `checkpoint_call`), while the weights are used as
     they are (tying them would copy them). The tie is what makes it save memory on XLA's
     CPU backend, where a plain `jax.checkpoint` around each block saves nothing: its
-    recomputation is scheduled beside the forward pass. Values are those of `fn` itself.
+    recomputation is scheduled beside the forward pass.
+
+    Args:
+      fn: the block function; None (`checkpoint_block(policy=...)`) returns a decorator.
+      policy: what `remat=` takes: `"full"` (the default: nothing saved inside the
+        block), a name from `jax.checkpoint_policies` (`"dots_saveable"`, ...) or a
+        policy function; None returns `fn` unchanged.
+      weights: the positions of the positional arguments that hold the block's weights,
+        an int or a sequence of ints: 0 (the default) for the first, as in
+        `block(params, h)`; `()` when the block closes over them. Weights passed by
+        keyword are tied, and so copied.
+
+    Returns:
+      The checkpointed block, taking `fn`'s arguments; without `fn`, a decorator that
+      makes one.
+
+    Raises:
+      TypeError: `fn` is a string (a policy passed positionally) or not callable,
+        `weights` holds something other than non-negative ints, or `policy` is of
+        another type; when the block is called, a `weights` position lies past its
+        positional arguments.
+      ValueError: `policy` names no checkpoint policy; when the block is called, no
+        array input besides the weights is left to tie the recomputation to.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, pockjax as pj
+      >>> @pj.checkpoint_block
+      ... def block(p, h):
+      ...     return h + jax.nn.relu(h @ p["up"]) @ p["down"]
+      >>> def loss(params, x):
+      ...     h = x
+      ...     for name in ("b0", "b1"):
+      ...         h = block(params[name], h)
+      ...     return jnp.mean(h ** 2)
+      >>> p = {"up": jnp.ones((4, 8)) / 8, "down": jnp.ones((8, 4)) / 8}
+      >>> g = jax.grad(loss)({"b0": p, "b1": p}, jnp.ones((2, 4)))
+      >>> g["b1"]["up"].shape
+      (4, 8)
+      >>> def loss2(p, x):  # weights closed over, the matmuls' outputs saved
+      ...     up = pj.checkpoint_block(lambda h: jax.nn.relu(h @ p["up"]), weights=(),
+      ...                              policy="dots_saveable")
+      ...     return jnp.sum(up(x))
+      >>> jax.grad(loss2)(p, jnp.ones((2, 4)))["up"].shape
+      (4, 8)
     """
     if fn is None:
         return functools.partial(checkpoint_block, policy=policy, weights=weights)
@@ -342,7 +401,45 @@ def _with_shardings(avals, shardings):
 
 
 class SparseTrainer:
-    """A compiled sparse training step; make one with `pockjax.sparse_train`."""
+    """A compiled sparse training step; make one with `pockjax.sparse_train`.
+
+    `trainer(state, batch)` runs one step; `init` makes the first state; `report`,
+    `explain`, `lower` and `trace` inspect the step; `export` compiles it for IREE.
+
+    Args:
+      loss_fn: `loss_fn(params, batch)`, returning a scalar loss, or `(loss, aux)` with
+        `has_aux`.
+      optimizer: an optax `GradientTransformation`, applied to the trainable view.
+      scheme: the `Scheme` saying which parameters train.
+      has_aux: whether `loss_fn` returns `(loss, aux)`; default False.
+      donate: donate the state to each step, so parameters and optimizer state are
+        updated in place (the default); a donated state cannot be used again.
+      layout: a `pockjax.sharding.Layout` for a multi-device step, or None (the
+        default); `sparse_train(mesh=...)` builds it.
+      remat: activation checkpointing of the loss: None (the default), or what
+        `Remat.of` takes.
+      skip_nonfinite: make a step whose loss or any gradient is not finite change
+        nothing (see `sparse_train`); default False.
+      frozen_dtype: the storage `init` gives the frozen leaves (see `sparse_train`);
+        None (the default) keeps them as they are.
+
+    Attributes:
+      loss_fn: the loss function.
+      optimizer: the optax transformation.
+      scheme: the `Scheme`.
+      has_aux: whether the loss returns aux.
+      donate: whether the state is donated.
+      layout: the `Layout`, or None.
+      remat: the `Remat`, or None.
+      skip_nonfinite: whether non-finite steps are skipped.
+      frozen_dtype: the frozen leaves' storage, or None.
+
+    Raises:
+      TypeError: `optimizer` has no `init` and `update`, or `remat` is of the wrong
+        type.
+      SchemeError: `scheme` is not a `Scheme`.
+      ValueError: `remat` is a string that names no checkpoint policy.
+    """
 
     def __init__(self, loss_fn: Callable, optimizer: optax.GradientTransformation,
                  scheme: Scheme, has_aux: bool = False, donate: bool = True,
@@ -382,14 +479,24 @@ class SparseTrainer:
     def init(self, params, *, copy: bool = True) -> TrainState:
         """The initial state: optimizer state for the trainable view only.
 
-        With `copy=True` the parameters are copied, so donating the state in later
-        steps never deletes the caller's arrays; pass `copy=False` to hand them over
-        (saves one copy of the model).
-
         Parameters given as `jax.ShapeDtypeStruct`s (e.g. from `nnx.eval_shape`) give an
         abstract state, with nothing allocated: `report()`, `lower()` and `trace()`
         accept it, so a model's memory can be read before it is loaded; stepping and
-        export need arrays.
+        export need arrays. With a layout, the state is placed on the mesh.
+
+        Args:
+          params: the model's parameter pytree: all arrays, or all
+            `jax.ShapeDtypeStruct`s.
+          copy: True (the default) copies the parameters, so donating the state in later
+            steps never deletes the caller's arrays; False hands them over (saves one
+            copy of the model).
+
+        Returns:
+          A `TrainState` at step 0.
+
+        Raises:
+          SchemeError: the scheme does not fit `params`.
+          TypeError: `params` mixes arrays and `jax.ShapeDtypeStruct`s.
         """
         scheme, optimizer = self.scheme, self.optimizer
         scheme.resolve(params)  # scheme errors surface here, outside any trace
@@ -449,8 +556,18 @@ class SparseTrainer:
                               f"{self.scheme!r}; make the state with this trainer's init()")
 
     def replace(self, **changes) -> "SparseTrainer":
-        """A new trainer with some of its settings changed (`loss_fn`, `optimizer`,
-        `scheme`, `has_aux`, `donate`, `layout`, `remat`, `skip_nonfinite`)."""
+        """A new trainer with some of its settings changed.
+
+        Args:
+          **changes: new values for any of `loss_fn`, `optimizer`, `scheme`, `has_aux`,
+            `donate`, `layout`, `remat`, `skip_nonfinite`.
+
+        Returns:
+          A new `SparseTrainer` (compiled anew on first use).
+
+        Raises:
+          TypeError: a name in `changes` is not one of the settings.
+        """
         settings = dict(loss_fn=self.loss_fn, optimizer=self.optimizer, scheme=self.scheme,
                         has_aux=self.has_aux, donate=self.donate, layout=self.layout,
                         remat=self.remat, skip_nonfinite=self.skip_nonfinite,
@@ -464,10 +581,22 @@ class SparseTrainer:
     def step(self, state: TrainState, batch, *, placement: str | None = None,
              ties: str = "data"):
         """The training step as a function to trace (`trainer(state, batch)` runs it
-        jitted, with the state donated): `(state, batch) -> (new state, metrics)`.
-        `placement="global"` forces the single-barrier update (the simple alternative,
-        for comparisons); `ties` ("data" or "barrier"): how each in-place write is ordered
-        after the parameter's last reads, see `pockjax.optim.fused.fused_step`."""
+        jitted, with the state donated).
+
+        Args:
+          state: the `TrainState`.
+          batch: the step's batch.
+          placement: None (the default) uses the update mode `update_mode` gives;
+            "fused" forces the per-leaf update interleaved with the backward pass, any
+            other value the single-barrier update after it (the simple alternative, for
+            comparisons).
+          ties: how each in-place write is ordered after the parameter's last reads:
+            "data" (the default) or "barrier"; see `pockjax.optim.fused.fused_step`.
+
+        Returns:
+          `(new state, metrics)`: `metrics` has `"loss"`, `"aux"` with `has_aux`, and
+          `"skipped"` (a bool) with `skip_nonfinite`.
+        """
         _, info, aux_def, decisions, _ = self._grad.trace(state.params, batch)
         param_leaves = jax.tree_util.tree_leaves(state.params)
         other = [x for x in jax.tree_util.tree_leaves(([None, batch], {})) if is_dynamic(x)]
@@ -515,7 +644,24 @@ class SparseTrainer:
         return {"reads": reads, "grad_shardings": grad_shardings}
 
     def __call__(self, state: TrainState, batch):
-        """One training step: `(state, batch) -> (new state, {"loss": ..., "aux": ...})`."""
+        """One training step, compiled on first use for each batch signature.
+
+        With `donate` the state's buffers are updated in place: only the returned state
+        is valid afterwards.
+
+        Args:
+          state: the `TrainState` (from `init`, or a previous step's).
+          batch: the step's batch; with a layout it is placed on the mesh first.
+
+        Returns:
+          `(new state, metrics)`: `metrics` has `"loss"`, `"aux"` with `has_aux`, and
+          `"skipped"` with `skip_nonfinite`.
+
+        Raises:
+          TypeError: `state` is not a `TrainState`, or holds shapes instead of arrays.
+          SchemeError: `state` was made for another scheme.
+          ValueError: `state`'s buffers were already donated to an earlier step.
+        """
         self._check_state(state)
         if _abstract(state, "state"):
             raise TypeError("this TrainState holds shapes (jax.ShapeDtypeStruct), not arrays: "
@@ -528,7 +674,17 @@ class SparseTrainer:
 
     def shard_batch(self, batch):
         """The batch placed on the trainer's mesh (split over the data axis); with
-        several processes, each passes its own part of the global batch."""
+        several processes, each passes its own part of the global batch.
+
+        Args:
+          batch: the batch pytree.
+
+        Returns:
+          The batch as arrays laid out on the mesh.
+
+        Raises:
+          ValueError: the trainer has no mesh.
+        """
         if self.layout is None:
             raise ValueError("this trainer has no mesh; pass mesh= to sparse_train to shard")
         return self.layout.put_batch(batch)
@@ -544,19 +700,52 @@ class SparseTrainer:
         return state_avals, batch_avals
 
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
-        """The lowered step, for `.as_text()`, `.compile().memory_analysis()`, ..."""
+        """The lowered step, for `.as_text()`, `.compile().memory_analysis()`, ...
+
+        Args:
+          state: a `TrainState` (arrays or shapes).
+          batch: a batch (arrays or `jax.ShapeDtypeStruct`s).
+
+        Returns:
+          The `jax.stages.Lowered` step.
+
+        Raises:
+          TypeError: `state` is not a `TrainState`.
+          SchemeError: `state` was made for another scheme.
+        """
         self._check_state(state)
         if self.layout is not None:
             return self._step_jit.lower(*self._step_avals(state, batch))
         return self._step_jit.lower(state, batch)
 
     def trace(self, state: TrainState, batch) -> jax.stages.Traced:
-        """The traced step, for `.jaxpr`, `.lower()`, `pockjax.count_flops(...)`."""
+        """The traced step, for `.jaxpr`, `.lower()`, `pockjax.count_flops(...)`.
+
+        Args:
+          state: a `TrainState` (arrays or shapes).
+          batch: a batch (arrays or `jax.ShapeDtypeStruct`s).
+
+        Returns:
+          The `jax.stages.Traced` step.
+
+        Raises:
+          TypeError: `state` is not a `TrainState`.
+          SchemeError: `state` was made for another scheme.
+        """
         self._check_state(state)
         return self._step_jit.trace(*self._step_avals(state, batch))
 
     def update_mode(self, state: TrainState, batch) -> tuple[str, str]:
-        """("fused" | "global", why) for this state's trainable view."""
+        """How this state's trainable view is updated, and why.
+
+        Args:
+          state: a `TrainState`.
+          batch: a batch (unused: the mode depends on the optimizer and the view).
+
+        Returns:
+          `(mode, reason)`: "fused" (each leaf updated right after its gradient) or
+          "global" (after the whole backward pass), and the reason in words.
+        """
         view = jax.eval_shape(lambda p: trainable(p, self.scheme), abstract_arrays(state.params))
         return self._mode(self._plan(view, state.opt_state))
 
@@ -567,14 +756,34 @@ class SparseTrainer:
         return plan.mode, plan.reason
 
     def explain(self, state: TrainState, batch) -> TransformInfo:
-        """What `sparse_grad` did to this step's backward pass."""
+        """What `sparse_grad` did to this step's backward pass.
+
+        Args:
+          state: a `TrainState`.
+          batch: a batch of the training shape.
+
+        Returns:
+          The `TransformInfo`: parameter counts, the rules used, fallbacks, the jaxpr.
+        """
         return self._grad.explain(state.params, batch)
 
     def export(self, state: TrainState, batch, target: str = "host-cpu", out_dir: str = "export",
                gpu: str | None = None, extra_flags=(), progress: bool = False):
         """Compile this step for an IREE target and write the artifact directory
         (`train_step.vmfb`, `params.irpa`, `manifest.json`); see `pockjax.export`.
-        `progress` names each stage on stderr as it starts."""
+
+        Args:
+          state: a `TrainState` of arrays (its values go into the artifact).
+          batch: a batch of the shape to compile for.
+          target: the IREE target's name (`pockjax.export.TARGETS`); default "host-cpu".
+          out_dir: the artifact directory to write; default "export".
+          gpu: the GPU family, for GPU targets; None for the target's default.
+          extra_flags: more compiler flags (`--iree-...=value`).
+          progress: name each stage on stderr as it starts; default False.
+
+        Returns:
+          The `pockjax.export.Artifact`.
+        """
         from pockjax.export import export
         return export(self, state, batch, target=target, out_dir=out_dir, gpu=gpu,
                       extra_flags=extra_flags, progress=progress)
@@ -620,7 +829,22 @@ class SparseTrainer:
 
     def report(self, state: TrainState, batch) -> "TrainReport":
         """Trainable vs total parameters, FLOPs and compiled memory of this step against
-        the same model trained in full, the update mode, and what the transform did."""
+        the same model trained in full, the update mode, and what the transform did.
+
+        Both steps are compiled (not run); an abstract state (`init` of
+        `jax.ShapeDtypeStruct`s) is enough.
+
+        Args:
+          state: a `TrainState` (arrays or shapes).
+          batch: a batch of the training shape.
+
+        Returns:
+          A `TrainReport`; `str()` renders it as a table.
+
+        Raises:
+          TypeError: `state` is not a `TrainState`.
+          SchemeError: `state` was made for another scheme.
+        """
         self._check_state(state)
         # FLOPs from the traced programs: XLA's cost_analysis() counts a loop body once.
         sparse_traced, full_traced = self.trace(state, batch), self._full_traced(state, batch)
@@ -754,7 +978,35 @@ def _decisions_tree(params, decisions):
 
 @dataclasses.dataclass
 class TrainReport:
-    """What `trainer.report()` measured; `str()` renders it as a table."""
+    """What `trainer.report()` measured; `str()` renders it as a table.
+
+    Each figure is given for this step and for the same model trained in full
+    (`..._full`). Memory dicts hold XLA's memory analysis in bytes: `temp`, `argument`,
+    `output`, `alias` (outputs written over donated arguments) and `peak`.
+
+    Attributes:
+      trainable_params: parameters the scheme trains.
+      total_params: all parameters.
+      mode: the update mode, "fused" or "global".
+      mode_reason: why, in words.
+      flops: FLOPs of this step.
+      flops_full: FLOPs of the full-training step.
+      memory: this step's compiled memory, per device on a mesh.
+      memory_full: the full-training step's.
+      opt_state_bytes: bytes of this step's optimizer state.
+      opt_state_bytes_full: bytes of full training's optimizer state.
+      transform: the `TransformInfo` of the sparse backward pass.
+      devices: devices the step runs on.
+      layout: the mesh layout in words, or None on one device.
+      collectives: the collective operations of this step (on a mesh).
+      collectives_full: those of the full-training step.
+      breakdown: this step's memory by what it holds (weights, optimizer state,
+        batch, activations kept for the backward pass as an estimate, other
+        temporaries), or None on a mesh.
+      breakdown_full: the same for full training.
+      remat: the activation checkpointing in words ("none" without).
+      backend: what runs the step ("xla"; `pockjax.backend.Runner` sets its choice).
+    """
 
     trainable_params: int
     total_params: int
@@ -777,6 +1029,12 @@ class TrainReport:
     backend: str = "xla"  # what runs the step; `pockjax.backend.Runner` fills in its choice
 
     def as_dict(self) -> dict:
+        """The report as plain data (for JSON).
+
+        Returns:
+          A dict of the fields; `transform` as its own `as_dict()`, collectives as
+          dicts of `op`, `shapes`, `dtypes` and `bytes`.
+        """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         d["memory"], d["memory_full"] = dict(self.memory), dict(self.memory_full)
         d["transform"] = self.transform.as_dict()
@@ -786,7 +1044,15 @@ class TrainReport:
         return d
 
     def collective_bytes(self, full: bool = False) -> dict[str, int]:
-        """Bytes each kind of collective moves per step (per device, result sizes)."""
+        """Bytes each kind of collective moves per step (per device, result sizes).
+
+        Args:
+          full: report the full-training step's collectives instead of this step's;
+            default False.
+
+        Returns:
+          Operation name -> bytes.
+        """
         out: dict[str, int] = {}
         for c in (self.collectives_full if full else self.collectives):
             out[c.op] = out.get(c.op, 0) + c.nbytes
@@ -877,6 +1143,46 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
     >>> state, metrics = trainer(state, jnp.ones((4, 3)))
     >>> int(state.step)
     1
+
+    Args:
+      fun: the loss function `fun(params, batch)`; None (decorator use with arguments)
+        returns a decorator.
+      optimizer: an optax `GradientTransformation` (required).
+      scheme: a `Scheme`, or a `pockjax.schedule.Schedule`; None (the default) trains
+        every parameter.
+      has_aux: whether the loss returns `(loss, aux)`; default False.
+      donate: update the state in place (the default); False keeps old states usable
+        at the cost of one more copy of the parameters and optimizer state per step.
+      mesh: a `jax.sharding.Mesh` to run the step on; None (the default) for one device.
+      data_axis: the mesh axis (or axes) the batch is split over; default "data".
+      param_axis: the mesh axis (or axes) parameters are sharded over, FSDP-style;
+        None (the default) replicates them.
+      param_specs: the layout of chosen parameters: a `{path: PartitionSpec}` dict or a
+        function of `(path, shape)` returning one or None; needs `mesh`.
+      batch_specs: the same for chosen batch leaves; needs `mesh`.
+      remat: activation checkpointing of the loss: None (the default), `"full"`, a
+        policy name from `jax.checkpoint_policies` or a policy function.
+      skip_nonfinite: skip steps whose loss, outputs or gradients are not finite (see
+        above); default False.
+      frozen_dtype: store the leaves `scheme` freezes in low precision: `init` quantizes
+        them (`pockjax.lowbit.quantize`) to "int8" (a scale per output channel),
+        "int4" / "int4:GROUP" (a scale per group of inputs, two values a byte),
+        "bfloat16" or "float16", or per leaf with a dict of path patterns to formats.
+        The step dequantizes each where it is used and again in the backward pass, so
+        no float copy of the frozen model is alive. None (the default): as given.
+        Parameters already holding `lowbit.Quantized` leaves train either way.
+
+    Returns:
+      A `SparseTrainer` (a `ScheduledTrainer` for a schedule); without `fun`, a
+      decorator that makes one.
+
+    Raises:
+      TypeError: no `optimizer`; `param_axis`, `param_specs` or `batch_specs` without
+        `mesh`; `frozen_dtype` with a schedule; or (when the loss is given) it is not
+        callable, or `SparseTrainer` refuses the settings.
+      SchemeError: `scheme` is neither a `Scheme` nor a `Schedule`.
+      ValueError: `remat` names no checkpoint policy, or `data_axis` or `param_axis`
+        is not an axis of `mesh`.
     """
     if optimizer is None:
         raise TypeError("sparse_train needs an optimizer: @pockjax.sparse_train(optimizer=optax.adam(1e-3), "
@@ -914,10 +1220,18 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
 
 @dataclasses.dataclass
 class History:
-    """What a `fit` run did: the losses of its steps (skipped ones left out), its
-    training seconds and steps, the evaluations `(step, seconds, value)`, the steps
-    skipped for a non-finite loss, the tokens counted, and whether Ctrl-C stopped it
-    (the state returned is the one after the last completed step)."""
+    """What a `fit` run did.
+
+    Attributes:
+      loss: the losses of its steps as float32 (skipped steps left out).
+      seconds: training seconds, from the first step's start.
+      steps: steps run in this call.
+      interrupted: whether Ctrl-C stopped it (the state returned is the one after the
+        last completed step).
+      valid: the evaluations, as `(step, seconds, value)`.
+      skipped: steps skipped for a non-finite loss or gradient.
+      tokens: the tokens counted (with `fit(tokens=...)`).
+    """
 
     loss: np.ndarray
     seconds: float
@@ -929,12 +1243,22 @@ class History:
 
     @property
     def steps_per_second(self) -> float:
+        """Steps per training second (NaN where no time passed)."""
         return self.steps / self.seconds if self.seconds > 0 else float("nan")
 
 
 class NonFiniteLoss(FloatingPointError):
-    """A step's loss was NaN or infinite (`fit(..., stop_nonfinite=True)`); `step` is the
-    step (1-based) and `loss` its value. Nothing after the step before it was saved."""
+    """Raised by `fit(..., stop_nonfinite=True)` when a step's loss is NaN or infinite.
+    Nothing after the step before it was saved.
+
+    Args:
+      step: the step (1-based).
+      loss: its loss.
+
+    Attributes:
+      step: the step (1-based).
+      loss: its loss.
+    """
 
     def __init__(self, step: int, loss: float):
         super().__init__(f"step {step}: the loss is {loss}")
@@ -946,7 +1270,11 @@ def _deleted(tree) -> bool:
 
 
 def peak_rss_gib() -> float:
-    """The process's peak resident memory so far (GiB): Linux's VmHWM, else ru_maxrss."""
+    """The process's peak resident memory so far.
+
+    Returns:
+      GiB, from Linux's VmHWM, else `ru_maxrss` (read as KiB).
+    """
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -975,17 +1303,30 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
     with `History.interrupted` set (the state passed in was donated to the first step, so
     this return value is the run's only state).
 
+    A warning is issued when the batches run out before `steps`, and when Ctrl-C
+    stops the run.
+
     Args:
-      trainer, state: the step and the state it starts from.
+      trainer: the step: a `SparseTrainer`, or any `step(state, batch) -> (state,
+        metrics)` whose metrics have `"loss"`.
+      state: the state it starts from.
       batches: an iterable of batches, or a function of the (0-based) step giving its
         batch (then `steps` is needed; a resumed run continues the data where it
         stopped).
-      steps: the step count to reach (None: until the batches run out).
-      start: the step count `state` has reached (a resumed run).
+      steps: the step count to reach, >= 0; None (the default): until the batches run
+        out.
+      progress: show the progress bar (the default).
+      log_every: the bar's refresh interval in steps; default 10.
+      desc: the bar's label; default "train".
+      start: the step count `state` has reached (a resumed run); default 0.
       evaluate: `evaluate(state) -> float` (a held-out loss), run before the first step
         when `start` is 0, every `eval_every` steps and after the last.
+      eval_every: steps between evaluations; None (the default): before the first and
+        after the last step only.
       save: `save(state)`, run every `save_every` steps, after the last and on Ctrl-C,
         each time after the losses up to that step were read (and found finite).
+      save_every: steps between saves; None (the default): after the last step (and
+        on Ctrl-C) only.
       on_record: gets a dict per step (`step`, `loss`, `seconds` since the first step,
         `tokens`), per skipped step (`step`, `skipped`: True, `loss`: None: the step's
         metrics said `skipped`, see `sparse_train(skip_nonfinite=True)`) and per
@@ -997,11 +1338,16 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         once per example and keep its output (`pockjax.prefix.PrefixCachedTrainer`,
         examples named by a hash of their contents; the same results as without it).
         True, an int (the RAM budget in bytes), "auto" (only where the prefix is a
-        large enough part of the step) or False. The cache is dropped when fit returns.
-      log_every, desc: the bar's refresh interval in steps and its label.
+        large enough part of the step) or False (the default). The cache is dropped
+        when fit returns.
 
     Returns:
-      `(state, History)`.
+      `(state, History)`: the state after the last completed step and what the run did.
+
+    Raises:
+      ValueError: `steps` is negative, `prefix_cache` is not one of its values, or
+        `batches` is a function and `steps` is None.
+      NonFiniteLoss: with `stop_nonfinite`, a step's loss is NaN or infinite.
     """
     from tqdm.auto import tqdm
 

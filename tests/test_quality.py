@@ -305,3 +305,22 @@ def test_time_to_quality():
     curve = [[0.0, 0, 3.0], [5.0, 10, 2.5], [9.0, 20, 2.0]]
     assert quality.time_to_quality(curve, 2.5) == 5.0
     assert quality.time_to_quality(curve, 1.0) is None
+    # With a timing run: its first step, then its median step time for each further step.
+    timing = {"first_step_s": 4.0, "s_per_step": 0.5}
+    assert quality.time_to_quality(curve, 2.5, timing) == 4.0 + 9 * 0.5
+    assert quality.time_to_quality(curve, 3.0, timing) == 0.0
+    assert quality.time_to_quality(curve, 1.0, timing) is None
+
+
+def test_speed_comes_from_each_rows_timing_run(quick):
+    """Every trained row has a timing run of its own (the preset's `time_steps` steps on
+    the domain task at the chosen rate), and its s/step is the table's."""
+    steps = quality.PRESETS["quick"]["time_steps"]
+    for r in quick["json"]["rows"]:
+        if r["kind"] == "pretrained" or "runs" not in r:
+            continue
+        timing = r["timing"]
+        assert timing["task"] == "domain" and timing["seed"] == 0 and timing["steps"] == steps
+        assert r["summary"]["s_per_step"] == timing["s_per_step"] > 0
+        assert r["summary"]["timed"] == "timing run"
+    assert "timing pockjax full" in quick["stderr"]

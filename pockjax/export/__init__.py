@@ -50,6 +50,8 @@ class _CallableModule(types.ModuleType):
 
     def __call__(self, trainer, state, batch, target: str = "host-cpu", out_dir: str = "export",
                  gpu: str | None = None, extra_flags=(), progress: bool = False):
+        """`pockjax.export.export(...)`: the same arguments (all but `prefix`), return
+        value and errors."""
         return self.export(trainer, state, batch, target=target, out_dir=out_dir, gpu=gpu,
                            extra_flags=extra_flags, progress=progress)
 

@@ -29,6 +29,14 @@ __all__ = ["export", "Artifact", "MANIFEST", "VMFB", "PARAMS", "SCHEMA_VERSION",
 
 @dataclasses.dataclass(frozen=True)
 class Artifact:
+    """An artifact directory `export` wrote, with its manifest.
+
+    Attributes:
+      path: the absolute path of the artifact directory.
+      manifest: the contents of its `manifest.json` (target and flags, versions,
+        function signatures, parameters, scheme, step memory, file hashes).
+    """
+
     path: str
     manifest: dict
 
@@ -87,10 +95,10 @@ def check_stream(stream: bytes | str, lowered: Lowered, target: str) -> StreamRe
 def check_storage(stream: bytes | str, gpu: vulkan.GpuTarget, target: str,
                   lowered: Lowered | None = None) -> None:
     """Refuse arrays of 8- or 16-bit values in memory on a GPU target without that storage
-    width: IREE 3.13 emulates it with 32-bit words, and the emulated accesses gave wrong
-    values on lavapipe (i1/i8/i16/f16 inputs and constants, and an int8 scalar input).
-    Scalar predicates passed between kernels (e.g. `clip_by_global_norm`'s) were right
-    both ways and are allowed."""
+    width: IREE emulates it with 32-bit words, and the emulated accesses compute wrong
+    values (on lavapipe: i1/i8/i16/f16 inputs and constants, and an int8 scalar input).
+    Scalar predicates passed between kernels (e.g. `clip_by_global_norm`'s) compute
+    right either way and are allowed."""
     text = stream.decode() if isinstance(stream, bytes) else stream
     found = narrow_bindings(text)
     if lowered is not None:
@@ -168,6 +176,13 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
            prefix=None) -> Artifact:
     """Compile the training step for `target` and write the artifact directory.
 
+    The directory holds `train_step.vmfb`, `params.irpa` and `manifest.json`. The
+    step is lowered to StableHLO, compiled to IREE's stream IR, checked there (every
+    donated state update in place, no read after an in-place write; on Vulkan targets,
+    the storage widths the GPU target has), then compiled to the module. On the CPU
+    targets the step with each trained weight's matmul reads tied to their other operand
+    is compiled too and kept when its plan allocates less.
+
     `prefix` (from `pockjax.prefix.PrefixCachedTrainer.export`): `trainer` is a prefix
     cache's suffix and the artifact also gets a `prefix` function computing the cut
     values of a batch (see `pockjax.export.lowering.lower_step`).
@@ -176,6 +191,31 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     place, so a failed or interrupted export leaves no half artifact (and keeps an
     older one). With `progress`, each stage is named on stderr as it starts, with the
     seconds so far (`pockjax export` does this).
+
+    Args:
+      trainer: the `SparseTrainer` whose step is exported.
+      state: its `TrainState`, made of arrays: the parameters' and optimizer state's
+        initial values go into the artifact.
+      batch: an example batch; its shapes and dtypes are the ones compiled for.
+      target: a name in `TARGETS` (default `"host-cpu"`).
+      out_dir: the artifact directory, replaced if it exists.
+      gpu: the GPU family for a GPU target (e.g. `"valhall"`, `"sm_87"`); None: the
+        target's default.
+      extra_flags: further compiler flags, each starting with `--`.
+      progress: name each stage on stderr as it starts.
+      prefix: `prefix(params, batch) -> cut values` of a prefix cache whose suffix
+        `trainer` is; its batch is then `{"batch": ..., "cut": [...]}`. None: a plain
+        step.
+
+    Returns:
+      The `Artifact`: its directory and manifest.
+
+    Raises:
+      ExportError: an unknown target or GPU family, a malformed flag, a state made of
+        `jax.ShapeDtypeStruct`s, a batch with a dynamic shape, a dtype that cannot be
+        exported, no IREE compiler installed, a compiler failure, a schedule that is not
+        safe or not in place, narrow storage a Vulkan target lacks, no Vulkan device
+        (`host-vulkan`), or an `out_dir` that exists and is not a directory.
     """
     tgt, flags = resolve_target(target, gpu, tuple(extra_flags))
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state)):

@@ -49,7 +49,15 @@ __all__ = ["Slot", "Lowered", "lower_step", "tie_weight_reads"]
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """One named tensor: a state global or a batch input."""
+    """One named tensor: a state global or a batch input.
+
+    Attributes:
+      name: the tensor's name: `"step"`, `"params/<path>"`, `"opt_state/<path>"`, or a
+        batch input's path (`"batch"` for a batch that is one array).
+      shape: its fixed shape.
+      dtype: its dtype's name (`"float32"`, `"int32"`, ...).
+      role: `"frozen"`, `"trainable"`, `"optimizer"`, `"step"` or `"batch"`.
+    """
 
     name: str
     shape: tuple[int, ...]
@@ -57,6 +65,14 @@ class Slot:
     role: str  # "frozen", "trainable", "optimizer", "step" or "batch"
 
     def mlir_type(self) -> str:
+        """The tensor's MLIR type.
+
+        Returns:
+          The type as MLIR text, e.g. `tensor<16x64xf32>`.
+
+        Raises:
+          ExportError: the dtype cannot be exported.
+        """
         return _tensor_type(self.shape, self.dtype)
 
 
@@ -68,6 +84,23 @@ def in_place(slot: Slot) -> bool:
 
 @dataclasses.dataclass
 class Lowered:
+    """The lowered training step: the module's text and the tensors it reads and returns.
+
+    Attributes:
+      mlir: the StableHLO module (`train_step`, `eval`, `init`, `frozen` and, with a
+        prefix, `prefix`) as text.
+      mutable: `train_step`'s donated state (step count, trainable parameters,
+        optimizer state), in argument order.
+      frozen: the frozen weights, in the order `frozen()` returns them.
+      batch: `train_step`'s and `eval`'s batch inputs.
+      outputs: `train_step`'s outputs after the state: `"loss"`, then `"aux/<path>"`.
+      values: the initial value of every state tensor, by name.
+      prefix_inputs: with a prefix (`lower_step(prefix=...)`), the inputs of `prefix`,
+        named as in the original batch; empty otherwise.
+      prefix_outputs: with a prefix, the names of its outputs (`"cut/<i>"`); empty
+        otherwise.
+    """
+
     mlir: str
     mutable: list[Slot]       # train_step's donated state, in argument order
     frozen: list[Slot]        # frozen weights, in the order of `frozen()`
@@ -81,6 +114,7 @@ class Lowered:
 
     @property
     def state(self) -> list[Slot]:
+        """Every state tensor: the frozen weights, then the mutable state."""
         return self.frozen + self.mutable
 
     @property
@@ -133,23 +167,32 @@ def _module_body(text: str, prefix: str) -> tuple[str, str]:
 
 
 def tie_weight_reads(closed: jex.ClosedJaxpr, weights) -> jex.ClosedJaxpr:
-    """Each top-level matmul's read of a trained weight (inputs `weights` of `closed`,
-    also through `pockjax.optim.fused.VIEWS`, e.g. a Channels slice or a transpose) tied
-    by data to the matmul's other operand: the weight plus an exact zero (-0.0, so
+    """`closed` with each matmul's read of a trained weight tied to its other operand.
+
+    Each top-level matmul's read of a trained weight (inputs `weights` of `closed`,
+    also through `pockjax.optim.fused.VIEWS`, e.g. a Channels slice or a transpose) is
+    tied by data to the matmul's other operand: the weight plus an exact zero (-0.0, so
     `-0.0` weights stay as they are) computed from one element of it
     (`pockjax.optim.fused.tie_zero`). Matmuls inside loop, cond and remat bodies, and
     matmuls of two trained weights, are left as they are.
 
     With data tiling (the CPU targets) IREE packs a matmul's weight operand into its tile
-    layout in a dispatch of its own. A trained weight is a step input, so IREE 3.13 can
-    and does schedule its packs at the step's start: the forward and the transposed
-    backward packs of every trained weight then live together (TinyLlama-1.1B's shape,
-    last 6 blocks: 2.1 GB of packed copies per step). Tied to the activation (forward)
-    or the incoming gradient (backward), a pack runs when its matmul is reached and its
-    buffer is freed after it; the add fuses into the pack, which reads the weight anyway.
-    Frozen weights are not touched (their packs are hoisted into the initializer once).
-    Where IREE does not pack, the add is a copy of its own, so `export` compares the two
-    compiled plans (`pockjax.export.artifact._tied_if_smaller`).
+    layout in a dispatch of its own. A trained weight is a step input, so IREE can
+    schedule its packs at the step's start, where the forward and the transposed
+    backward packs of every trained weight live together. Tied to the activation
+    (forward) or the incoming gradient (backward), a pack runs when its matmul is
+    reached and its buffer is freed after it; the add fuses into the pack, which reads
+    the weight anyway. Frozen weights are not touched (their packs are hoisted into the
+    initializer once). Where IREE does not pack, the add is a copy of its own, so
+    `export` compares the two compiled plans (`pockjax.export.artifact._tied_if_smaller`).
+
+    Args:
+      closed: the traced function.
+      weights: the indices of its inputs that are trained weights.
+
+    Returns:
+      The rewritten function as a new `ClosedJaxpr`, or `closed` itself when no
+      input in `weights` (or a view of one) exists.
     """
     jaxpr = closed.jaxpr
     from_weight = {jaxpr.invars[k] for k in weights}
@@ -199,18 +242,43 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
                placement: str | None = None, ties: str = "data",
                backend: str | None = None, tie_weights: bool = False,
                prefix=None) -> Lowered:
-    """Lower `trainer`'s step and eval for `state` and `batch` into one module, legalised
-    for IREE (`pockjax.transforms.legalize`) and its HAL device `backend` (a `Target`'s
-    `backend`: "local", "vulkan", "cuda"; None: the rewrites every backend gets).
+    """Lower `trainer`'s step and eval for `state` and `batch` into one module.
+
+    The module is legalised for IREE (`pockjax.transforms.legalize`) and its HAL device
+    `backend`. A trainer with a mesh layout is lowered without it: an artifact runs on
+    one device.
 
     `donate=False` and `placement="global", ties="barrier"` build the alternatives the
     in-place step is measured against: new buffers for the new state, and one barrier
-    before all updates. `ties`: see `pockjax.optim.fused.fused_step`. `tie_weights`: tie
-    each matmul's read of a trained weight to its other operand (`tie_weight_reads`).
+    before all updates.
 
-    `prefix`: the step is a prefix cache's suffix (`pockjax.prefix`), whose batch is
-    `{"batch": batch, "cut": values}`, and `prefix(params, batch) -> values` becomes the
-    module's `prefix` function, reading the frozen weights and the original batch.
+    Args:
+      trainer: the `SparseTrainer` whose step and loss are lowered.
+      state: its `TrainState`; it fixes the state's shapes and dtypes, and its values
+        become `Lowered.values`.
+      batch: an example batch with fixed shapes.
+      donate: donate the mutable state to `train_step` so IREE updates it in place;
+        False gives the new state new buffers.
+      placement: passed to `trainer.step`: `"global"` forces one barrier before all
+        updates; None: the update the trainer chooses.
+      ties: how each in-place write is ordered after the parameter's last reads,
+        `"data"` (default) or `"barrier"`; see `pockjax.optim.fused.fused_step`.
+      backend: a `Target`'s `backend` (`"local"`, `"vulkan"`, `"cuda"`); None: the
+        rewrites every backend gets.
+      tie_weights: tie each matmul's read of a trained weight to its other operand
+        (`tie_weight_reads`).
+      prefix: the step is a prefix cache's suffix (`pockjax.prefix`), whose batch is
+        `{"batch": batch, "cut": values}`, and `prefix(params, batch) -> values` becomes
+        the module's `prefix` function, reading the frozen weights and the original
+        batch. None: no prefix function.
+
+    Returns:
+      The `Lowered` module with its state, batch and output names.
+
+    Raises:
+      ExportError: a batch input with a dynamic or unknown shape, a dtype that cannot be
+        exported, a `prefix` whose batch is not `{"batch": ..., "cut": [...]}`, or a
+        lowered module whose layout is not recognised.
     """
     _check_static(batch)
     if trainer.layout is not None:

@@ -1,7 +1,7 @@
 """Read IREE's stream IR of the training step: hazards, in-place updates and memory.
 
-IREE 3.13 can schedule the in-place update of a donated parameter before a later read
-of its old value, which silently trains wrong. The fused step ties every update to the
+IREE can schedule the in-place update of a donated parameter before a later read of
+its old value, which silently trains wrong. The fused step ties every update to the
 parameter's last reads; `analyze` verifies on the compiled program that it worked, and
 measures what the in-place updates save.
 
@@ -48,12 +48,17 @@ _FILL = re.compile(r"stream\.cmd\.fill [^,]+, (%arg\d+)\[")
 class StreamReport:
     """What the stream IR of one function shows.
 
-    `hazards`: reads of a donated argument after its in-place write (empty when safe).
-    `not_in_place`: donated arguments whose output is not the argument's own buffer.
-    `input_bytes`: the function's imported arguments (donated state and batch).
-    `peak_alloc_bytes`: the most bytes allocated by the step at one point (transients,
-    outputs and staging; the frozen weights are constants and not included).
-    `submissions`: the number of `stream.cmd.execute` regions (device submissions).
+    Attributes:
+      hazards: reads of a donated argument after its in-place write, or while another
+        command of the same concurrent block may write it, one message each (empty
+        when safe).
+      not_in_place: the state names of donated arguments whose output is not the
+        argument's own buffer.
+      input_bytes: the bytes of the function's imported arguments (donated state and
+        batch).
+      peak_alloc_bytes: the most bytes allocated by the step at one point (transients,
+        outputs and staging; the frozen weights are constants and not included).
+      submissions: the number of `stream.cmd.execute` regions (device submissions).
     """
 
     hazards: list[str]
@@ -64,6 +69,7 @@ class StreamReport:
 
     @property
     def peak_bytes(self) -> int:
+        """`input_bytes + peak_alloc_bytes`: the step's peak device memory besides constants."""
         return self.input_bytes + self.peak_alloc_bytes
 
 
@@ -151,8 +157,20 @@ class _Walker:
 
 
 def analyze(stream_ir: str, donated: dict[int, str], function: str = "train_step") -> StreamReport:
-    """Check `function` in `stream_ir`; `donated` maps donated argument indices to state
-    names, and output `i` of a donated argument `i` must be that argument's buffer."""
+    """Check `function` in `stream_ir` for hazards and in-place updates, and measure it.
+
+    Args:
+      stream_ir: the module's stream IR (`--compile-to=stream`) as text.
+      donated: donated argument index -> state name; output `i` of a donated argument
+        `i` must be that argument's buffer.
+      function: the public function to read (default `"train_step"`).
+
+    Returns:
+      The `StreamReport` of the function.
+
+    Raises:
+      ValueError: `stream_ir` has no public function `function`.
+    """
     fn = _function(stream_ir, function)
     consts = {name: int(v) for name, v in _CONST.findall(stream_ir)}
     size = lambda ssa: consts.get(ssa, 0)
@@ -210,8 +228,16 @@ _BINDING = re.compile(r"dispatch\.tensor<(?:readonly|writeonly|readwrite):tensor
 
 
 def narrow_bindings(stream_text: str, *, scalars: bool = False) -> dict[str, int]:
-    """Element types narrower than 32 bits of the arrays kernels read or write in memory
-    (`i1`, `i8`, `f16`, ...), with their storage widths; 0-d ones only with `scalars`."""
+    """Element types narrower than 32 bits of the arrays kernels read or write in memory.
+
+    Args:
+      stream_text: the module's stream IR as text.
+      scalars: also count 0-d tensors; by default only arrays with dimensions count.
+
+    Returns:
+      Element type (`i1`, `i8`, `f16`, ...) -> its storage width in bits (8 for
+      anything of 8 bits or fewer).
+    """
     out = {}
     for dims, dtype in set(_BINDING.findall(stream_text)):
         bits = int(re.sub(r"\D", "", dtype))

@@ -7,11 +7,33 @@ __all__ = ["Target", "TARGETS", "resolve_target", "ExportError"]
 
 
 class ExportError(RuntimeError):
-    """An export that cannot be made: a bad target or input, or a compiler failure."""
+    """Raised when an artifact cannot be made, read or run: a bad target, input, device or
+    artifact, or a compiler or runtime failure."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Target:
+    """One export target: the IREE device it compiles for and the exact compiler flags.
+
+    The entries of `TARGETS` are the targets `export`, `pockjax export --target` and the
+    docs offer; `resolve_target` turns one into its full list of flags.
+
+    Attributes:
+      name: the name `export(target=...)` and `--target` take (`"host-cpu"`, ...).
+      description: one line for `pockjax targets`.
+      backend: the IREE HAL target device: `"local"`, `"vulkan"` or `"cuda"`.
+      driver: the default runtime device for `pockjax.runtime.load` (`"local-task"`,
+        `"vulkan"`, `"cuda"`).
+      flags: the compiler flags, before a GPU family and extra flags.
+      gpu_flag: the flag that names a GPU family (`--iree-vulkan-target`,
+        `--iree-cuda-target`), or None where the target takes none.
+      default_gpu: the GPU family used when `gpu` is not given; None without `gpu_flag`.
+      gpus: the families offered by name (IREE accepts more).
+      runs_here: whether this machine can run the artifact (CPU, lavapipe, QEMU).
+      local_device: whether the target is compiled for the local Vulkan device's
+        capabilities, read when exporting.
+    """
+
     name: str
     description: str
     backend: str            # IREE HAL target device
@@ -55,11 +77,28 @@ TARGETS: dict[str, Target] = {t.name: t for t in [
            ("--iree-hal-target-device=cuda",), gpu_flag="--iree-cuda-target", default_gpu="sm_87",
            gpus=("sm_87", "sm_72"), runs_here=False),
 ]}
+"""Every export target by name: the one table behind `export`, the CLI's `--target`
+choices and the docs."""
 
 
 def resolve_target(name: str, gpu: str | None = None,
                    extra_flags: tuple[str, ...] | list[str] = ()) -> tuple[Target, tuple[str, ...]]:
-    """The target and its exact compiler flags (with the GPU family and extra flags)."""
+    """The target and its exact compiler flags (with the GPU family and extra flags).
+
+    Args:
+      name: a key of `TARGETS`.
+      gpu: the GPU family for a target with a `gpu_flag` (e.g. `"valhall"`, `"sm_72"`);
+        None: the target's `default_gpu`.
+      extra_flags: compiler flags appended after the target's own, each of the form
+        `--flag` or `--flag=value`.
+
+    Returns:
+      `(target, flags)`: the `Target` and the tuple of flags to pass to the compiler.
+
+    Raises:
+      ExportError: `name` is not a target; `gpu` is given for a target without GPU
+        families; an extra flag is not a string starting with `--`.
+    """
     if name not in TARGETS:
         raise ExportError(f"unknown target {name!r}; choose one of: {', '.join(TARGETS)} "
                           "(`pockjax targets` lists them with their flags)")

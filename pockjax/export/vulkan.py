@@ -24,7 +24,26 @@ _STAGE_COMPUTE = 0x20
 
 @dataclasses.dataclass(frozen=True)
 class DeviceCaps:
-    """One Vulkan device, from IREE's `dump_device_info`."""
+    """One Vulkan device, from IREE's `dump_device_info`.
+
+    Attributes:
+      name: the device name.
+      api: the Vulkan API version as `(major, minor)`.
+      subgroup_size: the default subgroup size.
+      min_subgroup_size: the smallest subgroup size with subgroup size control.
+      max_subgroup_size: the largest subgroup size with subgroup size control.
+      subgroup_ops: the supported subgroup operations (`VkSubgroupFeatureFlagBits`).
+      required_size_stages: the shader stages that can require a subgroup size
+        (`VkShaderStageFlagBits`).
+      size_control: whether the device has `subgroupSizeControl`.
+      fp16: whether it has `shaderFloat16`.
+      int8: whether it has `shaderInt8`.
+      storage8: whether it has `storageBuffer8BitAccess`.
+      storage16: whether it has `storageBuffer16BitAccess`.
+      dot_product: whether it has `shaderIntegerDotProduct`.
+      device_type: `VkPhysicalDeviceType` as IREE prints it (`"cpu"` for lavapipe and
+        SwiftShader); empty when the device info has none.
+    """
 
     name: str
     api: tuple[int, int]
@@ -49,7 +68,12 @@ class DeviceCaps:
         return self.device_type == "cpu"
 
     def subgroup_sizes(self) -> list[int]:
-        """The subgroup sizes a compute shader can run with on this device."""
+        """The subgroup sizes a compute shader can run with on this device.
+
+        Returns:
+          Every power of two from `min_subgroup_size` to `max_subgroup_size` when the
+          device can require a size for compute shaders, else `[subgroup_size]`.
+        """
         if self.size_control and self.required_size_stages & _STAGE_COMPUTE:
             sizes, s = [], self.min_subgroup_size
             while s <= self.max_subgroup_size:
@@ -61,7 +85,18 @@ class DeviceCaps:
 
 @dataclasses.dataclass(frozen=True)
 class GpuTarget:
-    """What an artifact was compiled for: the fields of `#iree_gpu.target` that matter."""
+    """What an artifact was compiled for: the fields of `#iree_gpu.target` that matter.
+
+    Attributes:
+      arch: the GPU architecture name (`"valhall"`, `"host"`, ...).
+      compute: the compute types the kernels use (`"fp32"`, `"fp16"`, `"int8"`, ...).
+      storage: the storage widths they use (`"b32"`, `"b16"`, `"b8"`).
+      subgroup_ops: the subgroup operations they use (`"shuffle"`, `"arithmetic"`);
+        empty for none.
+      dot: the integer dot-product operation (e.g. `"dp4xi8toi32"`), or None.
+      subgroup_size_choices: the subgroup sizes compiled for.
+      text: the attribute's full text.
+    """
 
     arch: str
     compute: frozenset[str]
@@ -73,7 +108,17 @@ class GpuTarget:
 
 
 def parse_target(text: str) -> GpuTarget:
-    """The `#iree_gpu.target<...>` in `text` (an attribute or a whole module)."""
+    """The `#iree_gpu.target<...>` in `text` (an attribute or a whole module).
+
+    Args:
+      text: MLIR text holding the attribute.
+
+    Returns:
+      The first such attribute as a `GpuTarget`.
+
+    Raises:
+      ExportError: `text` holds no `#iree_gpu.target` attribute.
+    """
     m = re.search(r"#iree_gpu\.target<.*?>>", text)
     if not m:
         raise ExportError("no #iree_gpu.target attribute found in the compiled module")
@@ -111,7 +156,18 @@ def _driver_device(index: int):
 
 def device_caps(index: int = 0) -> DeviceCaps:
     """The capabilities of Vulkan device `index` (the one `get_device("vulkan")` opens
-    for index 0)."""
+    for index 0).
+
+    Args:
+      index: the device's position in the Vulkan driver's list of devices.
+
+    Returns:
+      The device's `DeviceCaps`.
+
+    Raises:
+      ExportError: there is no Vulkan driver or device, no device `index`, or the
+        device info lacks a line it needs.
+    """
     driver, dev = _driver_device(index)
     info = driver.dump_device_info(dev["device_id"])
     return caps_from_info(info)
@@ -119,7 +175,17 @@ def device_caps(index: int = 0) -> DeviceCaps:
 
 def caps_from_info(info: str) -> DeviceCaps:
     """DeviceCaps from the text of IREE's `dump_device_info` (or `iree-run-module
-    --dump_devices=vulkan` run on the device)."""
+    --dump_devices=vulkan` run on the device).
+
+    Args:
+      info: the device info text.
+
+    Returns:
+      The device's `DeviceCaps`.
+
+    Raises:
+      ExportError: `info` lacks a `name:`, `api:`, `features:` or `subgroup:` line.
+    """
     def line(key):
         m = re.search(rf"^{key}: (.*)$", info, re.M)
         if not m:
@@ -144,7 +210,19 @@ def caps_from_info(info: str) -> DeviceCaps:
 
 
 def problems(target: GpuTarget, caps: DeviceCaps) -> list[str]:
-    """What `target` assumes that the device does not have (empty if it fits)."""
+    """What `target` assumes that the device does not have (empty if it fits).
+
+    Compares the subgroup sizes and operations (where the target uses subgroup
+    operations), fp16 and int8 arithmetic, 8- and 16-bit storage and the integer dot
+    product.
+
+    Args:
+      target: what the artifact was compiled for (`parse_target`).
+      caps: the device (`device_caps`).
+
+    Returns:
+      One line per mismatch; empty when the device has everything `target` assumes.
+    """
     out = []
     if target.subgroup_ops:
         sizes = caps.subgroup_sizes()
@@ -175,6 +253,12 @@ def local_target_attr(caps: DeviceCaps) -> str:
     Workgroup limits are the minimums every Vulkan implementation must support, so the
     kernels never ask for more than the device has; only the features and the subgroup
     size come from the device.
+
+    Args:
+      caps: the device (`device_caps`).
+
+    Returns:
+      The attribute as MLIR text, to put in the module's `hal.device.targets`.
     """
     spirv = {(1, 0): "1.0", (1, 1): "1.3", (1, 2): "1.5"}.get(caps.api, "1.6")
     compute = ["fp32", "int32"] + (["fp16"] if caps.fp16 else []) + (["int8"] if caps.int8 else [])

@@ -150,6 +150,12 @@ def _problems(expected: dict[str, _Tensor], found: dict, config: LlamaConfig) ->
 def read_config(path: str | os.PathLike) -> dict:
     """The `config.json` of a Hugging Face model folder, as a dict.
 
+    Args:
+      path: the model folder.
+
+    Returns:
+      The parsed config.
+
     Raises:
       CheckpointError: `path` is not a directory, has no `config.json`, or it is not JSON.
     """
@@ -239,6 +245,8 @@ def load_llama(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
+"""The tokenizer files (and generation defaults) of a Hugging Face model folder that
+`save_llama(tokenizer=folder)` copies."""
 
 
 def save_llama(model: Llama, path: str | os.PathLike, *, tokenizer=None,
@@ -259,10 +267,14 @@ def save_llama(model: Llama, path: str | os.PathLike, *, tokenizer=None,
         `transformers.AutoTokenizer`: a model folder (usually the one the model was
         loaded from) whose tokenizer files (`TOKENIZER_FILES`) are copied, or a
         `tokenizers.Tokenizer`, saved as `tokenizer.json`. None writes no tokenizer.
+      max_shard_bytes: the most tensor bytes per file (default 2 GiB; a tensor larger
+        than that gets a file of its own); a larger model is written as shards with an
+        index.
 
     Raises:
+      TypeError: `model` is not a `Llama`.
       CheckpointError: the model has parameters a LLaMA checkpoint has no place for, or
-        `tokenizer` is a folder without tokenizer files.
+        `tokenizer` is not a directory or is a folder without tokenizer files.
     """
     if not isinstance(model, Llama):
         raise TypeError(f"save_llama saves a pockjax Llama, got {type(model).__name__}")

@@ -114,6 +114,7 @@ _FAMILIES = {
 }
 # The Hugging Face model_types that load as a `Llama`.
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
+"""The Hugging Face `model_type`s that load as a `Llama`: `llama`, `mistral`, `qwen2`."""
 _OTHER_ARCHITECTURES = ("other architectures load through pockjax.torch "
                         "(pockjax.torch.functional on the transformers model)")
 
@@ -151,6 +152,46 @@ class LlamaConfig:
     `sliding_window` (Mistral) lets each position attend to itself and the
     `sliding_window - 1` positions before it, as Hugging Face's Mistral does; None
     attends to every earlier position.
+
+    Attributes:
+      vocab_size: the number of token ids.
+      hidden_size: the width of the residual stream.
+      intermediate_size: the width of the MLP's hidden layer.
+      num_layers: the number of blocks.
+      num_heads: the number of query heads.
+      num_kv_heads: the number of key/value heads, dividing `num_heads`; None (resolved
+        at construction): `num_heads`.
+      head_dim: the width of one head, even; None (resolved at construction):
+        `hidden_size // num_heads`.
+      rms_norm_eps: the epsilon of every RMSNorm (default 1e-5).
+      rope_theta: the rotary embeddings' base (default 10000).
+      max_position_embeddings: the longest sequence the model takes (default 2048).
+      tie_embeddings: use the embedding table as the output projection (no
+        `lm_head`).
+      param_dtype: the float dtype parameters are created in (default float32).
+      dtype: the float dtype activations are computed in; None: the parameters'
+        dtypes as they promote.
+      narrow_matmul: how a weight stored narrower than `dtype` multiplies: `"upcast"`
+        (default, `upcast_matmul`) or `"native"` (`narrow_matmul`).
+      remat: `"block"` recomputes each block in the backward pass; None (default)
+        keeps the activations.
+      model_type: the Hugging Face family, one of `SUPPORTED_FAMILIES` (default
+        `"llama"`).
+      attention_bias: biases on all four attention projections (llama only).
+      qkv_bias: biases on the q, k and v projections; None (resolved at
+        construction): True for qwen2, else False.
+      mlp_bias: biases on the three MLP projections (llama only).
+      sliding_window: the attention window of each position, itself included
+        (mistral only); None: every earlier position.
+
+    Raises:
+      ValueError: a size that is not a positive integer, `hidden_size` not divisible
+        by `num_heads` (without `head_dim`), an odd `head_dim`, `num_heads` not
+        divisible by `num_kv_heads`, a non-positive `rms_norm_eps` or `rope_theta`, a
+        `param_dtype` or `dtype` that is not a float type, an unknown `narrow_matmul`,
+        `remat` or `model_type`, a bias flag that is not a bool, a `sliding_window`
+        that is not a positive integer, or a setting the family's Hugging Face class
+        cannot hold.
     """
 
     vocab_size: int
@@ -269,7 +310,14 @@ class LlamaConfig:
 
     @classmethod
     def llama2_7b(cls, **overrides) -> "LlamaConfig":
-        """LLaMA-2-7B's shape (6,738,415,616 parameters)."""
+        """LLaMA-2-7B's shape (6,738,415,616 parameters).
+
+        Args:
+          **overrides: fields that replace the shape's (e.g. `num_layers=4`).
+
+        Returns:
+          The `LlamaConfig`.
+        """
         return cls(**{**dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
                              num_layers=32, num_heads=32, max_position_embeddings=4096),
                       **overrides})
@@ -277,14 +325,28 @@ class LlamaConfig:
     @classmethod
     def tinyllama_1b(cls, **overrides) -> "LlamaConfig":
         """TinyLlama-1.1B's shape (1,100,048,384 parameters; grouped-query attention with
-        4 key/value heads)."""
+        4 key/value heads).
+
+        Args:
+          **overrides: fields that replace the shape's (e.g. `num_layers=4`).
+
+        Returns:
+          The `LlamaConfig`.
+        """
         return cls(**{**dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                              num_layers=22, num_heads=32, num_kv_heads=4,
                              max_position_embeddings=2048), **overrides})
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":
-        """A small model for tests and examples (grouped-query attention, 2 layers)."""
+        """A small model for tests and examples (grouped-query attention, 2 layers).
+
+        Args:
+          **overrides: fields that replace the shape's (e.g. `dtype=jnp.float32`).
+
+        Returns:
+          The `LlamaConfig`.
+        """
         return cls(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=172,
                              num_layers=2, num_heads=4, num_kv_heads=2,
                              max_position_embeddings=512),
@@ -358,9 +420,15 @@ class LlamaConfig:
         return cls(**{**fields, **overrides})
 
     def to_hf(self) -> dict:
-        """A Hugging Face `config.json` dict for this model: its family's `model_type`
-        and class (`LlamaForCausalLM`, `MistralForCausalLM` or `Qwen2ForCausalLM`), so
-        `transformers.AutoModelForCausalLM` builds the same model."""
+        """A Hugging Face `config.json` dict for this model.
+
+        It names the family's `model_type` and class (`LlamaForCausalLM`,
+        `MistralForCausalLM` or `Qwen2ForCausalLM`), so
+        `transformers.AutoModelForCausalLM` builds the same model.
+
+        Returns:
+          The config as a JSON-serialisable dict.
+        """
         return {
             "architectures": [_FAMILIES[self.model_type].architecture],
             "model_type": self.model_type,
@@ -390,13 +458,27 @@ def _rope_type(params) -> str | None:
 
 
 class RMSNorm(nnx.Module):
-    """`x * rsqrt(mean(x**2) + eps) * scale`, computed in float32."""
+    """RMS normalisation: `x * rsqrt(mean(x**2) + eps) * scale`, computed in float32.
+
+    Args:
+      dim: the size of the normalised (last) axis.
+      eps: added to the mean square before the square root.
+      param_dtype: the dtype of `scale`, initialised to ones (default float32).
+    """
 
     def __init__(self, dim: int, *, eps: float, param_dtype=jnp.float32):
         self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalise `x` over its last axis.
+
+        Args:
+          x: an array whose last axis has size `dim`.
+
+        Returns:
+          The normalised array, in `x`'s dtype.
+        """
         x32 = x.astype(jnp.float32)
         inv_rms = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return (x32 * inv_rms * self.scale[...].astype(jnp.float32)).astype(x.dtype)
@@ -422,12 +504,20 @@ def _matmul(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def upcast_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
-    """`x @ w` in `x`'s dtype for a narrower stored `w` (e.g. bfloat16 weights under
-    float32 activations), upcasting `w` just before the product, forward and backward.
+    """`x @ w` in `x`'s dtype for a narrower stored `w`, upcast just before the product.
 
-    The backward converts `w` again, after the layer's output gradient exists, rather
-    than keeping the forward's float32 copy from the forward pass to the backward; `w`'s
-    own gradient is returned in `w`'s dtype (and vanishes when `w` is frozen).
+    For e.g. bfloat16 weights under float32 activations, forward and backward. The
+    backward converts `w` again, after the layer's output gradient exists, rather than
+    keeping the forward's float32 copy from the forward pass to the backward; `w`'s own
+    gradient is returned in `w`'s dtype (and vanishes when `w` is frozen).
+
+    Args:
+      x: the activations; the product contracts their last axis.
+      w: the weight, `[in, out]` (`[out, in]` when `transposed`).
+      transposed: compute `x @ w.T` instead.
+
+    Returns:
+      The product, in `x`'s dtype.
     """
     return _matmul(x, _upcast_after(w, x), transposed)
 
@@ -451,12 +541,23 @@ upcast_matmul.defvjp(_upcast_matmul_fwd, _upcast_matmul_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def narrow_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.Array:
-    """`x @ w` for a narrower stored `w`, with `x` rounded to `w`'s dtype and the
-    product accumulated in `x`'s dtype (autocast's numerics), forward and backward.
+    """`x @ w` for a narrower stored `w`, with `x` rounded to `w`'s dtype.
 
-    No weight is converted at all. On CPUs with bfloat16 matrix instructions (AVX512-BF16,
-    AMX) XLA runs these products several times faster than float32 ones; the price is
-    activations rounded to bfloat16 on their way into frozen layers.
+    The product is accumulated in `x`'s dtype (autocast's numerics); the backward rounds
+    the output gradient to `w`'s dtype too, accumulates the input gradient in the
+    gradient's dtype and the weight gradient in float32, and returns the weight
+    gradient in `w`'s dtype. No weight is converted at all. On CPUs with bfloat16 matrix
+    instructions (AVX512-BF16, AMX) XLA runs these products several times faster than
+    float32 ones; the price is activations rounded to bfloat16 on their way into frozen
+    layers.
+
+    Args:
+      x: the activations; the product contracts their last axis.
+      w: the weight, `[in, out]` (`[out, in]` when `transposed`).
+      transposed: compute `x @ w.T` instead.
+
+    Returns:
+      The product, in `x`'s dtype.
     """
     return _narrow_dot(x.astype(w.dtype), w, (x.ndim - 1,), (1 if transposed else 0,), x.dtype)
 
@@ -504,10 +605,23 @@ def _project(x: jax.Array, w: jax.Array, dtype, transposed: bool = False,
 
 
 class Linear(nnx.Linear):
-    """An `nnx.Linear` computed in `dtype` (bias-free unless `use_bias=True`); a kernel
-    stored narrower than that is upcast at its use only (`upcast_matmul`, never as a
-    whole-model copy) or, with `narrow="native"`, multiplied as it is (`narrow_matmul`).
-    The bias, a vector, is cast to the product's dtype and added."""
+    """An `nnx.Linear` computed in `dtype`, with narrower kernels multiplied at their use.
+
+    The layer is bias-free unless `use_bias=True`. A kernel stored narrower than `dtype`
+    is upcast at its use only (`upcast_matmul`, never as a whole-model copy) or, with
+    `narrow="native"`, multiplied as it is (`narrow_matmul`). The bias, a vector, is
+    cast to the product's dtype and added.
+
+    Args:
+      *args: `nnx.Linear`'s positional arguments (`in_features`, `out_features`).
+      narrow: `"upcast"` (default) or `"native"`, as `LlamaConfig.narrow_matmul`.
+      **kwargs: `nnx.Linear`'s keyword arguments (`use_bias`, `dtype`, `param_dtype`,
+        `kernel_init`, `rngs`, ...); `use_bias` defaults to False.
+
+    Raises:
+      ValueError: `precision`, `dot_general`, `dot_general_cls` or
+        `preferred_element_type` is given.
+    """
 
     def __init__(self, *args, narrow: str = "upcast", **kwargs):
         for name in ("precision", "dot_general", "dot_general_cls", "preferred_element_type"):
@@ -518,6 +632,15 @@ class Linear(nnx.Linear):
         self.narrow = narrow
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """`x @ kernel (+ bias)` in the layer's `dtype`.
+
+        Args:
+          x: inputs, `[..., in_features]`.
+
+        Returns:
+          The outputs, `[..., out_features]`, in `dtype` (None: `x`'s and the kernel's
+          promoted dtype).
+        """
         y = _project(x, self.kernel[...], self.dtype, narrow=self.narrow)
         if self.bias is None:
             return y
@@ -554,16 +677,26 @@ def apply_rope(x: jax.Array, cos, sin) -> jax.Array:
 
 
 class KVCache(NamedTuple):
-    """The keys and values `Llama.decode` has computed, each
-    [layers, batch, length, kv_heads, head_dim] (`Llama.init_cache`); position `p` of
-    a sequence holds the key/value of its token `p`. Positions not yet decoded hold
-    zeros, which the causal mask hides."""
+    """The keys and values `Llama.decode` has computed.
+
+    Made by `Llama.init_cache`. Position `p` of a sequence holds the key/value of its
+    token `p`. Positions not yet decoded hold zeros, which the causal mask hides.
+
+    Attributes:
+      k: the keys, `[layers, batch, length, kv_heads, head_dim]`.
+      v: the values, of the same shape.
+    """
     k: jax.Array
     v: jax.Array
 
 
 class Attention(nnx.Module):
-    """Causal self-attention with rotary embeddings and grouped-query heads."""
+    """Causal self-attention with rotary embeddings and grouped-query heads.
+
+    Args:
+      config: the model's shape (heads, head size, biases, dtypes).
+      rngs: the random streams the projections are initialised from.
+    """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         d, hd = config.hidden_size, config.head_dim
@@ -575,14 +708,38 @@ class Attention(nnx.Module):
         self.o_proj = _linear(config.num_heads * hd, d, config, rngs, "o_proj" in biased)
 
     def __call__(self, x: jax.Array, cos, sin, mask) -> jax.Array:
+        """Attention of `x` over itself.
+
+        Args:
+          x: the normalised hidden states, `[B, T, D]`.
+          cos: the rotary table's cosines for the T positions, `[T, head_dim]`.
+          sin: its sines, `[T, head_dim]`.
+          mask: `[T, T]` booleans: which positions each query reads.
+
+        Returns:
+          The attention output after `o_proj`, `[B, T, D]`.
+        """
         return self._attend(*self._qkv(x, cos, sin), mask)
 
     def decode(self, x: jax.Array, cos, sin, mask, cache: KVCache, layer: int,
                position) -> tuple[jax.Array, KVCache]:
-        """`__call__` for `x` [B, T, D] at positions `position`..`position + T - 1`:
-        their keys and values are written into `cache` (layer `layer`) and the queries
-        attend over the whole cache; `mask` [T, cache length] says which entries each
-        query reads."""
+        """`__call__` for `x` `[B, T, D]` at positions `position`..`position + T - 1`.
+
+        Their keys and values are written into `cache` (layer `layer`) and the queries
+        attend over the whole cache.
+
+        Args:
+          x: the normalised hidden states, `[B, T, D]`.
+          cos: the rotary table's cosines for the T positions, `[T, head_dim]`.
+          sin: its sines, `[T, head_dim]`.
+          mask: `[T, cache length]` booleans: which cache entries each query reads.
+          cache: the key/value cache.
+          layer: this layer's index in the cache.
+          position: the position of `x`'s first token.
+
+        Returns:
+          `(output [B, T, D], cache)`, the cache holding the new keys and values.
+        """
         q, k, v = self._qkv(x, cos, sin)
         at = (layer, 0, position, 0, 0)
         cache = KVCache(jax.lax.dynamic_update_slice(cache.k, k[None].astype(cache.k.dtype), at),
@@ -614,7 +771,13 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+    """SwiGLU: `down(silu(gate(x)) * up(x))`.
+
+    Args:
+      config: the model's shape (`hidden_size`, `intermediate_size`, `mlp_bias`,
+        dtypes).
+      rngs: the random streams the projections are initialised from.
+    """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -623,11 +786,24 @@ class MLP(nnx.Module):
         self.down_proj = _linear(f, d, config, rngs, bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """The MLP of `x`.
+
+        Args:
+          x: hidden states, `[..., hidden_size]`.
+
+        Returns:
+          The output, `[..., hidden_size]`.
+        """
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaBlock(nnx.Module):
-    """Pre-norm residual block: attention, then MLP."""
+    """Pre-norm residual block: attention, then MLP.
+
+    Args:
+      config: the model's shape.
+      rngs: the random streams the block's layers are initialised from.
+    """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         norm = functools.partial(RMSNorm, config.hidden_size, eps=config.rms_norm_eps,
@@ -638,12 +814,36 @@ class LlamaBlock(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos, sin, mask) -> jax.Array:
+        """The block applied to `x`.
+
+        Args:
+          x: the hidden states, `[B, T, D]`.
+          cos: the rotary table's cosines for the T positions, `[T, head_dim]`.
+          sin: its sines, `[T, head_dim]`.
+          mask: `[T, T]` booleans: which positions each query reads.
+
+        Returns:
+          The new hidden states, `[B, T, D]`.
+        """
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
     def decode(self, x: jax.Array, cos, sin, mask, cache: KVCache, layer: int,
                position) -> tuple[jax.Array, KVCache]:
-        """`__call__` reading and extending the key/value cache (see `Attention.decode`)."""
+        """`__call__` reading and extending the key/value cache (see `Attention.decode`).
+
+        Args:
+          x: the hidden states, `[B, T, D]`.
+          cos: the rotary table's cosines for the T positions, `[T, head_dim]`.
+          sin: its sines, `[T, head_dim]`.
+          mask: `[T, cache length]` booleans: which cache entries each query reads.
+          cache: the key/value cache.
+          layer: this block's index in the cache.
+          position: the position of `x`'s first token.
+
+        Returns:
+          `(hidden states [B, T, D], cache)`, the cache holding the new keys and values.
+        """
         attended, cache = self.attn.decode(self.attn_norm(x), cos, sin, mask, cache, layer,
                                            position)
         x = x + attended
@@ -657,6 +857,10 @@ class Llama(nnx.Module):
 
     `decode` runs the same model over a key/value cache (`init_cache`), a few tokens at
     a time: `generate` prefills the prompt in one call and then decodes one token per step.
+
+    Args:
+      config: the model's shape and family.
+      rngs: the random streams the parameters are initialised from.
     """
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
@@ -670,6 +874,20 @@ class Llama(nnx.Module):
             self.lm_head = _linear(config.hidden_size, config.vocab_size, config, rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        """The logits of every position of `tokens`.
+
+        Args:
+          tokens: integer ids, `[B, T]`, T at most `max_position_embeddings`.
+
+        Returns:
+          The logits, `[B, T, vocab_size]` float32.
+
+        Raises:
+          ValueError: `tokens` are not `[batch, length]`, are longer than
+            `max_position_embeddings`, or hold ids outside the vocabulary (checked when
+            concrete).
+          TypeError: `tokens` are not integers.
+        """
         self._check_tokens(tokens, "Llama")
         length = tokens.shape[1]
         cfg = self.config
@@ -836,7 +1054,14 @@ def _remat_block(layer: LlamaBlock, h, cos, sin, mask):
 
 
 def num_params(config: LlamaConfig) -> int:
-    """The number of parameters of `Llama(config)`, counted without allocating them."""
+    """The number of parameters of `Llama(config)`, counted without allocating them.
+
+    Args:
+      config: the model's shape.
+
+    Returns:
+      The number of parameter values.
+    """
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
 
@@ -852,10 +1077,6 @@ def generate(model: Llama, prompt: jax.Array, max_new_tokens: int, *,
     a second call with the same shapes reuses it (time that one for tokens/s).
     The sequences of a batch share one prompt length (pad them to equal length yourself;
     no attention mask is applied).
-
-    >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-    >>> generate(model, jnp.zeros((2, 3), jnp.int32), 5, temperature=0.8, top_p=0.9).shape
-    (2, 8)
 
     Args:
       model: the `Llama`.
@@ -878,6 +1099,11 @@ def generate(model: Llama, prompt: jax.Array, max_new_tokens: int, *,
         `max_position_embeddings`, a `temperature` below 0 or not finite, a `top_p`
         outside (0, 1], a `stop_token` outside the vocabulary, or a `seed` that is not
         an integer.
+
+    Examples:
+      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+      >>> generate(model, jnp.zeros((2, 3), jnp.int32), 5, temperature=0.8, top_p=0.9).shape
+      (2, 8)
     """
     prompt = jnp.asarray(prompt)
     vocab = model.config.vocab_size
@@ -983,18 +1209,30 @@ def _sample(logits: jax.Array, key, temperature, top_p) -> jax.Array:
 
 
 def cast_frozen(params, scheme, dtype=jnp.bfloat16, trained_dtype=jnp.float32):
-    """`params` with the leaves `scheme` freezes stored in `dtype` and the rest in
-    `trained_dtype`: the mixed-precision layout for sparse fine-tuning (use it with a
+    """`params` with the leaves `scheme` freezes in `dtype` and the rest in `trained_dtype`.
+
+    This is the mixed-precision layout for sparse fine-tuning (use it with a
     `LlamaConfig(dtype=jnp.float32)` model). Trained leaves stay float32 masters, so the
     optimizer state `SparseTrainer.init` makes for them is float32 too. Works on arrays
     and on `jax.ShapeDtypeStruct`s (to lower or size a step without allocating it).
 
-    >>> import pockjax as pj
-    >>> model = Llama(LlamaConfig.tiny(dtype=jnp.float32), rngs=nnx.Rngs(0))
-    >>> _, params, _ = pj.nnx.split(model)
-    >>> layers = cast_frozen(params, pj.schemes.last_blocks(params, 1))["layers"]
-    >>> layers[0]["mlp"]["up_proj"]["kernel"].dtype, layers[1]["mlp"]["up_proj"]["kernel"].dtype
-    (dtype(bfloat16), dtype('float32'))
+    Args:
+      params: the parameter pytree.
+      scheme: the `Scheme` that says which leaves are frozen.
+      dtype: the dtype of frozen leaves (default bfloat16).
+      trained_dtype: the dtype of trained leaves (default float32).
+
+    Returns:
+      A pytree of the same structure; leaves already of the wanted dtype are returned
+      as they are.
+
+    Examples:
+      >>> import pockjax as pj
+      >>> model = Llama(LlamaConfig.tiny(dtype=jnp.float32), rngs=nnx.Rngs(0))
+      >>> _, params, _ = pj.nnx.split(model)
+      >>> layers = cast_frozen(params, pj.schemes.last_blocks(params, 1))["layers"]
+      >>> layers[0]["mlp"]["up_proj"]["kernel"].dtype, layers[1]["mlp"]["up_proj"]["kernel"].dtype
+      (dtype(bfloat16), dtype('float32'))
     """
     from pockjax.scheme import Frozen
 

@@ -26,7 +26,21 @@ __all__ = ["LoRALinear", "apply_lora", "merge_lora"]
 
 
 class LoRALinear(nnx.Module):
-    """`y = x @ kernel + bias + (alpha / rank) * (x @ lora_a) @ lora_b`."""
+    """A linear layer with a low-rank adapter beside its kernel.
+
+    `y = x @ kernel + bias + (alpha / rank) * (x @ lora_a) @ lora_b`.
+
+    `kernel` and `bias` are `base`'s values (`nnx.Param`); `lora_a` [in, rank] is
+    drawn uniformly from `[-1/sqrt(in), 1/sqrt(in)]` and `lora_b` [rank, out] is zero
+    (both `nnx.LoRAParam`), so the layer starts as `base`.
+
+    Args:
+      base: the `nnx.Linear` to adapt.
+      rank: the adapter's rank.
+      alpha: the adapter's scale numerator: its output is multiplied by
+        `alpha / rank`.
+      rngs: the random streams `lora_a` is drawn from (`rngs.params()`).
+    """
 
     def __init__(self, base: nnx.Linear, rank: int, alpha: float, *, rngs: nnx.Rngs):
         in_features, out_features = base.kernel.shape
@@ -41,6 +55,14 @@ class LoRALinear(nnx.Module):
         self.scale = alpha / rank
 
     def __call__(self, x):
+        """The layer applied to `x`.
+
+        Args:
+          x: inputs, `[..., in]`.
+
+        Returns:
+          The outputs, `[..., out]`.
+        """
         y = x @ self.kernel[...] + (x @ self.lora_a[...]) @ self.lora_b[...] * self.scale
         return y + self.bias[...] if self.bias is not None else y
 
@@ -73,9 +95,28 @@ def _replace(parent, key, new):
 
 def apply_lora(model: nnx.Module, *, rank: int = 8, alpha: float = 16.0,
                targets: Sequence[str] = ("q_proj", "v_proj"), rngs: nnx.Rngs) -> nnx.Module:
-    """Put LoRA adapters on every `nnx.Linear` whose attribute name is in `targets` or whose
-    "/"-joined path matches one of them as a glob (`"layers/*/mlp/up_proj"`); in place,
-    and returns `model`."""
+    """Put LoRA adapters on the chosen `nnx.Linear` layers of `model`, in place.
+
+    A layer is chosen when its attribute name is in `targets` or its "/"-joined path
+    matches one of them as a glob (`"layers/*/mlp/up_proj"`). Each becomes a
+    `LoRALinear` under the same path.
+
+    Args:
+      model: the module to change.
+      rank: the adapters' rank, a positive int no larger than any chosen layer's
+        input or output size (default 8).
+      alpha: the adapters' scale numerator: outputs are scaled by `alpha / rank`
+        (default 16).
+      targets: attribute names or path globs (default `("q_proj", "v_proj")`).
+      rngs: the random streams the adapters' `lora_a` are drawn from.
+
+    Returns:
+      `model` itself.
+
+    Raises:
+      ValueError: `rank` is not a positive int or exceeds a chosen layer's size, or no
+        `nnx.Linear` matches `targets` (the message lists the linear layers).
+    """
     if not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
     layers = _linear_layers(model, list(targets), nnx.Linear)
@@ -94,8 +135,16 @@ def apply_lora(model: nnx.Module, *, rank: int = 8, alpha: float = 16.0,
 
 
 def merge_lora(model: nnx.Module) -> nnx.Module:
-    """Fold every `LoRALinear` back into a plain `nnx.Linear` (`kernel + scale * a @ b`);
-    in place, and returns `model`."""
+    """Fold every `LoRALinear` back into a plain `nnx.Linear`, in place.
+
+    The new kernel is `kernel + (alpha / rank) * lora_a @ lora_b`; the bias is kept.
+
+    Args:
+      model: the module holding `LoRALinear` layers (from `apply_lora`).
+
+    Returns:
+      `model` itself, each adapter folded into its layer's kernel.
+    """
     for parent, key, layer, _ in _linear_layers(model, ["**"], LoRALinear):
         kernel = layer.kernel[...] + layer.lora_a[...] @ layer.lora_b[...] * layer.scale
         linear = nnx.Linear(*kernel.shape, use_bias=layer.bias is not None,

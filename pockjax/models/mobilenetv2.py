@@ -47,6 +47,8 @@ INVERTED_RESIDUAL_SETTINGS: tuple[tuple[int, int, int, int], ...] = (
     (6, 160, 3, 2),
     (6, 320, 1, 1),
 )
+"""MobileNetV2's stages as rows `(expansion t, output channels c, repeats n, stride s of
+the first repeat)`: the paper's 17 blocks."""
 
 _STEM_CHANNELS = 32
 _LAST_CHANNELS = 1280
@@ -63,6 +65,14 @@ def make_divisible(value: float, divisor: int = 8) -> int:
     """`value` rounded to a multiple of `divisor`, never more than 10% below it.
 
     torchvision's `_make_divisible`, which sets every channel count of the model.
+
+    Args:
+      value: the channel count to round (e.g. `32 * width_mult`).
+      divisor: the multiple to round to (default 8).
+
+    Returns:
+      The nearest multiple of `divisor` (at least `divisor`), one step higher when that
+      is below 90% of `value`.
     """
     rounded = max(divisor, int(value + divisor / 2) // divisor * divisor)
     if rounded < 0.9 * value:
@@ -76,8 +86,16 @@ def blocks_with_expansion(settings=INVERTED_RESIDUAL_SETTINGS) -> tuple[int, ...
 
     The same for every width and input size.
 
-    >>> blocks_with_expansion()[:3]
-    (1, 2, 3)
+    Args:
+      settings: the stages as rows `(t, c, n, s)` (default
+        `INVERTED_RESIDUAL_SETTINGS`).
+
+    Returns:
+      The indices of those blocks, counting every repeat of every stage.
+
+    Examples:
+      >>> blocks_with_expansion()[:3]
+      (1, 2, 3)
     """
     expands = [t != 1 for t, _, n, _ in settings for _ in range(n)]
     return tuple(i for i, e in enumerate(expands) if e)
@@ -126,6 +144,16 @@ class DepthwiseConv(nnx.Module):
     2 cores), and the shifted form lowers to plain elementwise kernels for IREE too. The
     backward pass is hand-written (see `depthwise_conv`). `method="conv"` uses
     `lax.conv_general_dilated` instead.
+
+    Args:
+      channels: the number of channels (input and output).
+      kernel_size: the filter size k (default 3).
+      stride: the stride along height and width (default 1).
+      method: `"shifts"` (default) or `"conv"`.
+      rngs: the random streams the kernel is initialised from.
+
+    Raises:
+      ValueError: `method` is neither `"shifts"` nor `"conv"`.
     """
 
     def __init__(self, channels: int, kernel_size: int = 3, *, stride: int = 1,
@@ -142,10 +170,26 @@ class DepthwiseConv(nnx.Module):
         self.padding = ((pad, pad), (pad, pad))
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """The convolution of `x`.
+
+        Args:
+          x: NHWC input with `channels` channels.
+
+        Returns:
+          The NHWC output, in `x`'s dtype.
+        """
         return self.apply(x, self.kernel[...])
 
     def apply(self, x: jax.Array, kernel: jax.Array) -> jax.Array:
-        """The layer with `kernel` (HWIO `[k, k, 1, C]`) in place of its own (a folded one)."""
+        """The layer with `kernel` (HWIO `[k, k, 1, C]`) in place of its own (a folded one).
+
+        Args:
+          x: NHWC input.
+          kernel: the kernel to use, HWIO `[k, k, 1, C]`; cast to `x`'s dtype.
+
+        Returns:
+          The NHWC output.
+        """
         s = self.strides[0]
         if self.method == "conv":
             pad = (self.kernel_size - 1) // 2
@@ -190,6 +234,14 @@ def depthwise_conv(x: jax.Array, w: jax.Array, stride: int) -> jax.Array:
     (no zero-filled dilation), and the weight gradient is k * k products reduced over
     batch and space. Same values as autodiff to float32 rounding
     (benchmarks/depthwise.py measures each formulation).
+
+    Args:
+      x: NHWC input, `[N, H, W, C]`.
+      w: the per-channel filters, `[k, k, C]`; the input is padded by `(k - 1) // 2`.
+      stride: the stride along height and width.
+
+    Returns:
+      The NHWC output, `[N, H', W', C]`.
     """
     pad, out_h, out_w = _depthwise_out(x, w.shape[0], stride)
     xp = jnp.pad(x, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
@@ -300,6 +352,13 @@ def pointwise_conv(x: jax.Array, kernel: jax.Array) -> jax.Array:
     of 16 x 64 x 64 x 16 -> 96 took 52 ms as a convolution and 4.7 ms as a product
     (2 cores; `benchmarks/depthwise.py`). A `dot_general` contracting the last axis in
     place, without the reshape, took 38 ms.
+
+    Args:
+      x: NHWC input, `[N, H, W, I]`.
+      kernel: HWIO kernel, `[1, 1, I, O]`.
+
+    Returns:
+      The NHWC output, `[N, H, W, O]`.
     """
     n, h, w, c = x.shape
     return (x.reshape(n * h * w, c) @ kernel.reshape(c, kernel.shape[-1])).reshape(n, h, w, -1)
@@ -317,6 +376,24 @@ class ConvBN(nnx.Module):
     keeps the top-left pixel); 1x1 convolutions do not pad, and with `pointwise="matmul"`
     (the default) a 1x1, stride-1 one runs as a matrix product (`pointwise_conv`). A
     depth-wise one (`groups == in_features == out_features`) is a `DepthwiseConv`.
+
+    Args:
+      in_features: the input channels.
+      out_features: the output channels.
+      kernel_size: the filter size (default 1); padded by `(kernel_size - 1) // 2`.
+      stride: the stride along height and width (default 1).
+      groups: the convolution's feature groups (default 1); equal to both channel
+        counts, the layer is depth-wise.
+      relu6: apply ReLU6 after the batch norm (default True).
+      depthwise: how a depth-wise convolution runs: `"shifts"` (default) or `"conv"`
+        (see `DepthwiseConv`).
+      pointwise: how a 1x1, stride-1 convolution runs: `"matmul"` (default) or
+        `"conv"`.
+      rngs: the random streams the kernel is initialised from.
+
+    Raises:
+      ValueError: `pointwise` is neither `"matmul"` nor `"conv"`, or (for a depth-wise
+        layer) `depthwise` is neither `"shifts"` nor `"conv"`.
     """
 
     def __init__(self, in_features: int, out_features: int, kernel_size: int = 1, *,
@@ -362,6 +439,16 @@ class ConvBN(nnx.Module):
         return self._conv(x, self.conv.kernel[...] * m) + shift
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """The convolution, batch norm and (with `relu6`) ReLU6 of `x`.
+
+        In training mode this also updates the batch norm's running statistics.
+
+        Args:
+          x: NHWC input with `in_features` channels.
+
+        Returns:
+          The NHWC output with `out_features` channels.
+        """
         bn = self.bn
         if bn.use_running_average:
             y = self._folded(x) if self.fold_norm else bn(self._conv(x, self.conv.kernel[...]))
@@ -379,14 +466,34 @@ class ConvBN(nnx.Module):
 
 
 def batch_statistics(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """flax's: mean and biased variance over all axes but the last, E[x^2] - E[x]^2 clipped at 0."""
+    """flax's: mean and biased variance over all axes but the last, E[x^2] - E[x]^2 clipped at 0.
+
+    Args:
+      x: the activations, channels last.
+
+    Returns:
+      `(mean, var)`, each of shape `[C]`.
+    """
     axes = tuple(range(x.ndim - 1))
     mean, mean2 = jnp.mean(x, axes), jnp.mean(x * x, axes)
     return mean, jnp.maximum(0.0, mean2 - mean * mean)
 
 
 def normalized(x, mean, var, scale, bias, epsilon, relu6):
-    """`(ReLU6 of y if relu6 else y, y)` for `y` = `x` normalised with `mean` and `var`."""
+    """`(ReLU6 of y if relu6 else y, y)` for `y` = `x` normalised with `mean` and `var`.
+
+    Args:
+      x: the activations, channels last.
+      mean: the per-channel mean.
+      var: the per-channel variance.
+      scale: the per-channel scale applied after normalising.
+      bias: the per-channel bias added after scaling.
+      epsilon: added to `var` before the square root.
+      relu6: apply ReLU6 to the first output.
+
+    Returns:
+      `(out, y)`: the output and the affine result before the ReLU6.
+    """
     y = (x - mean) * (jax.lax.rsqrt(var + epsilon) * scale) + bias
     return (jax.nn.relu6(y) if relu6 else y), y
 
@@ -399,6 +506,17 @@ def batch_norm(x, scale, bias, epsilon: float, relu6: bool):
     The backward pass is the closed form (two per-channel sums of the output gradient,
     then one elementwise pass), where autodiff of flax's formula differentiates the mean,
     E[x^2], the clipping and the normalisation one by one.
+
+    Args:
+      x: the activations, channels last.
+      scale: the per-channel scale.
+      bias: the per-channel bias.
+      epsilon: added to the variance before the square root.
+      relu6: apply ReLU6 to the output.
+
+    Returns:
+      `(y, mean, var)`: the output, and the batch mean and biased variance per
+      channel.
     """
     mean, var = batch_statistics(x)
     return normalized(x, mean, var, scale, bias, epsilon, relu6)[0], mean, var
@@ -451,7 +569,17 @@ batch_norm.defvjp(_batch_norm_fwd, _batch_norm_bwd)
 
 class InvertedResidual(nnx.Module):
     """Point-wise expansion (absent when t = 1), depth-wise 3x3, linear point-wise projection;
-    a residual connection when the stride is 1 and the channel count is unchanged."""
+    a residual connection when the stride is 1 and the channel count is unchanged.
+
+    Args:
+      in_features: the input channels.
+      out_features: the output channels.
+      stride: the depth-wise convolution's stride.
+      expansion: the expansion t: the hidden width is `round(in_features * t)`.
+      depthwise: how the depth-wise convolution runs: `"shifts"` (default) or `"conv"`.
+      pointwise: how the 1x1 convolutions run: `"matmul"` (default) or `"conv"`.
+      rngs: the random streams the layers are initialised from.
+    """
 
     def __init__(self, in_features: int, out_features: int, *, stride: int, expansion: int,
                  depthwise: str = "shifts", pointwise: str = "matmul", rngs: nnx.Rngs):
@@ -464,6 +592,14 @@ class InvertedResidual(nnx.Module):
         self.residual = stride == 1 and in_features == out_features
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """The block applied to NHWC `x`.
+
+        Args:
+          x: NHWC input with `in_features` channels.
+
+        Returns:
+          The NHWC output with `out_features` channels.
+        """
         y = self.expand(x) if self.expand is not None else x
         y = self.project(self.depthwise(y))
         return x + y if self.residual else y
@@ -489,6 +625,23 @@ class MobileNetV2(nnx.Module):
 
     Inputs of any other shape raise a `ValueError` naming the expected and found shapes.
     Under `nnx.eval_shape` construction allocates nothing (shapes, parameter counts).
+
+    Args:
+      num_classes: the number of logits (default 1000).
+      width_mult: the channel multiplier, above 0 (default 1.0).
+      input_size: the height and width of the images, at least 4 (default 224).
+      in_channels: the channels of the images (default 3).
+      dropout: the dropout rate before the classifier, in [0, 1) (default 0).
+      depthwise: `"shifts"` (default) or `"conv"`.
+      pointwise: `"matmul"` (default) or `"conv"`.
+      settings: the stages as rows `(t, c, n, s)` (default
+        `INVERTED_RESIDUAL_SETTINGS`).
+      rngs: the random streams the parameters (and dropout) draw from.
+
+    Raises:
+      ValueError: `input_size` below 4, `width_mult` not above 0, `dropout` outside
+        [0, 1), `settings` that are not rows of `t >= 1, c >= 1, n >= 1, s in (1, 2)`,
+        or an unknown `depthwise` or `pointwise` method.
     """
 
     def __init__(self, num_classes: int = 1000, *, width_mult: float = 1.0, input_size: int = 224,
@@ -551,7 +704,17 @@ class MobileNetV2(nnx.Module):
             f"found {tuple(jnp.shape(x))}{hint}")
 
     def features(self, x: jax.Array) -> jax.Array:
-        """The last feature map, `[N, h, w, last_channels]`, before pooling."""
+        """The last feature map, `[N, h, w, last_channels]`, before pooling.
+
+        Args:
+          x: NHWC images, `[N, input_size, input_size, in_channels]`.
+
+        Returns:
+          The feature map, `h = w = input_size / total_stride` (rounded up).
+
+        Raises:
+          ValueError: `x` is not of that shape.
+        """
         self._check(x)
         x = self.stem(x)
         for block in self.blocks:
@@ -559,11 +722,27 @@ class MobileNetV2(nnx.Module):
         return self.head(x)
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        """The logits of a batch of images.
+
+        Args:
+          x: NHWC images, `[N, input_size, input_size, in_channels]`.
+
+        Returns:
+          The logits, `[N, num_classes]`.
+
+        Raises:
+          ValueError: `x` is not of that shape.
+        """
         pooled = jnp.mean(self.features(x), axis=(1, 2))
         return self.classifier(self.dropout(pooled))
 
     @staticmethod
     def blocks_with_expansion() -> tuple[int, ...]:
-        """See the module-level `blocks_with_expansion`."""
+        """The module-level `blocks_with_expansion` for the standard stages.
+
+        Returns:
+          The indices of the blocks with an `expand` conv in the standard
+          `INVERTED_RESIDUAL_SETTINGS` (not this model's `settings`).
+        """
         return blocks_with_expansion()
 

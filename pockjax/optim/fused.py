@@ -34,12 +34,21 @@ __all__ = ["Placement", "place_updates", "fused_step", "global_step", "tie_zero"
 VIEWS = frozenset(
     "transpose reshape squeeze expand_dims broadcast_in_dim convert_element_type slice "
     "dynamic_slice copy copy_p reduce_precision bitcast_convert_type rev".split())
+"""Names of the view-like primitives: reading one's output counts as reading its first
+input (`place_updates` follows a parameter's reads through them)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Where one trainable parameter's update goes: after equation `after` (-1: before
-    the first), tied to the values `ties` (outputs of the parameter's last readers)."""
+    the first), tied to the values `ties` (outputs of the parameter's last readers).
+
+    Attributes:
+      after: the index of the equation the update follows: the later of the one
+        producing the gradient and the parameter's last reader; -1 before the first.
+      ties: the jaxpr variables the write is ordered after: per reader of the parameter
+        (or of a view of it) that no other reader depends on, its smallest output.
+    """
 
     after: int
     ties: tuple[Any, ...]
@@ -50,7 +59,16 @@ def _size(v) -> int:
 
 
 def place_updates(jaxpr: jex.Jaxpr, params: Sequence[Any], grads: Sequence[Any]) -> list[Placement]:
-    """A `Placement` for each pair (parameter input var, gradient output atom)."""
+    """A `Placement` for each pair (parameter input var, gradient output atom).
+
+    Args:
+      jaxpr: the gradient jaxpr.
+      params: the input variables of the trainable parameters.
+      grads: the output atoms holding their gradients, in the same order.
+
+    Returns:
+      One `Placement` per parameter, in order.
+    """
     producer = producers(jaxpr)
 
     # Vars that alias each parameter: the parameter and its views.
@@ -131,15 +149,22 @@ def tie_zero(ties, barrier: bool = False):
     With `barrier` the elements pass through an optimization barrier, which keeps IREE
     from fusing their extraction into the update: when a reader's output also goes into or
     comes out of a loop (scan, while), that fusion makes IREE 3.13's stream partitioning
-    fail ("circular dependency"; seen with the layer before a scanned stack). The
-    barrier is on scalars, but it splits the step into more submissions (6 x 1024 MLP:
-    13 instead of 1, and 22 instead of 15 MiB allocated), so it is used only there.
+    fail ("circular dependency"; e.g. for the layer before a scanned stack). The
+    barrier is on scalars, but it splits the step into more submissions, which allocate
+    more memory, so it is used only there.
     Finite values are clipped to [-1, 1] and multiplied by 0, NaN and infinities
     map to 0 first (a complex element contributes its real part), so the zero is exact
     whatever the readers produced. It is always -0.0: `x + -0.0` is `x` bit for bit,
     a -0.0 in `x` included (`x + +0.0` would turn that into +0.0). A float
     multiplication by zero cannot be folded (it is not 0 for NaN or infinity), so the
     dependency reaches the program.
+
+    Args:
+      ties: the arrays to depend on (the last readers' outputs); empty ones are skipped.
+      barrier: pass the elements through an optimization barrier (default False).
+
+    Returns:
+      A float32 scalar -0.0, or None when `ties` has no non-empty array.
     """
     elems = [jnp.ravel(t)[0] for t in ties if np.size(t)]
     if not elems:
@@ -201,9 +226,8 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
       real ops that hide buffer lifetimes (every transient of the backward pass then
       lives to the end of the step), and computes dynamic slice offsets on the host.
       XLA drops barriers before copy insertion, so only a data dependency tells it that
-      the in-place write follows the reads: with barriers it copied every trained
-      weight once per step (TinyLlama-1.1B, last 6 blocks: 1.06 GB of copies, 288 vs
-      253 MiB of temporaries, steps 3-6% slower);
+      the in-place write follows the reads: with barriers it copies every trained
+      weight once per step (more temporaries, slower steps);
     - "barrier": an optimization barrier over the gradient, the parameter and the
       readers' outputs, and for partial (Channels) writes a data-dependent start index
       (see `_token`); kept for comparison.
@@ -211,6 +235,27 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
     On a mesh, `reads` are the values the forward and backward read in place of the
     parameters (FSDP: the gathered weights), and `grad_shardings` lays out each
     trainable gradient like its slice of the sharded parameter before the update.
+
+    Args:
+      grad_jaxpr: the sparse gradient program (`GradProgram.info.jaxpr`): parameter
+        leaves and dynamic batch leaves in; loss, aux leaves and the trainable view's
+        gradients out.
+      param_leaves: every parameter leaf, frozen ones included, in flattening order.
+      other_leaves: the dynamic leaves of the other inputs (the batch).
+      decisions: the resolved decision of each parameter leaf.
+      plan: the optimizer's `UpdatePlan` in "fused" mode (`plan_updates`).
+      state_leaves: the optimizer state's leaves, flat.
+      n_head: the number of leading outputs that are not gradients.
+      ties: `"data"` (the default) or `"barrier"`.
+      reads: the values the program reads in place of `param_leaves`; None (the
+        default): `param_leaves`.
+      grad_shardings: a sharding (or None) per trainable gradient; None (the default):
+        no constraint.
+
+    Returns:
+      A tuple `(head outputs, new parameter leaves, new optimizer state leaves)`: the
+        first `n_head` outputs, every parameter leaf (trained ones updated) and the
+        state leaves, as lists.
     """
     jaxpr = grad_jaxpr.jaxpr
     train_idx = [k for k, d in enumerate(decisions) if isinstance(d, (Full, Channels))]
@@ -285,7 +330,30 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
     With `skip_nonfinite`, a step whose loss, outputs or any gradient holds a NaN or an
     infinity keeps every parameter and the optimizer state as they were (selected, not
     added: a -0.0 stays -0.0). Returns `(head, new_params, new_state, finite)`, `finite`
-    a boolean scalar (always True without `skip_nonfinite`)."""
+    a boolean scalar (always True without `skip_nonfinite`).
+
+    Args:
+      grad_jaxpr: the sparse gradient program, as for `fused_step`.
+      param_leaves: every parameter leaf, frozen ones included, in flattening order.
+      other_leaves: the dynamic leaves of the other inputs (the batch).
+      decisions: the resolved decision of each parameter leaf.
+      optimizer: the optax `GradientTransformation`.
+      state: the optimizer state (a tree).
+      view_def: the treedef of the trainable view.
+      n_head: the number of leading outputs that are not gradients.
+      ties: `"data"` (the default) or `"barrier"`.
+      reads: the values the program reads in place of `param_leaves`; None (the
+        default): `param_leaves`.
+      grad_shardings: a sharding (or None) per trainable gradient; None (the default):
+        no constraint.
+      skip_nonfinite: keep everything as it was when an output or gradient is not
+        finite (default False).
+
+    Returns:
+      A tuple `(head, new_params, new_state, finite)`: the first `n_head` outputs
+        (list), every parameter leaf with trained ones updated (list), the new
+        optimizer state (a tree), and whether every output and gradient is finite.
+    """
     jaxpr = grad_jaxpr.jaxpr
     inputs = [*(param_leaves if reads is None else reads), *other_leaves]
     train_idx = [k for k, d in enumerate(decisions) if isinstance(d, (Full, Channels))]

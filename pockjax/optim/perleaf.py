@@ -32,6 +32,14 @@ class LeafUpdate:
     `jaxpr` takes `inputs` (indices into the flat `grads + state + params` inputs of
     the whole update) and returns the leaf's update followed by its new state leaves
     (`state_out`, indices into the flat state).
+
+    Attributes:
+      leaf: the index of the trainable leaf in the view's flat order.
+      jaxpr: the leaf's part of the update.
+      inputs: indices into the flat `grads + state + params` inputs that `jaxpr` takes,
+        in order.
+      state_out: indices into the flat state of the state leaves `jaxpr` returns after
+        the update.
     """
 
     leaf: int
@@ -42,7 +50,20 @@ class LeafUpdate:
 
 @dataclasses.dataclass(frozen=True)
 class UpdatePlan:
-    """How a training step applies its optimizer: `mode` is "fused" or "global"."""
+    """How a training step applies its optimizer: `mode` is "fused" or "global".
+
+    Attributes:
+      mode: `"fused"` (every leaf's update runs on its own, as soon as its gradient
+        exists) or `"global"` (after the whole backward pass).
+      reason: why, one sentence for reports.
+      leaves: in fused mode, one `LeafUpdate` per trainable leaf; empty in global mode.
+      shared: the jaxpr computing the state that belongs to no single leaf (shared
+        state such as a step count, which no gradient or parameter affects), or None
+        when there is none.
+      shared_inputs: indices into the flat `grads + state + params` inputs that
+        `shared` takes.
+      shared_out: indices into the flat state of the leaves `shared` returns, in order.
+    """
 
     mode: str
     reason: str
@@ -100,6 +121,21 @@ def plan_updates(optimizer, grads_view, state, params_view, names: Sequence[str]
 
     `grads_view` and `params_view` have the same structure (the trainable view, with
     None for frozen leaves); `names` are the paths of its array leaves, for messages.
+
+    Args:
+      optimizer: the optax `GradientTransformation`.
+      grads_view: gradients (arrays or shapes) in the trainable view.
+      state: the optimizer state.
+      params_view: the parameters in the trainable view.
+      names: the paths of the view's array leaves.
+
+    Returns:
+      An `UpdatePlan`: "fused" with one `LeafUpdate` per leaf, or "global" naming two
+        leaves whose updates are tied.
+
+    Raises:
+      ValueError: the optimizer returns updates whose structure is not the view's, or
+        changes the structure of its state.
     """
     g_leaves, view_def = jax.tree_util.tree_flatten(grads_view)
     p_leaves = jax.tree_util.tree_leaves(params_view)

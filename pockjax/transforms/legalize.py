@@ -8,10 +8,9 @@
   slices, comparisons and pads. IREE 3.13 lowers `stablehlo.select_and_scatter` onto an
   uninitialised output and says so at compile time ("reads uninitialized values from
   an operand produced by a tensor.empty op"); the result would then depend on what
-  the memory held. No wrong value was seen on llvm-cpu or lavapipe, but the rewrite
-  removes the dependence (and the warning). It routes each gradient to the first
-  extreme element of its window, as XLA does, so the values are the same (up to the
-  order in which overlapping windows' contributions are added).
+  the memory held. The rewrite removes that dependence (and the warning). It routes
+  each gradient to the first extreme element of its window, as XLA does, so the values
+  are the same (up to the order in which overlapping windows' contributions are added).
 - A `gather` with batching dimensions (`operand_batching_dims`, which `jnp.take_along_axis`
   emits, so optax's `softmax_cross_entropy_with_integer_labels` has one) takes the
   batch positions as explicit index columns instead: an iota per batching dimension,
@@ -25,7 +24,7 @@
   clamping are the same.
 - `slice(broadcast_in_dim(x))` of booleans becomes `broadcast_in_dim(slice(x))`. Slice
   push-down slices masks in the sparse backward (e.g. a causal mask broadcast over the
-  heads, when attention projections train some channels); IREE then kept the whole
+  heads, when attention projections train some channels); IREE then keeps the whole
   broadcast mask in memory as bytes, which GPU targets without 8-bit storage
   (`vp_android_baseline_2022`) refuse (see `pockjax.export`). The two forms are equal.
 
@@ -63,7 +62,20 @@ def select_and_scatter_add(source, operand, select_prim, window_dimensions, wind
                            padding):
     """`lax`'s select_and_scatter_add without the select_and_scatter op: each element of
     `source` is added to the first element of its window of `operand` that `select_prim`
-    (`ge` for max pooling, `le` for min pooling) prefers; padding is never chosen."""
+    (`ge` for max pooling, `le` for min pooling) prefers; padding is never chosen.
+
+    Args:
+      source: the values to scatter, one per window (the pooled output's cotangent).
+      operand: the pooled input.
+      select_prim: `lax.ge_p` (max pooling) or `lax.le_p` (min pooling).
+      window_dimensions: the window size per dimension.
+      window_strides: the window stride per dimension.
+      padding: `(low, high)` padding of `operand` per dimension.
+
+    Returns:
+      An array of `operand`'s shape and `source`'s dtype: each element the sum of the
+        `source` elements whose window selected it.
+    """
     better = {"ge": lax.max, "le": lax.min}[select_prim.name]
     pad_cfg = [(lo, hi, 0) for lo, hi in padding]
     xp = lax.pad(operand, jnp.zeros((), operand.dtype), pad_cfg)
@@ -121,7 +133,24 @@ def unbatched_gather(operand, indices, dimension_numbers: lax.GatherDimensionNum
     columns, a gather, a select), but with the mask as elementwise comparisons joined by
     `&`: the iota columns need no check, and a reduction over the index vector would be a
     kernel of its own that leaves a boolean array in memory, which GPU targets without
-    8-bit storage refuse (see `pockjax.export`).
+    8-bit storage refuse (see `pockjax.export`). Indices of a type too narrow for the
+    largest batch position are widened to int32.
+
+    Args:
+      operand: the array gathered from.
+      indices: the start indices, with the index vector in the last dimension.
+      dimension_numbers: the gather's `lax.GatherDimensionNumbers`, with
+        `operand_batching_dims` and `start_indices_batching_dims`.
+      slice_sizes: the slice size per operand dimension.
+      mode: a `lax.GatherScatterMode` or its name, as for `lax.gather`; default
+        `FILL_OR_DROP`.
+      fill_value: the value of out-of-bounds slices under `FILL_OR_DROP`; None (the
+        default): `lax.gather`'s default for the dtype (NaN for inexact types, the
+        minimum of a signed integer type, the maximum of an unsigned one, True).
+      unique_indices: passed to `lax.gather`.
+
+    Returns:
+      What `lax.gather(operand, indices, dimension_numbers, slice_sizes, ...)` returns.
     """
     dn, mode = dimension_numbers, _MODES.from_any(mode)
     batch_shape = indices.shape[:-1]  # JAX keeps the index vector in the last dimension
@@ -270,6 +299,17 @@ def legalize_for_iree(closed: jex.ClosedJaxpr, backend: str | None = None
     `backend` is the IREE HAL device the module is compiled for (`"local"`, `"vulkan"`,
     `"cuda"`; see `pockjax.export.TARGETS`): the rewrites for one backend only apply to
     it; None makes the rewrites every backend gets.
+
+    Args:
+      closed: the jaxpr to rewrite (a training step or any other program).
+      backend: the IREE HAL device, or None (the default) for the rewrites every
+        backend gets.
+
+    Returns:
+      A pair: the rewritten `ClosedJaxpr` (same inputs and outputs), and a dict from
+        the kind of rewrite (`"neg_sum"`, `"select_and_scatter"`, `"batched_gather"`,
+        `"slice_of_broadcast"`, `"leading_axes_reduction"`) to how many were made;
+        kinds with none made are absent.
     """
     stats: dict[str, int] = {}
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]

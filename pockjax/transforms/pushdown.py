@@ -19,6 +19,11 @@ A primitive without a rule takes the default, `compute_whole` (compute all of it
 slice). A decline, or the default, on an equation of which only part is used is counted
 in `Stats.fallbacks` with its reason. A rule that raises is a bug: the error surfaces.
 
+To add a rule, write `pull` and `apply` for one box of one output and call
+`register(primitive, pull, apply)` (`BoxRule` says what `slicing` and `widen` add); a
+rule that needs more than per-box pieces (one that aliases an input or rewrites a body)
+is any `Rule`, stored with `RULES[primitive] = rule`.
+
 Every equation the pass emits (re-bound, narrowed, or a slice of it) carries the source
 info of the equation it comes from, so messages of this and later passes name the
 user's line (`as_source`).
@@ -46,24 +51,60 @@ from pockjax._jaxpr import (as_source, avals, bind, consts_to_invars, describe_s
                              inline_calls, is_var, var_shape)
 
 Box = tuple  # tuple[tuple[int, int], ...]
+"""A box: a tuple of `(start, stop)` pairs, one per dimension of a value (`()` for a scalar)."""
 
 
 # --------------------------------------------------------------------------- boxes
 
 
 def full_box(shape: Sequence[int]) -> Box:
+    """The box covering all of a value.
+
+    Args:
+      shape: the value's shape.
+
+    Returns:
+      `(0, n)` for each dimension `n` of `shape`.
+    """
     return tuple((0, int(n)) for n in shape)
 
 
 def is_full(box: Box, shape: Sequence[int]) -> bool:
+    """Whether `box` covers all of a value of shape `shape`.
+
+    Args:
+      box: the box.
+      shape: the value's shape.
+
+    Returns:
+      True when every dimension's pair is `(0, n)`.
+    """
     return all(s == 0 and e == n for (s, e), n in zip(box, shape))
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
+    """The shape of the part of a value that `box` selects.
+
+    Args:
+      box: the box.
+
+    Returns:
+      `stop - start` for each dimension.
+    """
     return tuple(e - s for s, e in box)
 
 
 def slice_to_box(x, box: Box, shape: Sequence[int]):
+    """The part of `x` that `box` selects.
+
+    Args:
+      x: an array or tracer.
+      box: the box to take, within `shape`.
+      shape: the shape of `x`.
+
+    Returns:
+      `x` itself when `box` covers all of it, else `lax.slice(x, starts, stops)`.
+    """
     if is_full(box, shape):
         return x
     return lax.slice(x, [s for s, _ in box], [e for _, e in box])
@@ -85,7 +126,20 @@ def _partial_only(eqn, wanted) -> bool:
 @dataclasses.dataclass
 class Stats:
     """What the pass did: rules applied and fallbacks per primitive (with a source line
-    and the reason of the first one), equations in and out."""
+    and the reason of the first one), equations in and out.
+
+    `rewrite` counts into the `Stats` it is given; rules reach it as `analysis.stats`.
+
+    Attributes:
+      rules: primitive name -> number of output boxes a rule narrowed (and of call
+        bodies rewritten).
+      fallbacks: primitive name -> number of equations computed whole although only
+        part of their outputs is used.
+      fallback_sources: primitive name -> the user's source line of its first fallback.
+      fallback_reasons: primitive name -> the reason of its first fallback.
+      eqns_in: equations before the pass; set by the caller (`count_eqns`).
+      eqns_out: equations after the pass; set by the caller (`count_eqns`).
+    """
 
     rules: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -95,9 +149,22 @@ class Stats:
     eqns_out: int = 0
 
     def rule(self, name: str):
+        """Count one box narrowed by a rule.
+
+        Args:
+          name: the primitive's name.
+        """
         self.rules[name] += 1
 
     def fallback(self, eqn, reason: str = "no push-down rule"):
+        """Count one equation computed whole although only part of it is used.
+
+        The first fallback of each primitive also records its source line and reason.
+
+        Args:
+          eqn: the equation.
+          reason: why no rule narrowed it.
+        """
         name = eqn.primitive.name
         self.fallbacks[name] += 1
         self.fallback_sources.setdefault(name, describe_source(eqn))
@@ -112,22 +179,50 @@ class Stats:
 
 class Decline(NamedTuple):
     """A rule's answer when it cannot narrow: the equation runs whole and the wanted
-    boxes are sliced from its outputs (a fallback, with `reason`, if only part is used)."""
+    boxes are sliced from its outputs (a fallback, with `reason`, if only part is used).
+
+    A `BoxRule`'s `pull` returns one for a box it cannot compute on its own.
+
+    Attributes:
+      reason: why the rule cannot narrow, shown in `Stats.fallback_reasons` and the
+        `TransformInfo` report.
+    """
 
     reason: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Narrowed:
-    """Each wanted box of an output computed by `apply` from the input boxes it pulls."""
+    """Each wanted box of an output computed by `apply` from the input boxes it pulls.
+
+    Attributes:
+      pulled: `(output index, box)` -> the `(input var, box)` pairs that box needs.
+      apply: `apply(ctx, eqn, i, box)` -> the value of box `box` of output `i`.
+    """
 
     pulled: dict  # (output index, box) -> [(input var, box)]
     apply: Callable  # (ctx, eqn, i, box) -> the value of box `box` of output `i`
 
     def inputs(self, eqn) -> list:
+        """The input boxes the plan reads.
+
+        Args:
+          eqn: the equation planned.
+
+        Returns:
+          Every `(input var, box)` pair of `pulled`.
+        """
         return [need for needs in self.pulled.values() for need in needs]
 
     def emit(self, ctx, eqn, stats):
+        """Compute each box of `pulled` with `apply` and store it in `ctx`.
+
+        Args:
+          ctx: the re-trace's values: `ctx.get(var, box)` reads, `ctx.put(var, box,
+            value)` stores.
+          eqn: the equation planned.
+          stats: the pass's `Stats`.
+        """
         for i, box in self.pulled:
             ctx.put(eqn.outvars[i], box, self.apply(ctx, eqn, i, box))
 
@@ -139,16 +234,41 @@ def _rebind_whole(ctx, eqn, stats):
 @dataclasses.dataclass(frozen=True)
 class Whole:
     """The equation runs on whole inputs (`run`, by default re-bound as it is); the wanted
-    boxes are sliced from its outputs. `reason` says why no rule narrowed it."""
+    boxes are sliced from its outputs. `reason` says why no rule narrowed it.
+
+    Attributes:
+      wanted: the `(output index, box)` pairs wanted of the equation.
+      run: `run(ctx, eqn, stats)` -> the equation's outputs (a list for a primitive
+        with multiple results), computed from whole inputs; by default the
+        equation re-bound on them.
+      reason: why no rule narrowed the equation; a plan with a reason on an equation
+        of which only part is used counts as a fallback. None: not a fallback (the
+        outputs are needed whole anyway).
+    """
 
     wanted: tuple  # ((output index, box), ...)
     run: Callable = _rebind_whole  # (ctx, eqn, stats) -> outputs
     reason: str | None = None
 
     def inputs(self, eqn) -> list:
+        """The input boxes the plan reads.
+
+        Args:
+          eqn: the equation planned.
+
+        Returns:
+          The whole box of every variable input of `eqn`.
+        """
         return _whole_inputs(eqn)
 
     def emit(self, ctx, eqn, stats):
+        """Run the equation with `run`, store its whole outputs and slice the wanted boxes.
+
+        Args:
+          ctx: the re-trace's values (`ctx.get(var, box)`, `ctx.put(var, box, value)`).
+          eqn: the equation planned.
+          stats: the pass's `Stats`, passed to `run`.
+        """
         outs = self.run(ctx, eqn, stats)
         outs = outs if eqn.primitive.multiple_results else [outs]
         for v, o in zip(eqn.outvars, outs):
@@ -160,35 +280,73 @@ class Whole:
 
 @dataclasses.dataclass(frozen=True)
 class Alias:
-    """The equation's only output is `source` itself (a concatenation of all its slices)."""
+    """The equation's only output is `source` itself (a concatenation of all its slices).
+
+    Attributes:
+      source: the variable the output equals, of the same shape.
+    """
 
     source: Any
 
     def inputs(self, eqn) -> list:
+        """The input boxes the plan reads.
+
+        Args:
+          eqn: the equation planned.
+
+        Returns:
+          The whole box of `source`.
+        """
         return [(self.source, full_box(var_shape(self.source)))]
 
     def emit(self, ctx, eqn, stats):
+        """Store the value of `source` as the equation's output.
+
+        Args:
+          ctx: the re-trace's values (`ctx.get(var, box)`, `ctx.put(var, box, value)`).
+          eqn: the equation planned.
+          stats: the pass's `Stats` (unused).
+        """
         ctx.put(eqn.outvars[0], full_box(var_shape(eqn.outvars[0])), ctx.get(self.source))
 
 
 Plan = Union[Narrowed, Whole, Alias, "BodyRewrite"]
+"""What a rule returns when it does not decline: each plan has `inputs(eqn)` (the input
+boxes it reads) and `emit(ctx, eqn, stats)` (computes the wanted output boxes)."""
 
 
 # --------------------------------------------------------------------------- rule table
 
 
 class Analysis(NamedTuple):
-    """What rules may consult besides the equation: its jaxpr's producers, the stats."""
+    """What rules may consult besides the equation: its jaxpr's producers, the stats.
+
+    Attributes:
+      producers: each variable of the jaxpr being rewritten -> the equation defining
+        it (inputs and constants have none).
+      stats: the pass's `Stats`.
+    """
 
     producers: dict  # var -> the equation defining it
     stats: Stats
 
 
 Rule = Callable[[jex.JaxprEqn, tuple, Analysis], Union[Plan, Decline]]
+"""`rule(eqn, wanted, analysis)` -> a `Plan` or a `Decline`; `wanted` is a tuple of the
+`(output index, box)` pairs the equation's consumers need."""
 
 
 def compute_whole(eqn, wanted, analysis) -> Whole:
-    """The default rule: compute the outputs whole, then slice the wanted boxes."""
+    """The default rule: compute the outputs whole, then slice the wanted boxes.
+
+    Args:
+      eqn: the equation.
+      wanted: the `(output index, box)` pairs wanted of it.
+      analysis: the `Analysis` (unused).
+
+    Returns:
+      `Whole(wanted)` with the reason "no push-down rule".
+    """
     return Whole(wanted, reason="no push-down rule")
 
 
@@ -219,7 +377,24 @@ class BoxRule:
     larger box `pull` takes, for a box it declines; `box` is then sliced from it (a conv
     narrows channels, not spatial dims). Boxes of one output that together hold at least
     as many elements as their bounding box are computed once as that box (see `_merged`),
-    unless the rule cannot pull it."""
+    unless the rule cannot pull it.
+
+    `register` builds one per primitive; a `BoxRule` is itself a `Rule`.
+
+    Attributes:
+      pull: `pull(eqn, i, box)` -> the `(input var, box)` pairs that box `box` of
+        output `i` needs (literal inputs are not listed), or `Decline(reason)`.
+        Returning None raises `TypeError`.
+      apply: `apply(ctx, eqn, i, box)` -> the value of box `box` of output `i`,
+        computed from the pulled boxes, which `ctx.get(var, box)` returns
+        (`ctx.get(literal)` gives a literal's value).
+      slicing: True for a slice-like primitive: the rule runs even when an output
+        is wanted whole, and the wanted boxes are not merged. False (the default):
+        an output wanted whole is computed by re-binding the equation.
+      widen: `widen(eqn, i, box)` -> a larger box that `pull` takes, tried when
+        `pull` declines `box`; a widened box that is the whole output is not used
+        (the decline stands). None (the default): no widening.
+    """
 
     pull: Callable
     apply: Callable
@@ -227,6 +402,21 @@ class BoxRule:
     widen: Callable | None = None
 
     def __call__(self, eqn, wanted, analysis) -> Narrowed | Whole | Decline:
+        """The plan for `eqn`.
+
+        Args:
+          eqn: the equation.
+          wanted: the `(output index, box)` pairs wanted of it.
+          analysis: the `Analysis` (unused by box rules).
+
+        Returns:
+          `Decline` when the equation has effects or `pull` declines a box; `Whole`
+            (not a fallback) when a non-slicing rule has an output wanted whole, or
+            merging the wanted boxes of an output gives all of it; else `Narrowed`.
+
+        Raises:
+          TypeError: `pull` returned None.
+        """
         if eqn.effects:
             return Decline("the equation has effects")
         if not self.slicing and any(box == full_box(var_shape(eqn.outvars[i])) for i, box in wanted):
@@ -269,12 +459,33 @@ class BoxRule:
 
 
 RULES: dict[jex.Primitive, Rule] = {}
+"""The push-down rule table: a `jax.extend.core.Primitive` -> its `Rule`. `register`
+adds a `BoxRule`; `RULES[p] = rule` adds any other rule. A primitive without an entry
+takes `compute_whole`."""
 
 
 def register(primitives: jex.Primitive | Sequence[jex.Primitive], pull: Callable, apply: Callable,
              slicing: bool = False, widen: Callable | None = None):
     """Register a per-box push-down rule (a `BoxRule`) for primitives, e.g.
-    `register(jax.lax.tanh_p, pull, apply)`; `RULES[p] = rule` registers any other rule."""
+    `register(jax.lax.tanh_p, pull, apply)`; `RULES[p] = rule` registers any other rule.
+
+    A rule already in `RULES` for one of the primitives is replaced.
+
+    Args:
+      primitives: a `jax.extend.core.Primitive`, or a sequence of them.
+      pull: `pull(eqn, i, box)` -> the `(input var, box)` pairs that box `box` of
+        output `i` needs, or `Decline(reason)` (see `BoxRule`).
+      apply: `apply(ctx, eqn, i, box)` -> the value of that box, from the pulled
+        boxes (`ctx.get(var, box)`).
+      slicing: True for a slice-like primitive, whose rule also runs when an output
+        is wanted whole (default False).
+      widen: `widen(eqn, i, box)` -> a larger box `pull` takes when it declines `box`
+        (default None: no widening).
+
+    Raises:
+      TypeError: an element of `primitives` is not a `Primitive` (a name string, for
+        example).
+    """
     for p in [primitives] if isinstance(primitives, jex.Primitive) else primitives:
         if not isinstance(p, jex.Primitive):
             raise TypeError(f"register takes jax Primitive objects (e.g. jax.lax.tanh_p), got {p!r}; "
@@ -306,6 +517,8 @@ ELEMENTWISE = tuple(getattr(P, f"{name}_p") for name in (
     "digamma square integer_pow convert_element_type reduce_precision copy real imag conj not "
     "add sub mul div rem pow max min atan2 nextafter and or xor eq ne lt le gt ge add_jaxvals "
     "select_n clamp stop_gradient").split())
+"""The elementwise primitives, which share one `BoxRule`: a box of the output needs the
+same box of each operand (a scalar operand whole, a size-1 broadcast dimension whole)."""
 
 
 def _elementwise_operand_box(v, out_shape, box):
@@ -1000,7 +1213,19 @@ def rewrite(closed: jex.ClosedJaxpr, out_needs: Sequence[Sequence[Box]] | None =
     """Re-trace `closed` computing, for output j, the boxes `out_needs[j]` (in order).
 
     The result takes the original inputs and returns the needed boxes of each output
-    flattened in order. With `out_needs=None` every output is needed whole.
+    flattened in order. With `out_needs=None` every output is needed whole. Nested `jit`
+    and `closed_call` equations are inlined first.
+
+    Args:
+      closed: the jaxpr to rewrite.
+      out_needs: for each output of `closed`, the list of boxes needed of it; None
+        (the default): each output whole.
+      stats: the `Stats` to count rules and fallbacks into; None (the default): a
+        fresh one, not returned.
+
+    Returns:
+      A `ClosedJaxpr` over the inputs of `closed` that returns, output by output, each
+        needed box in order.
     """
     stats = stats if stats is not None else Stats()
     jaxpr, consts = closed.jaxpr, closed.consts
@@ -1034,7 +1259,19 @@ class BodyRewrite:
     """A call on whole inputs whose body returns, for output j, the boxes `body_needs[j]`
     (boxes of the body's output; `outer_box(eqn, j, box)` is that box of the call's).
     `bind(eqn, ops, body_needs, stats)` binds the call with its body rewritten; when
-    every output is needed whole (`unchanged`) the call is bound as it is."""
+    every output is needed whole (`unchanged`) the call is bound as it is.
+
+    Attributes:
+      body_needs: for each output of the call, the list of boxes of the matching
+        body output that the rewritten body returns.
+      unchanged: True when every output is needed whole: the call is re-bound as it is.
+      bind: `bind(eqn, ops, body_needs, stats)` -> the outputs of the call with its
+        body rewritten (`rewrite(body, body_needs, stats)`), flat, on whole inputs
+        `ops`.
+      outer_box: `outer_box(eqn, j, box)` -> the box of the call's output `j` that box
+        `box` of body output `j` gives; by default the same box (a scan's adds the
+        stacked axis).
+    """
 
     body_needs: list
     unchanged: bool
@@ -1042,9 +1279,24 @@ class BodyRewrite:
     outer_box: Callable = _same_box
 
     def inputs(self, eqn) -> list:
+        """The input boxes the plan reads.
+
+        Args:
+          eqn: the call equation.
+
+        Returns:
+          The whole box of every variable input of `eqn`.
+        """
         return _whole_inputs(eqn)
 
     def emit(self, ctx, eqn, stats):
+        """Bind the call (rewritten unless `unchanged`) once and store each returned box.
+
+        Args:
+          ctx: the re-trace's values (`ctx.get(var, box)`, `ctx.put(var, box, value)`).
+          eqn: the call equation.
+          stats: the pass's `Stats`, passed to `bind`.
+        """
         ops = [ctx.get(v, None) for v in eqn.invars]
         outs = bind(eqn, ops) if self.unchanged else self.bind(eqn, ops, self.body_needs, stats)
         it = iter(outs)
@@ -1185,7 +1437,15 @@ RULES[P.custom_vjp_call_p] = _custom_derivative_rule
 
 
 def count_eqns(jaxpr) -> int:
-    """Equations in a jaxpr, counting those inside sub-jaxprs."""
+    """Equations in a jaxpr, counting those inside sub-jaxprs.
+
+    Args:
+      jaxpr: a `Jaxpr` (the `.jaxpr` of a `ClosedJaxpr`).
+
+    Returns:
+      The number of equations, each sub-jaxpr's counted in full once per equation
+        that holds it.
+    """
     n = 0
     for e in jaxpr.eqns:
         n += 1

@@ -40,7 +40,19 @@ def _boundaries(eqn, producers):
 
 
 def split_scans(closed: jex.ClosedJaxpr) -> tuple[jex.ClosedJaxpr, int]:
-    """`closed` with scans split at concatenation boundaries of their `xs`; and how many."""
+    """`closed` with scans split at concatenation boundaries of their `xs`; and how many.
+
+    A scan is split where one of its `xs` is a `concatenate` along axis 0 in the same
+    jaxpr (after inlining nested `jit` and `closed_call` equations); scans inside other
+    bodies are left as they are.
+
+    Args:
+      closed: the forward jaxpr.
+
+    Returns:
+      A pair: the rewritten `ClosedJaxpr` (over the same inputs, computing the same
+        outputs), and the number of scans split.
+    """
     # Nested calls can hide the concatenation from the scan: inline them first.
     closed = inline_calls(closed.jaxpr, closed.consts)
     jaxpr = closed.jaxpr

@@ -40,7 +40,19 @@ __all__ = ["sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates",
 
 
 def resolved_decisions(params, scheme: Scheme | Any):
-    """Decision leaves for `params` (accepts a Scheme or an already-resolved tree)."""
+    """The decision of each leaf of `params`, in flattening order.
+
+    Args:
+      params: the parameter pytree.
+      scheme: a `Scheme`, or the tree `scheme.resolve(params)` returns.
+
+    Returns:
+      A list with one `Full`, `Frozen` or `Channels` per leaf of `params`.
+
+    Raises:
+      SchemeError: `scheme` is neither a `Scheme` nor a tree of one decision per leaf
+        of `params`.
+    """
     if isinstance(scheme, Scheme):
         return jax.tree_util.tree_leaves(scheme.resolve(params))
     leaves = jax.tree_util.tree_leaves(scheme)
@@ -60,6 +72,18 @@ def trainable(params, scheme):
     """The trainable view of `params`: the tree `sparse_grad` returns gradients in.
 
     Frozen leaves are `None`, Channels leaves hold the kept slice, Full leaves are whole.
+
+    Args:
+      params: the parameter pytree.
+      scheme: a `Scheme`, or the decision tree `scheme.resolve(params)` returns.
+
+    Returns:
+      A tree with the structure of `params`: `None` for each Frozen leaf, the kept
+        slice of each Channels leaf, each Full leaf as it is.
+
+    Raises:
+      SchemeError: `scheme` is neither a `Scheme` nor a tree of one decision per leaf
+        of `params`, or it does not resolve against `params`.
     """
     named, treedef = leaves_with_paths(params)
     decisions = resolved_decisions(params, scheme)
@@ -71,8 +95,25 @@ def trainable(params, scheme):
 def apply_updates(params, updates, scheme):
     """`params` plus `updates` given in the trainable view (like `optax.apply_updates`).
 
-    Channels leaves get their kept slice updated in place (`dynamic_update_slice`);
-    Frozen leaves are returned as they are.
+    Channels leaves get the update added to their kept slice, written back with
+    `lax.dynamic_update_slice` (in place when the caller jits the update and donates
+    `params`); Full leaves get the whole update added; Frozen leaves are returned as
+    they are. Each result keeps its parameter's dtype.
+
+    Args:
+      params: the parameter pytree.
+      updates: the updates in the trainable view (`trainable(params, scheme)`'s
+        structure): the kept slice's shape for a Channels leaf, the parameter's shape
+        for a Full leaf; the entry of a Frozen leaf is ignored (`None` there).
+      scheme: a `Scheme`, or the decision tree `scheme.resolve(params)` returns.
+
+    Returns:
+      The updated parameters, with the structure and dtypes of `params`.
+
+    Raises:
+      SchemeError: `updates` has a different number of leaves than `params`, a trained
+        leaf's update is `None`, or an update's shape is not the kept slice's (or the
+        parameter's); also when `scheme` does not resolve against `params`.
     """
     named, treedef = leaves_with_paths(params)
     decisions = resolved_decisions(params, scheme)
@@ -109,7 +150,31 @@ def apply_updates(params, updates, scheme):
 
 @dataclasses.dataclass
 class TransformInfo:
-    """What `sparse_grad` did to one traced gradient, for reports."""
+    """What `sparse_grad` did to one traced gradient, for reports.
+
+    `str()` of it is a readable summary; `as_dict()` gives the fields as plain data.
+
+    Attributes:
+      jaxpr: the rewritten gradient program: it takes the differentiated leaves and
+        then the array leaves of the other arguments, and returns the loss, the aux
+        leaves and the gradient of each trained leaf.
+      trainable_params: number of trained elements (whole Full leaves, the kept
+        slices of Channels leaves).
+      total_params: number of elements of all differentiated leaves.
+      frozen: paths of the Frozen leaves.
+      channels: path of each Channels leaf -> its resolved `Channels` decision.
+      full: paths of the Full leaves.
+      rules: primitive name -> number of boxes the push-down rules narrowed.
+      fallbacks: primitive name -> number of equations computed whole and then
+        sliced although only part of their output is used.
+      fallback_sources: primitive name -> the user's source line of its first
+        fallback.
+      eqns_before: equations (sub-jaxprs included) before push-down.
+      eqns_after: equations (sub-jaxprs included) after push-down and dead-code
+        elimination.
+      scans_split: number of scans split at a frozen/trained layer boundary.
+      fallback_reasons: primitive name -> why its first fallback could not narrow.
+    """
 
     jaxpr: jex.ClosedJaxpr
     trainable_params: int
@@ -126,7 +191,12 @@ class TransformInfo:
     fallback_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
-        """Everything but the jaxpr, as plain data."""
+        """Everything but the jaxpr, as plain data.
+
+        Returns:
+          A dict of the fields except `jaxpr`, with each `Channels` decision as its
+            `repr`.
+        """
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "jaxpr"}
         d["channels"] = {k: repr(v) for k, v in self.channels.items()}
         return d
@@ -149,8 +219,9 @@ class TransformInfo:
 
 
 class TracedValueError(TypeError):
-    """The differentiated function asked for the concrete value of a traced array: a
-    Python `if` on it, `int(x)`, `np.asarray(x)`. JAX's own error is its `__cause__`."""
+    """Raised when the differentiated function asks for the concrete value of a traced
+    array: a Python `if` on it, `int(x)`, `np.asarray(x)`. JAX's own error is its
+    `__cause__`."""
 
 
 # What each of JAX's concretization errors means the user's code did.
@@ -197,15 +268,32 @@ def _traced_value_error(err: BaseException, fun) -> TracedValueError:
 
 def is_dynamic(x) -> bool:
     """Whether a non-differentiated argument leaf is traced as an array (else it is static).
-    A `jax.ShapeDtypeStruct` stands for an array: tracing (`explain`, `trace`) needs shapes only."""
+
+    A `jax.ShapeDtypeStruct` stands for an array: tracing (`explain`, `trace`) needs
+    shapes only.
+
+    Args:
+      x: a leaf of the arguments that are not differentiated.
+
+    Returns:
+      True for a JAX or NumPy array, a NumPy scalar, a `jax.ShapeDtypeStruct` or a
+        tracer; False otherwise (the leaf is then static, part of the cache key).
+    """
     return isinstance(x, (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct, jax.core.Tracer))
 
 
 class GradProgram(NamedTuple):
-    """What the transform built for one argument signature, for the trainer and export:
-    `runner` (the jitted gradient program over the differentiated leaves and the dynamic
-    other leaves), `info` (its `TransformInfo`, with the rewritten jaxpr), the aux
-    treedef, the resolved decision per differentiated leaf and their treedef."""
+    """What the transform built for one argument signature, for the trainer and export.
+
+    Attributes:
+      runner: the jitted gradient program; it takes the differentiated leaves and then
+        the dynamic leaves of the other arguments, and returns the loss, the aux
+        leaves and the trained leaves' gradients, flat.
+      info: its `TransformInfo`, with the rewritten jaxpr.
+      aux_def: the treedef of the aux output (of `None` without `has_aux`).
+      decisions: the resolved decision of each differentiated leaf.
+      diff_def: the treedef of the differentiated arguments.
+    """
 
     runner: Callable
     info: "TransformInfo"
@@ -216,7 +304,24 @@ class GradProgram(NamedTuple):
 
 class SparseGradFn:
     """`sparse_grad` / `sparse_value_and_grad` of a function: call it like `jax.grad`'s
-    result; `trace(*args)` gives the `GradProgram` for those arguments (cached)."""
+    result; `trace(*args)` gives the `GradProgram` for those arguments (cached).
+
+    Non-array leaves of the arguments that are not differentiated are static: each new
+    value traces the function again, and they must be hashable.
+
+    Args:
+      fun: the function to differentiate.
+      scheme: the `Scheme` saying what trains.
+      argnums: the position of the differentiated argument, or a tuple of positions
+        (the gradient is then a tuple, and scheme paths start with the argument's
+        index in that tuple: `0/...`).
+      has_aux: whether `fun` returns `(value, aux)`.
+      with_value: return the value with the gradient (`sparse_value_and_grad`).
+
+    Raises:
+      SchemeError: `scheme` is not a `Scheme`.
+      TypeError: `argnums` is not an int or a tuple of ints.
+    """
 
     def __init__(self, fun, scheme, argnums, has_aux, with_value):
         if not isinstance(scheme, Scheme):
@@ -244,7 +349,24 @@ class SparseGradFn:
         return nums, diff, rest
 
     def trace(self, *args, **kwargs) -> GradProgram:
-        """The gradient program for arguments like these (traced once per signature)."""
+        """The gradient program for arguments like these (traced once per signature).
+
+        A signature is the differentiated leaves' structure, shapes and dtypes, the
+        other arguments' structure, the shapes and dtypes of their array leaves and the
+        values of their static leaves.
+
+        Args:
+          *args: positional arguments as for a call.
+          **kwargs: keyword arguments as for a call.
+
+        Returns:
+          The `GradProgram` for this signature.
+
+        Raises:
+          TypeError: an `argnums` position is out of range for `args`, or a static
+            argument is not hashable.
+          TracedValueError: `fun` asks for the concrete value of a traced array.
+        """
         nums, diff, rest = self._split_args(args, kwargs)
         named, diff_def = leaves_with_paths(diff)
         decisions = resolved_decisions(diff, self.scheme)
@@ -396,7 +518,15 @@ class SparseGradFn:
         return ((value, aux), grads) if self.has_aux else (value, grads)
 
     def explain(self, *args, **kwargs) -> TransformInfo:
-        """What the transform did for these arguments (rules, fallbacks, the jaxpr)."""
+        """What the transform did for these arguments (rules, fallbacks, the jaxpr).
+
+        Args:
+          *args: positional arguments as for a call (arrays or `jax.ShapeDtypeStruct`s).
+          **kwargs: keyword arguments as for a call.
+
+        Returns:
+          The `TransformInfo` of the gradient program for this signature.
+        """
         return self.trace(*args, **kwargs).info
 
 
@@ -420,18 +550,62 @@ def sparse_grad(fun: Callable, scheme: Scheme, argnums: int | Sequence[int] = 0,
     The gradient has the parameters' tree structure: Frozen leaves are `None`, Channels
     leaves hold the kept slice only, Full leaves are whole. It equals `jax.grad(fun)`
     sliced the same way (see `trainable`). Works inside and outside `jax.jit`; the
-    returned function has `.explain(*args)` describing the rewrite.
+    returned function has `.explain(*args)` describing the rewrite and `.trace(*args)`
+    giving the gradient program. Non-array leaves of the other arguments are static
+    (each new value traces again) and must be hashable.
 
-    >>> import jax.numpy as jnp, pockjax as pj
-    >>> loss = lambda p, x: jnp.sum((x @ p["w"]) ** 2)
-    >>> g = pj.sparse_grad(loss, pj.Scheme({"w": pj.Channels(count=1, axis="out")}))
-    >>> g({"w": jnp.ones((3, 4))}, jnp.ones((2, 3)))["w"].shape
-    (3, 1)
+    Args:
+      fun: the function to differentiate; it returns a scalar, or `(scalar, aux)`
+        with `has_aux=True`.
+      scheme: the `Scheme` saying which parameters train.
+      argnums: the position of the parameters among `fun`'s positional arguments
+        (default 0), or a tuple of positions: the gradient is then a tuple with one
+        tree per position, and scheme paths start with the index in that tuple
+        (`0/...`, `1/...`).
+      has_aux: whether `fun` returns `(value, aux)`; the gradient function then
+        returns `(gradient, aux)`.
+
+    Returns:
+      A function with `fun`'s signature returning the gradient in the trainable view
+        (`(gradient, aux)` with `has_aux`).
+
+    Raises:
+      SchemeError: `scheme` is not a `Scheme`.
+      TypeError: `argnums` is not an int or a tuple of ints. When called, the returned
+        function raises `TypeError` for an `argnums` position out of range, an
+        unhashable static argument or a non-scalar value, and `TracedValueError`
+        when `fun` asks for the concrete value of a traced array.
+
+    Examples:
+      >>> import jax.numpy as jnp, pockjax as pj
+      >>> loss = lambda p, x: jnp.sum((x @ p["w"]) ** 2)
+      >>> g = pj.sparse_grad(loss, pj.Scheme({"w": pj.Channels(count=1, axis="out")}))
+      >>> g({"w": jnp.ones((3, 4))}, jnp.ones((2, 3)))["w"].shape
+      (3, 1)
     """
     return SparseGradFn(fun, scheme, argnums, has_aux, with_value=False)
 
 
 def sparse_value_and_grad(fun: Callable, scheme: Scheme, argnums: int | Sequence[int] = 0,
                           has_aux: bool = False) -> Callable:
-    """Like `jax.value_and_grad`, with the gradient of `sparse_grad`."""
+    """Like `jax.value_and_grad`, with the gradient of `sparse_grad`.
+
+    Args:
+      fun: the function to differentiate; it returns a scalar, or `(scalar, aux)`
+        with `has_aux=True`.
+      scheme: the `Scheme` saying which parameters train.
+      argnums: the position of the parameters among `fun`'s positional arguments
+        (default 0), or a tuple of positions (see `sparse_grad`).
+      has_aux: whether `fun` returns `(value, aux)`.
+
+    Returns:
+      A function with `fun`'s signature returning `(value, gradient)`, or
+        `((value, aux), gradient)` with `has_aux`; the gradient is in the trainable
+        view as for `sparse_grad`.
+
+    Raises:
+      SchemeError: `scheme` is not a `Scheme`.
+      TypeError: `argnums` is not an int or a tuple of ints (and, from the returned
+        function, as for `sparse_grad`).
+    """
     return SparseGradFn(fun, scheme, argnums, has_aux, with_value=True)
