@@ -31,6 +31,7 @@ _WHERE = {
     "format_flops": "_report",
     "schemes": None, "schedule": None, "prefix": None, "export": None, "runtime": None, "nnx": None, "models": None,
     "data": None,  # JSONL fine-tuning data: formats, prompt masking, batches
+    "lowbit": None,  # frozen weights in int8 / int4, dequantized where they are used
     "torch": None,  # PyTorch modules in through torchax (torch imported on first use)
     "backend": None,  # host training on XLA or IREE's CPU backend, or the faster of the two
 }
@@ -57,8 +58,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
-    from pockjax import (backend, export, models, nnx, prefix, runtime, schedule,  # noqa: F401
-                         schemes)
+    from pockjax import (backend, export, lowbit, models, nnx, prefix, runtime,  # noqa: F401
+                         schedule, schemes)
     from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes  # noqa: F401
     from pockjax.checkpoint import CheckpointError, load, save  # noqa: F401
     from pockjax.export.targets import ExportError  # noqa: F401

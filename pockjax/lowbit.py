@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import primitives as P
 
-from pockjax import _jaxpr
+from pockjax._jaxpr import bind, call_body, interpret
 
 __all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
            "quantize", "quantize_leaf", "dequantize", "at_use", "is_quantized", "stored_bytes"]
@@ -329,7 +329,7 @@ class _Lazy:
         depends on one element of `tie`), with the deferred equations applied."""
         w = _materialize(self.node(leaves), tie)
         for e in self.ops:
-            w = _jaxpr.bind(e, [w])
+            w = bind(e, [w])
         return w
 
 
@@ -384,9 +384,9 @@ def _override(e, ins, read):
     lazy = [x for x in ins if isinstance(x, _Lazy)]
     if not lazy:
         return None
-    sub = _jaxpr.call_body(e)
+    sub = call_body(e)
     if sub is not None:  # a nested jit: evaluated inline, quantized weights passed in
-        return _jaxpr.interpret(sub.jaxpr, sub.consts, ins, _override)
+        return interpret(sub.jaxpr, sub.consts, ins, _override)
     if len(ins) == 1 and len(e.outvars) == 1 and not e.primitive.multiple_results:
         return [ins[0].then(e)]  # transpose, reshape, convert...: deferred to the use
     if e.primitive is P.dot_general_p and len(lazy) == 1 and len(ins) == 2:
@@ -397,7 +397,7 @@ def _override(e, ins, read):
         return [_qdot(spec, ins[side], other, *ins[side].leaves)]
     tie = _float_operand(ins)
     values = [x.value(x.leaves, tie) if isinstance(x, _Lazy) else x for x in ins]
-    outs = _jaxpr.bind(e, values)
+    outs = bind(e, values)
     return outs if e.primitive.multiple_results else [outs]
 
 
@@ -446,7 +446,7 @@ def at_use(fun: Callable) -> Callable:
                 ins.append(_Lazy(leaves, aux))
             else:
                 ins.append(x)
-        outs = _jaxpr.interpret(closed.jaxpr, closed.consts, ins, _override)
+        outs = interpret(closed.jaxpr, closed.consts, ins, _override)
         outs = [o.value(o.leaves, None) if isinstance(o, _Lazy) else o for o in outs]
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), outs)
 
