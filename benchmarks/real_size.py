@@ -24,6 +24,10 @@ Random weights (uniform, std 0.02; norm scales 1), random tokens, batch 1, seque
   (`LlamaConfig(remat="block")`).
 - `pockjax paper last-2 bf16-frozen ...`: PockEngine's transformer scheme (attention and
   the first MLP linears of the last 2 blocks) with bfloat16 frozen weights.
+- `pockjax paper last-2 int4-frozen`, `... int8-frozen`, `pockjax sparse last-k
+  int4-frozen`: frozen weights in 4 or 8 bits (`pockjax.lowbit`: int4 with a bfloat16
+  scale per 64 inputs, int8 with a scale per output channel), each quantized as it is
+  made and dequantized where it is used; trained weights and the arithmetic in float32.
 - `pockjax full f32`: every parameter, pockjax's fused step.
 - `pockjax sparse last-k iree host-cpu`: the `pockjax sparse last-k f32` step exported
   with `pj.export(..., target="host-cpu")` and run by `pockjax.runtime` (IREE
@@ -101,7 +105,9 @@ ROWS = ["pockjax sparse last-k f32", "pockjax sparse last-k bf16-frozen upcast",
         "pockjax full f32", "jax+optax full f32", "pockjax sparse last-k iree host-cpu",
         "pockjax sparse last-k bf16-frozen bf16-matmul remat",
         "pockjax sparse last-k bf16-frozen upcast iree host-cpu",
-        "pockjax paper last-2 bf16-frozen upcast iree host-cpu"]
+        "pockjax paper last-2 bf16-frozen upcast iree host-cpu",
+        "pockjax paper last-2 int4-frozen", "pockjax paper last-2 int8-frozen",
+        "pockjax sparse last-k int4-frozen"]
 # Each IREE row and the JAX row whose step it exports.
 IREE_ROWS = {"pockjax sparse last-k iree host-cpu": "pockjax sparse last-k f32",
              "pockjax sparse last-k bf16-frozen upcast iree host-cpu":
@@ -169,11 +175,13 @@ def _uniform(seed, shape, dtype, std):
 
 
 def build_params(s: dict, scheme_fn, frozen_dtype=None, compute_dtype=None,
-                 narrow: str = "upcast", remat=None):
+                 narrow: str = "upcast", remat=None, low_bit: str | None = None):
     """`(graphdef, abstract params, scheme)`, and a function making the arrays: each
     leaf made in its storage dtype by its own jitted call, so no float32 copy of the
     model ever exists. With `frozen_dtype`, frozen leaves are stored in it and the
-    model computes in `compute_dtype` (float32)."""
+    model computes in `compute_dtype` (float32). With `low_bit` ("int8", "int4"), each
+    frozen weight is quantized as soon as it is made (`pockjax.lowbit`): the abstract
+    params hold `Quantized` nodes and no float copy of the frozen model exists."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -189,15 +197,24 @@ def build_params(s: dict, scheme_fn, frozen_dtype=None, compute_dtype=None,
         params = cast_frozen(params, scheme, frozen_dtype)
     make = jax.jit(_uniform, static_argnums=(1, 2, 3))
     ones = jax.jit(jnp.ones, static_argnums=(0, 1))
+    floats = params
+    frozen = [isinstance(d, pj.Frozen) for d in jax.tree.leaves(
+        scheme.resolve(params), is_leaf=lambda d: isinstance(d, (pj.Full, pj.Frozen, pj.Channels)))]
+    if low_bit is not None:
+        from pockjax import lowbit
+        params = jax.eval_shape(lambda p: lowbit.quantize(p, scheme, low_bit), floats)
+        quantize = jax.jit(lambda w: lowbit.quantize_leaf(w, low_bit))
 
     def arrays():
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(floats)
         out = []
         for i, (path, x) in enumerate(leaves):
             if x.ndim == 1:  # norm scales
                 out.append(ones(x.shape, x.dtype))
-            else:
-                out.append(make(jnp.uint32(i * 7919 + 1), x.shape, x.dtype, 0.02))
+                continue
+            w = make(jnp.uint32(i * 7919 + 1), x.shape, x.dtype, 0.02)
+            out.append(quantize(w) if low_bit is not None and frozen[i] else w)
+            del w
         return jax.block_until_ready(jax.tree_util.tree_unflatten(treedef, out))
 
     return graphdef, params, scheme, arrays
@@ -265,11 +282,12 @@ def jax_row(row: str, s: dict, limit_gib: float):
 
     lm_loss = jax_loss("llama")
     bf16 = "bf16-frozen" in row
+    low_bit = next((b for b in ("int8", "int4") if f"{b}-frozen" in row), None)
     stage("init")
     graphdef, abstract, scheme, arrays = build_params(
         s, scheme_for(row, s), jnp.bfloat16 if bf16 else None, jnp.float32 if bf16 else None,
         narrow="native" if "bf16-matmul" in row else "upcast",
-        remat="block" if row.endswith(" remat") else None)
+        remat="block" if row.endswith(" remat") else None, low_bit=low_bit)
     opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
     tokens = jnp.asarray(make_batch("llama", s))
     trained_params = sum(int(np.prod(x.shape)) for x in
