@@ -203,7 +203,8 @@ def build_params(s: dict, scheme_fn, frozen_dtype=None, compute_dtype=None,
     if low_bit is not None:
         from pockjax import lowbit
         params = jax.eval_shape(lambda p: lowbit.quantize(p, scheme, low_bit), floats)
-        quantize = jax.jit(lambda w: lowbit.quantize_leaf(w, low_bit))
+        chooser = lowbit.formats_by_path(low_bit)
+        quantize = jax.jit(lowbit.quantize_leaf, static_argnums=1)
 
     def arrays():
         leaves, treedef = jax.tree_util.tree_flatten_with_path(floats)
@@ -213,7 +214,8 @@ def build_params(s: dict, scheme_fn, frozen_dtype=None, compute_dtype=None,
                 out.append(ones(x.shape, x.dtype))
                 continue
             w = make(jnp.uint32(i * 7919 + 1), x.shape, x.dtype, 0.02)
-            out.append(quantize(w) if low_bit is not None and frozen[i] else w)
+            fmt = chooser(pj.scheme.path_str(path)) if low_bit is not None and frozen[i] else None
+            out.append(w if fmt is None else quantize(w, fmt))
             del w
         return jax.block_until_ready(jax.tree_util.tree_unflatten(treedef, out))
 
@@ -283,6 +285,8 @@ def jax_row(row: str, s: dict, limit_gib: float):
     lm_loss = jax_loss("llama")
     bf16 = "bf16-frozen" in row
     low_bit = next((b for b in ("int8", "int4") if f"{b}-frozen" in row), None)
+    if low_bit is not None and "bf16-embed" in row:  # the gathered table in bfloat16
+        low_bit = {"embed/**": "bfloat16", "**": low_bit}
     stage("init")
     graphdef, abstract, scheme, arrays = build_params(
         s, scheme_for(row, s), jnp.bfloat16 if bf16 else None, jnp.float32 if bf16 else None,

@@ -46,7 +46,7 @@ from jax.extend.core import primitives as P
 from pockjax._jaxpr import bind, call_body, interpret
 
 __all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
-           "quantize", "quantize_leaf", "dequantize", "at_use", "is_quantized", "stored_bytes"]
+           "formats_by_path", "quantize", "quantize_leaf", "dequantize", "at_use", "is_quantized", "stored_bytes"]
 
 
 class QuantizeError(ValueError):
@@ -252,6 +252,24 @@ def dequantize(q, dtype=None) -> jax.Array:
     return ((grouped - offset) * scale).reshape(q.shape).astype(dtype)
 
 
+def formats_by_path(formats) -> Callable[[str], Any]:
+    """`path -> format or None` for `formats`: one format for every path, or a dict of
+    path patterns (a scheme's globs, first match wins) to formats.
+
+    Raises:
+      QuantizeError: an unknown format name.
+    """
+    from pockjax.scheme import Frozen, Scheme
+
+    if isinstance(formats, Mapping):
+        rules = Scheme({pattern: Frozen() for pattern in formats}, default=Frozen())
+        chosen = [format_of(f) for f in formats.values()]
+        return lambda path: next((f for f, rx in zip(chosen, rules._regex) if rx.match(path)),
+                                 None)
+    single = format_of(formats)
+    return lambda path: single
+
+
 def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | None = None,
              dtype=None):
     """`params` with the leaves `scheme` freezes stored in low precision.
@@ -277,7 +295,7 @@ def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | N
       QuantizeError: a format does not fit a leaf (see `quantize_leaf`), or an unknown
         format name.
     """
-    from pockjax.scheme import Frozen, Scheme, layouts_of, leaves_with_paths
+    from pockjax.scheme import Frozen, layouts_of, leaves_with_paths
 
     named, treedef = leaves_with_paths(params)
     if scheme is None:
@@ -286,14 +304,7 @@ def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | N
         decisions = jax.tree_util.tree_leaves(scheme.resolve(params),
                                               is_leaf=lambda d: d is not None and not isinstance(d, dict))
         frozen = [isinstance(d, Frozen) for d in decisions]
-    if isinstance(formats, Mapping):
-        rules = Scheme({pattern: Frozen() for pattern in formats}, default=Frozen())
-        patterns = list(formats.items())
-        chooser = lambda path: next((format_of(f) for (pat, f), rx in zip(patterns, rules._regex)
-                                     if rx.match(path)), None)
-    else:
-        single = format_of(formats)
-        chooser = lambda path: single
+    chooser = formats_by_path(formats)
     known = layouts_of(params)[0] if layouts is None else dict(layouts)
     out = []
     for (path, leaf), is_frozen in zip(named, frozen):
