@@ -242,14 +242,15 @@ def dequantize(q, dtype=None) -> jax.Array:
     if isinstance(q.fmt, Int8):
         return (q.data.astype(jnp.float32) * q.scale.astype(jnp.float32)).astype(dtype)
     axis, n = q.axis, q.shape[q.axis]
-    low = (q.data & 15).astype(jnp.float32)
-    high = (q.data >> 4).astype(jnp.float32)
-    levels = jnp.stack([low, high], axis=axis + 1).reshape(q.shape)
     groups = q.scale.shape[axis]
-    grouped = _split_axis(levels, axis, groups, n // groups)
-    offset = 8.0 if q.zero is None else jnp.expand_dims(q.zero.astype(jnp.float32), axis + 1)
+    # Scaled before the two halves of each byte are interleaved, so XLA computes the
+    # float weight in one fusion (the interleave its root), not through float copies.
+    pairs = _split_axis(q.data, axis, groups, n // groups // 2)        # [.., G, g/2, ..]
     scale = jnp.expand_dims(q.scale.astype(jnp.float32), axis + 1)
-    return ((grouped - offset) * scale).reshape(q.shape).astype(dtype)
+    offset = 8.0 if q.zero is None else jnp.expand_dims(q.zero.astype(jnp.float32), axis + 1)
+    low = ((pairs & 15).astype(jnp.float32) - offset) * scale
+    high = ((pairs >> 4).astype(jnp.float32) - offset) * scale
+    return jnp.stack([low, high], axis=axis + 2).reshape(q.shape).astype(dtype)
 
 
 def formats_by_path(formats) -> Callable[[str], Any]:
@@ -352,10 +353,14 @@ def _tie_one(tie, dtype):
 
 
 def _materialize(node, tie):
-    w = node.dequantize() if isinstance(node, Quantized) else node
-    if tie is None:
-        return w
-    return w * _tie_one(tie, w.dtype)
+    """`node` dequantized once `tie` exists: the tie multiplies the scales (small), so the
+    float weight is one fusion of the stored arrays, computed again at each use."""
+    if tie is not None:
+        one = _tie_one(tie, jnp.float32)
+        node = Quantized(node.data, (node.scale.astype(jnp.float32) * one).astype(node.scale.dtype),
+                         node.zero, fmt=node.fmt, shape=node.shape, dtype=node.dtype,
+                         axis=node.axis)
+    return node.dequantize()
 
 
 def _dot(spec, other, w):
