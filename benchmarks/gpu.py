@@ -51,7 +51,9 @@ from benchmarks.common import ROOT  # noqa: E402
 STEPS = 3
 RESULTS = os.path.join(ROOT, "benchmarks", "results", "gpu.md")
 GPU_ROWS = ["pockjax paper last-2 bf16-frozen bf16-matmul",
-            "pockjax sparse last-k bf16-frozen bf16-matmul", "torch lora r8 q+v bf16"]
+            "pockjax sparse last-k bf16-frozen bf16-matmul", "torch lora r8 q+v bf16",
+            "pockjax paper last-2 bf16-frozen upcast", "pockjax paper last-2 int4-frozen",
+            "pockjax paper last-2 int8-frozen"]
 SHARD_BYTES = 15_000_000
 
 
