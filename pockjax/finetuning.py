@@ -651,6 +651,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                                                      vocab_size=loaded.vocab_size)
     except (DataError, TokenizerError) as e:
         raise FinetuneError(str(e)) from None
+    except ValueError as e:  # a token id outside the model's vocabulary (the message says)
+        raise FinetuneError(str(e)) from None
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
     per_epoch = steps_per_epoch(len(train), batch)
     total = int(steps) if steps is not None else max(1, math.ceil((epochs or 1) * per_epoch))

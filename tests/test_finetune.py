@@ -339,6 +339,8 @@ def test_bad_inputs_get_messages(folders, data, tmp_path, capsys):
           "--out", tmp_path / "k")
     fails("use --frozen-dtype float32", *base, "--scheme", "blockwise:2", "--frozen-dtype",
           "bfloat16", "--out", tmp_path / "l")
+    fails("--frozen-dtype 'int3': choose float32, bfloat16, int8 or int4", *base,
+          "--frozen-dtype", "int3", "--out", tmp_path / "l2")
     gpt2 = ["--model", folders["gpt2"], *base[2:]]
     fails("use --frontend torch", *gpt2, "--frontend", "flax", "--out", tmp_path / "m")
     fails("implemented for pockjax's Flax models", *gpt2, "--scheme", "lora:4",
@@ -502,3 +504,20 @@ def test_prefix_cache_gives_the_same_run_and_says_so(folders, data, tmp_path, ca
     a, b = _params(Path(a.final)), _params(Path(b.final))
     for k in a:
         np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+
+
+def test_a_tokenizer_larger_than_its_model_is_a_finetune_error(folders, data, tmp_path):
+    """Token ids past the model's vocabulary (a tokenizer from another model) stop the run
+    with FinetuneError naming the file and line, not a bare ValueError."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"])
+    small = model.config.vocab_size - 200
+    model.resize_token_embeddings(small)
+    folder = tmp_path / "small-vocab"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (folders["llama"] / name).is_file():
+            shutil.copyfile(folders["llama"] / name, folder / name)
+    with pytest.raises(pj.FinetuneError, match=rf"train.jsonl line \d+ is outside the "
+                                               rf"vocabulary \[0, {small}\)"):
+        pj.finetune(folder, data["train"], tmp_path / "run", steps=1, batch=2, seq=32,
+                    progress=False, plot=False)
