@@ -114,8 +114,8 @@ def format_of(spec) -> Cast | Int8 | Int4 | None:
 
 @jax.tree_util.register_pytree_with_keys_class
 class Quantized:
-    """A weight stored in a low-bit format: `data` (int8, or uint8 holding two 4-bit
-    values per byte), `scale` and, for `Int4(zero_point=True)`, `zero`; `shape` and
+    """A weight stored in a low-bit format: `data` (int8: the values, or for int4 the bit
+    patterns of bytes holding two 4-bit values each), `scale` and, for `Int4(zero_point=True)`, `zero`; `shape` and
     `dtype` are the float weight's, `axis` its input axis. A pytree node: its arrays are
     the leaves (paths `weight/@data`, `weight/@scale`, `weight/@zero`), so it goes through
     `jit`, checkpoints and the trainer's state like any parameters.
@@ -212,7 +212,7 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
         hi = jnp.max(grouped, axis=axis + 1, keepdims=True)
         scale = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(fmt.scale_dtype)
         s32 = scale.astype(jnp.float32)
-        zero = jnp.clip(jnp.round(-lo / s32), 0, 15).astype(jnp.uint8)
+        zero = jnp.clip(jnp.round(-lo / s32), 0, 15).astype(jnp.int8)
         levels = jnp.clip(jnp.round(grouped / s32) + zero, 0, 15)
     else:
         amax = jnp.max(jnp.abs(grouped), axis=axis + 1, keepdims=True)
@@ -223,7 +223,8 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
     pairs = _split_axis(levels, axis, n // 2, 2)
     low = jax.lax.index_in_dim(pairs, 0, axis + 1, keepdims=False)
     high = jax.lax.index_in_dim(pairs, 1, axis + 1, keepdims=False)
-    data = (low | (high << 4)).astype(jnp.uint8)
+    # Stored as int8 bit patterns: IREE takes signless 8-bit globals, not unsigned ones.
+    data = jax.lax.bitcast_convert_type((low | (high << 4)).astype(jnp.uint8), jnp.int8)
     scale = jnp.squeeze(scale, axis + 1)
     zero = None if zero is None else jnp.squeeze(zero, axis + 1)
     return Quantized(data, scale, zero, fmt=fmt, shape=w.shape, dtype=out_dtype, axis=axis)
@@ -245,7 +246,8 @@ def dequantize(q, dtype=None) -> jax.Array:
     groups = q.scale.shape[axis]
     # Scaled before the two halves of each byte are interleaved, so XLA computes the
     # float weight in one fusion (the interleave its root), not through float copies.
-    pairs = _split_axis(q.data, axis, groups, n // groups // 2)        # [.., G, g/2, ..]
+    packed = jax.lax.bitcast_convert_type(q.data, jnp.uint8)
+    pairs = _split_axis(packed, axis, groups, n // groups // 2)        # [.., G, g/2, ..]
     scale = jnp.expand_dims(q.scale.astype(jnp.float32), axis + 1)
     offset = 8.0 if q.zero is None else jnp.expand_dims(q.zero.astype(jnp.float32), axis + 1)
     low = ((pairs & 15).astype(jnp.float32) - offset) * scale

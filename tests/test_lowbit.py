@@ -77,7 +77,7 @@ def test_rounding_is_within_half_a_step_and_exact_on_the_grid():
             again = np.asarray(lowbit.dequantize(lowbit.quantize_leaf(back, fmt)))
             np.testing.assert_array_equal(again, back)
     q = lowbit.quantize_leaf(w, "int4")
-    assert q.data.dtype == jnp.uint8 and q.data.shape == (32, 24) and q.scale.dtype == jnp.bfloat16
+    assert q.data.dtype == jnp.int8 and q.data.shape == (32, 24) and q.scale.dtype == jnp.bfloat16
     assert q.nbytes < w.nbytes / 6
 
 
@@ -211,3 +211,35 @@ def test_finetune_with_int4_frozen_weights(tmp_path):
     weights = load_file(str(tmp_path / "int4" / "final" / "model.safetensors"))
     assert weights["model.layers.1.mlp.up_proj.weight"].dtype == np.float32   # trained
     assert weights["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
+
+
+def test_the_step_exports_with_quantized_weights_and_runs_as_the_trainer(tmp_path):
+    """host-cpu artifact of a step on int8 and zero-point int4 weights (stored as int8 in
+    params.irpa): three steps through pockjax.runtime equal the JAX trainer's."""
+    params, batch = _mlp(), _batch()
+    del params["embed"]
+
+    def loss(p, b):
+        h = b["x"]
+        for i in range(4):
+            h = jnp.tanh(h @ p[f"l{i}"]["kernel"] + p[f"l{i}"]["bias"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    scheme = pj.Scheme({"l3/**": pj.Full(), "**/bias": pj.Full()}, default=pj.Frozen())
+    formats = {"l0/**": lowbit.Int4(group=32, zero_point=True), "**": "int8"}
+    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme,
+                              frozen_dtype=formats)
+    state = trainer.init(params)
+    assert isinstance(state.params["l0"]["kernel"].fmt, lowbit.Int4)
+    assert isinstance(state.params["l1"]["kernel"].fmt, lowbit.Int8)
+    pj.export(trainer, state, batch, target="host-cpu", out_dir=tmp_path / "art")
+    session = pj.runtime.load(tmp_path / "art", device="local-task")
+    for _ in range(3):
+        metrics = session.step(batch)
+        state, ref = trainer(state, batch)
+        assert float(np.asarray(metrics["loss"])) == pytest.approx(float(ref["loss"]), rel=1e-5)
+    got = session.params()
+    np.testing.assert_allclose(got["l3"]["kernel"], state.params["l3"]["kernel"], rtol=1e-5,
+                               atol=1e-6)
+    np.testing.assert_allclose(got["l1"]["bias"], state.params["l1"]["bias"], rtol=1e-5,
+                               atol=1e-6)

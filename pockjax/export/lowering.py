@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import primitives as P
 
+from pockjax import lowbit
 from pockjax._jaxpr import avals, bind, interpret, is_var
 from pockjax.export.manifest import SCOPE
 from pockjax.export.targets import ExportError
@@ -324,7 +325,8 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
                  *jax.tree_util.tree_leaves(new.opt_state)], metrics["loss"], [x for _, x in aux])
 
     def flat_eval(train, frz, batch_leaves):
-        out = trainer.loss_fn(params_from(train, frz),
+        # On quantized frozen weights (pockjax.lowbit) as the step reads them.
+        out = lowbit.at_use(trainer.loss_fn)(params_from(train, frz),
                               jax.tree_util.tree_unflatten(batch_def, batch_leaves))
         return out[0] if trainer.has_aux else out
 
