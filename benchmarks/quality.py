@@ -93,7 +93,8 @@ class Method:
     """One row of the table: `kind` picks the runner (`RUNNERS`); `scheme` is what
     `pockjax.finetune` trains (its own strings, or "@name" for a scheme built here by
     `build_scheme`); `rank` is LoRA's; `rates` the sweep's grid; `quick` puts the row in
-    the quick preset; `frontend` is finetune's (the model code that runs)."""
+    the quick preset; `frontend` is finetune's (the model code that runs); `frozen` its
+    `frozen_dtype` (the frozen weights' storage)."""
 
     name: str
     kind: str
@@ -102,6 +103,7 @@ class Method:
     rates: tuple[float, ...] = ()
     quick: bool = True
     frontend: str = "auto"
+    frozen: str = "float32"
 
 
 METHODS = [
@@ -126,6 +128,13 @@ METHODS = [
     # PockEngine's scheme on transformers' own LlamaForCausalLM through pockjax.torch.
     Method("pockjax.torch paper", "pockjax", "paper", rates=FEW_RATES, quick=False,
            frontend="torch"),
+    # Frozen weights in 4 and 8 bits (pockjax.lowbit) against the same schemes in float32.
+    Method("pockjax paper int4", "pockjax", "paper", rates=FEW_RATES, quick=False,
+           frozen="int4"),
+    Method("pockjax paper int8", "pockjax", "paper", rates=FEW_RATES, quick=False,
+           frozen="int8"),
+    Method("pockjax last:2 int4", "pockjax", "last:2", rates=FEW_RATES, quick=False,
+           frozen="int4"),
 ]
 REFERENCE = "torch full (AdamW)"
 
@@ -263,7 +272,7 @@ def train_pockjax(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict
                              lr=lr, warmup=warmup_steps(steps, cfg), schedule="cosine",
                              eval_every=eval_every(steps, cfg), keep=1, seed=seed,
                              overwrite=True, plot=False, progress=False,
-                             frontend=method.frontend)
+                             frontend=method.frontend, frozen_dtype=method.frozen)
     except NonFiniteLoss as e:
         raise FloatingPointError(str(e)) from None
     return {"trained_params": result.trainable_params, "total_params": result.total_params,
