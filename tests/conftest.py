@@ -10,7 +10,8 @@ settings.load_profile("pockjax")
 
 
 # The files that take longest, longest first (worker-seconds in a full `make test` on a
-# 2-core host, 2026-11-27). `make test` hands whole files to the workers in collection
+# 2-core host, 2026-11-27; test_prefix, test_lowbit and test_workarounds placed by their
+# times run alone). `make test` hands whole files to the workers in collection
 # order (`--dist loadfile --no-loadscope-reorder`); starting the long ones first keeps
 # one worker from running a long file alone at the end.
 LONGEST_FIRST = (
