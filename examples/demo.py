@@ -1,7 +1,9 @@
 """pockjax's headline flow: sparse fine-tuning of a tiny LLaMA, exported to IREE and run there.
 
-1. Load a tiny LLaMA from a Hugging Face-layout checkpoint (`--pretrained DIR`), or build
-   one and pretrain it here on generated text, save it in that layout and load it back.
+1. Load a tiny LLaMA from a Hugging Face-layout checkpoint: the one shipped in
+   `examples/checkpoints/tiny-llama` (pretrained 600 steps on generated text by
+   `python examples/tiny_lm.py`), another folder (`--pretrained DIR`), or one pretrained
+   here for `--pretrain-steps N` other than 600 (cached in OUT).
 2. Instruction-tune it with PockEngine's transformer scheme (attention and the MLP's
    gate/up projections of the last 3 blocks, plus the output head), with a progress bar,
    and print the step's report (FLOPs and compiled memory against full training).
@@ -37,7 +39,7 @@ NO_VULKAN = ("the android-vulkan artifact was compiled but not run: this machine
              "Vulkan driver ({reason}). `make system-deps` (as root, Debian/Ubuntu) installs "
              "mesa-vulkan-drivers, whose lavapipe is a Vulkan driver that runs on the CPU, "
              "with QEMU and the aarch64 libraries for android-arm64 artifacts; then run "
-             "`make demo` again (the pretrained model is cached)")
+             "`make demo` again")
 
 
 def vulkan_device() -> tuple[str | None, str]:
@@ -76,20 +78,22 @@ def max_relative_difference(a, b) -> float:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pretrained", help="a Hugging Face-layout LLaMA checkpoint directory")
-    ap.add_argument("--pretrain-steps", type=int, default=600)
+    ap.add_argument("--pretrain-steps", type=int, default=data.SHIPPED_STEPS,
+                    help="pretraining steps; 600 loads the shipped checkpoint, other counts "
+                         "pretrain here (cached in --out)")
     ap.add_argument("--steps", type=int, default=150, help="sparse fine-tuning steps")
     ap.add_argument("--artifact-steps", type=int, default=5)
     ap.add_argument("--out", default="out/demo")
     ap.add_argument("--fast", action="store_true",
-                    help="a quick run for tests: 30 pretraining and 20 fine-tuning steps")
+                    help="a quick run for tests: 20 fine-tuning steps, 3 in the artifacts")
     args = ap.parse_args(argv)
     if args.fast:
-        args.pretrain_steps, args.steps, args.artifact_steps = 30, 20, 3
+        args.steps, args.artifact_steps = 20, 3
     os.makedirs(args.out, exist_ok=True)
 
     # 1. The model, from a checkpoint in Hugging Face's layout.
-    if args.pretrained:
-        stage(f"1/5 loading the tiny LLaMA from {args.pretrained}")
+    if args.pretrained or args.pretrain_steps == data.SHIPPED_STEPS:
+        stage("1/5 loading a tiny LLaMA pretrained on generated text")
     else:
         stage(f"1/5 a tiny LLaMA pretrained {args.pretrain_steps} steps on generated text "
               "(cached after the first run; the bar starts once JAX has compiled the step, "

@@ -9,6 +9,8 @@ demo, to reverse the words of a sentence, to state a fact or to add two numbers:
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 PAD, EOS = 0, ord("\n")
@@ -164,11 +166,30 @@ def exact_match(model, pairs, max_new_tokens: int = 36) -> tuple[float, list[str
     return right / max(len(pairs), 1), answers
 
 
+# The checkpoint shipped with the examples: `SHIPPED_STEPS` steps of `pretrain`, made by
+# `python examples/tiny_lm.py --steps 600 --out examples/checkpoints/tiny-llama`.
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "checkpoints", "tiny-llama")
+SHIPPED_STEPS = 600
+
+
 def pretrained(out: str, steps: int, batch: int = 32) -> str:
     """A Hugging Face-layout checkpoint of the tiny LLaMA pretrained `steps` steps on the
-    generated corpus, in `out/pretrained-{steps}`: trained and saved on first use."""
-    import os
+    generated corpus: the shipped one (`SHIPPED`) for `SHIPPED_STEPS` steps, otherwise
+    `out/pretrained-{steps}`, trained and saved on first use."""
+    if steps == SHIPPED_STEPS and os.path.exists(os.path.join(SHIPPED, "config.json")):
+        print(f"pretrained model: {os.path.relpath(SHIPPED)} (shipped with the examples)")
+        return SHIPPED
+    path = os.path.join(out, f"pretrained-{steps}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        print(f"pretrained model: {path} (cached)")
+        return path
+    print(f"no checkpoint at {path}: pretraining a tiny LLaMA on generated text")
+    return pretrain(path, steps, batch)
 
+
+def pretrain(path: str, steps: int, batch: int = 32) -> str:
+    """Pretrain the tiny LLaMA `steps` steps on the generated corpus (seed 0, AdamW with
+    warm-up and cosine decay) and save it in Hugging Face's layout at `path`."""
     import optax
     from flax import nnx
 
@@ -176,11 +197,6 @@ def pretrained(out: str, steps: int, batch: int = 32) -> str:
     from pockjax.models.hf import save_llama
     from pockjax.models.llama import Llama
 
-    path = os.path.join(out, f"pretrained-{steps}")
-    if os.path.exists(os.path.join(path, "config.json")):
-        print(f"pretrained model: {path} (cached)")
-        return path
-    print(f"no checkpoint at {path}: pretraining a tiny LLaMA on generated text")
     tokens, mask = pack_lines(corpus(20_000), LENGTH)
     model = Llama(config(), rngs=nnx.Rngs(0))
     schedule = optax.warmup_cosine_decay_schedule(0.0, 3e-3, max(steps // 10, 1), steps, 3e-4)
@@ -190,3 +206,13 @@ def pretrained(out: str, steps: int, batch: int = 32) -> str:
     save_llama(model, path)
     print(f"pretrained {steps} steps, final loss {history.loss[-20:].mean():.3f}; saved {path}")
     return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(description="pretrain the examples' tiny LLaMA on generated text")
+    ap.add_argument("--steps", type=int, default=SHIPPED_STEPS)
+    ap.add_argument("--out", default=SHIPPED, help="the checkpoint folder to write")
+    args = ap.parse_args()
+    pretrain(args.out, args.steps)

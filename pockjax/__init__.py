@@ -6,6 +6,7 @@ IREE's runtime: no JAX, Flax or optax.
 """
 import importlib
 import sys
+import warnings
 from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
@@ -14,8 +15,9 @@ __version__ = "0.1.0"
 _WHERE = {
     "Scheme": "scheme", "SchemeError": "scheme", "Full": "scheme", "Frozen": "scheme",
     "Channels": "scheme",
-    "sparse_grad": "transforms", "sparse_value_and_grad": "transforms", "trainable": "transforms",
-    "apply_updates": "transforms", "TransformInfo": "transforms",
+    "sparse_grad": "transforms", "sparse_value_and_grad": "transforms",
+    "trainable_view": "transforms", "apply_sparse_updates": "transforms",
+    "TransformInfo": "transforms",
     "TracedValueError": "transforms",
     "sparse_train": "train", "SparseTrainer": "train", "TrainState": "train",
     "Schedule": "schedule", "ScheduledTrainer": "schedule",
@@ -23,12 +25,12 @@ _WHERE = {
     "TrainReport": "train", "fit": "train", "History": "train", "checkpoint_block": "train",
     "save": "checkpoint", "load": "checkpoint", "CheckpointError": "checkpoint",
     "ExportError": "export.targets",
-    "search": "scheme_search", "SearchReport": "scheme_search",
+    "search_scheme": "scheme_search", "SearchReport": "scheme_search",
     "finetune": "finetuning", "FinetuneError": "finetuning", "FinetuneResult": "finetuning",
     "Tokenizer": "tokenizer", "TokenizerError": "tokenizer",
-    "count_flops": "flops", "flops_of": "flops",
-    "compiled_memory": "_report", "tree_bytes": "_report", "format_bytes": "_report",
-    "format_flops": "_report",
+    "count_flops": "flops",
+    "compiled_memory": "measure", "tree_bytes": "measure", "format_bytes": "measure",
+    "format_flops": "measure",
     "schemes": None, "schedule": None, "prefix": None, "export": None, "runtime": None, "nnx": None, "models": None,
     "data": None,  # JSONL fine-tuning data: formats, prompt masking, batches
     "lowbit": None,  # frozen weights in int8 / int4, dequantized where they are used
@@ -36,14 +38,25 @@ _WHERE = {
     "backend": None,  # host training on XLA or IREE's CPU backend, or the faster of the two
 }
 
-__all__ = [n for n in _WHERE if not n.startswith("_")]
+# Old names, still answered with a DeprecationWarning that names the new one.
+_RENAMED = {"search": "search_scheme", "trainable": "trainable_view",
+            "apply_updates": "apply_sparse_updates", "flops_of": "count_flops"}
+
+__all__ = list(_WHERE)
 
 
 def __getattr__(name: str):
+    if name in _RENAMED:
+        new = _RENAMED[name]
+        warnings.warn(f"pockjax.{name} is renamed pockjax.{new} (same arguments"
+                      + (", and count_flops also takes a traced program" if new == "count_flops"
+                         else "") + "); the old name will be removed",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(sys.modules[__name__], new)
     if name not in _WHERE:
         raise AttributeError(f"module 'pockjax' has no attribute {name!r}")
     module = _WHERE[name]
-    if name in ("schemes", "search") and "flax" in sys.modules:
+    if name in ("schemes", "search_scheme") and "flax" in sys.modules:
         # Flax is loaded, so its modules may come in: pockjax.nnx registers their converter
         # with the schemes (which take parameter trees and import no Flax themselves).
         importlib.import_module("pockjax.nnx")
@@ -60,18 +73,18 @@ def __dir__():
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
     from pockjax import (backend, export, lowbit, models, nnx, prefix, runtime,  # noqa: F401
                          schedule, schemes)
-    from pockjax._report import compiled_memory, format_bytes, format_flops, tree_bytes  # noqa: F401
+    from pockjax.measure import compiled_memory, format_bytes, format_flops, tree_bytes  # noqa: F401
     from pockjax.checkpoint import CheckpointError, load, save  # noqa: F401
     from pockjax.export.targets import ExportError  # noqa: F401
     from pockjax.finetuning import FinetuneError, FinetuneResult, finetune  # noqa: F401
-    from pockjax.flops import count_flops, flops_of  # noqa: F401
+    from pockjax.flops import count_flops  # noqa: F401
     from pockjax.tokenizer import Tokenizer, TokenizerError  # noqa: F401
     from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError  # noqa: F401
-    from pockjax.scheme_search import SearchReport, search  # noqa: F401
+    from pockjax.scheme_search import SearchReport, search_scheme  # noqa: F401
     from pockjax.prefix import PrefixCachedTrainer, PrefixCacheError, find_cut  # noqa: F401
     from pockjax.schedule import Schedule, ScheduledTrainer  # noqa: F401
     from pockjax.train import (History, SparseTrainer, TrainReport, TrainState,  # noqa: F401
                                checkpoint_block, fit, sparse_train)
     from pockjax.transforms import (TracedValueError, TransformInfo,  # noqa: F401
-                                    apply_updates, sparse_grad, sparse_value_and_grad,
-                                    trainable)
+                                    apply_sparse_updates, sparse_grad,
+                                    sparse_value_and_grad, trainable_view)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Callable, Mapping
 
 import jax
@@ -96,58 +97,71 @@ class FlopCount:
                                    by_primitive={k: v * n for k, v in self.by_primitive.items()})
 
 
-def count_flops(program) -> float:
-    """FLOPs of a jaxpr (`Jaxpr`, `ClosedJaxpr`, a `jax.stages.Traced` from
-    `jax.jit(f).trace(...)`, or the `GradProgram` of `sparse_grad(f, scheme).trace(...)`,
-    which computes the value and the gradients), loops counted times their trip count.
+def count_flops(program, *args, **kwargs) -> float:
+    """FLOPs of a program, or of one call of a function, loops counted times their trip
+    count.
 
     Args:
-      program: a `Jaxpr`, a `ClosedJaxpr`, a `jax.stages.Traced` or a `GradProgram`.
+      program: what to count: a `Jaxpr`, a `ClosedJaxpr`, a `jax.stages.Traced` from
+        `jax.jit(f).trace(...)`, the `GradProgram` of `sparse_grad(f, scheme).trace(...)`
+        (which computes the value and the gradients); or a function (jitted or not, e.g.
+        a `pockjax.sparse_grad` function), counted on the jaxpr `jax.jit` lowers for
+        `program(*args, **kwargs)`.
+      *args: with a function: its positional arguments (arrays or
+        `jax.ShapeDtypeStruct`s).
+      **kwargs: with a function: its keyword arguments.
 
     Returns:
-      The FLOPs, a float (`analyze_flops(program).flops`).
+      The FLOPs, a float (`analyze_flops(program, *args, **kwargs).flops`).
 
     Raises:
-      TypeError: `program` is none of these (a function: use `flops_of`).
+      TypeError: `program` is none of these, or arguments come with a program that is
+        not a function.
     """
-    return analyze_flops(program).flops
+    return analyze_flops(program, *args, **kwargs).flops
 
 
 def flops_of(fn: Callable, *args, **kwargs) -> float:
-    """FLOPs of `fn(*args, **kwargs)` (a jitted function or any other callable, e.g. a
-    `pockjax.sparse_grad` function; arrays or `jax.ShapeDtypeStruct`s), counted on the
-    jaxpr that `jax.jit` lowers.
+    """Deprecated: `count_flops(fn, *args, **kwargs)` counts a function's call."""
+    warnings.warn("pockjax.flops_of is deprecated: count_flops(fn, *args) counts a function's "
+                  "call", DeprecationWarning, stacklevel=2)
+    return count_flops(fn, *args, **kwargs)
 
-    Args:
-      fn: the function; one that is not jitted is wrapped in `jax.jit`.
-      *args: its positional arguments (arrays or `jax.ShapeDtypeStruct`s).
-      **kwargs: its keyword arguments.
 
-    Returns:
-      The FLOPs of one call, a float.
-    """
+_PROGRAMS = (jax.stages.Traced, GradProgram, jex.ClosedJaxpr, jex.Jaxpr)
+
+
+def _trace(fn: Callable, *args, **kwargs):
     # Only a jitted function's `trace` is a `jax.stages` trace; other callables have
     # their own (`sparse_grad`'s returns its `GradProgram`).
-    traced = (fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)).trace(*args, **kwargs)
-    return count_flops(traced)
+    return (fn if isinstance(fn, jax.stages.Wrapped) else jax.jit(fn)).trace(*args, **kwargs)
 
 
-def analyze_flops(program) -> FlopCount:
+def analyze_flops(program, *args, **kwargs) -> FlopCount:
     """`count_flops` with the details: transcendentals, FLOPs by primitive, and what
     could not be counted exactly.
 
     Dead code is dropped first, as the compiler drops it.
 
     Args:
-      program: a `Jaxpr`, a `ClosedJaxpr`, a `jax.stages.Traced` (`jax.jit(f).trace(...)`)
-        or a `GradProgram` (`sparse_grad(f, scheme).trace(...)`).
+      program: a `Jaxpr`, a `ClosedJaxpr`, a `jax.stages.Traced` (`jax.jit(f).trace(...)`),
+        a `GradProgram` (`sparse_grad(f, scheme).trace(...)`), or a function called with
+        `*args` and `**kwargs` (as `count_flops`).
+      *args: with a function: its positional arguments.
+      **kwargs: with a function: its keyword arguments.
 
     Returns:
       The `FlopCount` of one run of the program.
 
     Raises:
-      TypeError: `program` is none of these (a function: use `flops_of`).
+      TypeError: `program` is none of these, or arguments come with a program that is
+        not a function.
     """
+    if not isinstance(program, _PROGRAMS) and callable(program):
+        program = _trace(program, *args, **kwargs)
+    elif args or kwargs:
+        raise TypeError(f"count_flops takes arguments only with a function to call; got a "
+                        f"{type(program).__name__} and {len(args) + len(kwargs)} argument(s)")
     if isinstance(program, jax.stages.Traced):
         program = program.jaxpr
     elif isinstance(program, GradProgram):  # `sparse_grad(f, scheme).trace(*args)`
@@ -159,8 +173,7 @@ def analyze_flops(program) -> FlopCount:
     else:
         raise TypeError(f"analyze_flops takes a Jaxpr, a ClosedJaxpr, a jax.stages.Traced "
                         f"(jax.jit(f).trace(*args)) or a sparse_grad GradProgram "
-                        f"(sparse_grad(f, scheme).trace(*args)), got {type(program).__name__}; to count a "
-                        f"function, use flops_of(f, *args)")
+                        f"(sparse_grad(f, scheme).trace(*args)) or a function, got {type(program).__name__}")
     # Dead code is not compiled: drop it first (recursing into calls and loops).
     n_consts = len(jaxpr.constvars)
     whole = consts_to_invars(jaxpr)

@@ -27,6 +27,26 @@ LONGEST_FIRST = (
 )
 
 
+# Markers (declared in pyproject.toml) for deselecting groups locally: `-m "not emulator"`.
+SLOW_FILES = ("tests/test_examples.py", "tests/test_quality.py", "tests/test_demo.py")
+EMULATOR_WORDS = ("vulkan", "arm64", "lavapipe", "qemu")
+
+
+def _markers(nodeid: str) -> list[str]:
+    path, lowered = nodeid.split("::")[0], nodeid.lower()
+    marks = []
+    if path.startswith("tests/export/") or "export" in lowered:
+        marks.append("export")
+    if any(word in lowered for word in EMULATOR_WORDS):
+        marks.append("emulator")
+    if path in SLOW_FILES:
+        marks.append("slow")
+    return marks
+
+
 def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in _markers(item.nodeid):
+            item.add_marker(name)
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FIRST)))

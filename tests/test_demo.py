@@ -32,6 +32,5 @@ def test_without_vulkan_the_demo_names_what_it_skipped_and_the_fix(demo, monkeyp
         "(no Vulkan driver here (Error creating driver 'vulkan': vkCreateInstance failed "
         "(VK_ERROR_INCOMPATIBLE_DRIVER))). `make system-deps` (as root, Debian/Ubuntu) installs "
         "mesa-vulkan-drivers, whose lavapipe is a Vulkan driver that runs on the CPU, with QEMU "
-        "and the aarch64 libraries for android-arm64 artifacts; then run `make demo` again "
-        "(the pretrained model is cached)"]
+        "and the aarch64 libraries for android-arm64 artifacts; then run `make demo` again"]
     assert capsys.readouterr().out == f"skipping: {skipped[0]}\n"

@@ -110,11 +110,11 @@ def test_convolutions_count_what_reads_real_input(stride, padding, lhs_dilation,
 
 def test_dot_and_elementwise_rules():
     a, b = jnp.ones((3, 5, 7)), jnp.ones((3, 7, 2))
-    assert pf.flops_of(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), a, b) == 2 * 3 * 5 * 2 * 7
+    assert pf.count_flops(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), a, b) == 2 * 3 * 5 * 2 * 7
     count = pf.analyze_flops(jax.make_jaxpr(lambda x: jnp.exp(x) + x ** 3)(jnp.ones(10)))
     assert (count.flops, count.transcendentals) == (10 + 20, 10)  # add; x**3 is two multiplies
     assert dict(count.by_primitive) == {"add": 10, "integer_pow": 20}
-    assert pf.flops_of(lambda x: jnp.sum(x, 0), jnp.ones((4, 6))) == 18  # 24 in, 6 out
+    assert pf.count_flops(lambda x: jnp.sum(x, 0), jnp.ones((4, 6))) == 18  # 24 in, 6 out
     # A reduction of two operands together: its computation (an add and a max) per step.
     both_ways = lambda x, i: lax.reduce((x, i), (0.0, 0), lambda a, b: (a[0] + b[0], jnp.maximum(
         a[1], b[1])), (1,))
@@ -139,11 +139,11 @@ def test_scan_counts_its_body_times_its_length():
         for i in range(6):
             h = layer(h, W[i])
         return h
-    assert pf.flops_of(scanned, W, H0) == pf.flops_of(python_loop, W, H0) == 6 * LAYER
+    assert pf.count_flops(scanned, W, H0) == pf.count_flops(python_loop, W, H0) == 6 * LAYER
     # The gradient against XLA on the scan unrolled (which it then counts in full).
     loss = lambda unroll: lambda W, h: jnp.sum(
         lax.scan(lambda h, w: (jnp.tanh(layer(h, w)), None), h, W, unroll=unroll)[0])
-    ours = pf.flops_of(jax.grad(loss(False), (0, 1)), W, H0)
+    ours = pf.count_flops(jax.grad(loss(False), (0, 1)), W, H0)
     assert ours == pytest.approx(both(jax.grad(loss(True), (0, 1)), W, H0)[1], rel=0.01)
 
 
@@ -154,10 +154,10 @@ def test_scan_inside_a_scan():
         def outer(h, ws):
             return lax.scan(lambda h, w: (layer(h, w), None), h, ws, unroll=unroll)[0], None
         return lambda W2, h: lax.scan(outer, h, W2, unroll=unroll)[0]
-    assert pf.flops_of(nested(False), W2, H0) == 2 * 3 * LAYER
+    assert pf.count_flops(nested(False), W2, H0) == 2 * 3 * LAYER
     # Both arguments differentiated: else XLA, once unrolled, drops the first layer's
     # input gradient, which the scan's uniform body computes.
-    ours = pf.flops_of(jax.grad(lambda W2, h: jnp.sum(nested(False)(W2, h) ** 2), (0, 1)), W2, H0)
+    ours = pf.count_flops(jax.grad(lambda W2, h: jnp.sum(nested(False)(W2, h) ** 2), (0, 1)), W2, H0)
     _, xla = both(jax.grad(lambda W2, h: jnp.sum(nested(True)(W2, h) ** 2), (0, 1)), W2, H0)
     assert ours == pytest.approx(xla, rel=0.01)
 
@@ -194,7 +194,7 @@ def test_calls_are_counted_through():
         return layer(h, W[1])
     g.defjvp(lambda p, t: (g(*p), t[0]))
     fn = lambda h: jax.checkpoint(lambda h: g(f(jax.jit(layer)(h, W[2]))))(h)
-    assert pf.flops_of(fn, H0) == 3 * LAYER
+    assert pf.count_flops(fn, H0) == 3 * LAYER
 
 
 def test_shard_map_counts_every_shard():
@@ -204,14 +204,14 @@ def test_shard_map_counts_every_shard():
     fn = jax.shard_map(layer, mesh=mesh, in_specs=(PartitionSpec("d"), PartitionSpec()),
                        out_specs=PartitionSpec("d"))
     h = jax.ShapeDtypeStruct(H0.shape, H0.dtype, sharding=NamedSharding(mesh, PartitionSpec("d")))
-    assert pf.flops_of(fn, h, W[0]) == LAYER  # 4 shards of a quarter of the batch
+    assert pf.count_flops(fn, h, W[0]) == LAYER  # 4 shards of a quarter of the batch
 
 
 def test_dead_code_is_not_counted():
     def fn(h):
         h @ W[0]  # unused, as XLA drops it
         return h + 1.0
-    assert pf.flops_of(fn, H0) == H0.size
+    assert pf.count_flops(fn, H0) == H0.size
 
 
 def test_a_primitive_without_a_rule_counts_zero_and_is_named():
@@ -220,8 +220,8 @@ def test_a_primitive_without_a_rule_counts_zero_and_is_named():
 
 
 def test_a_sparse_grad_function_is_counted():
-    # sparse_grad's function has a `trace` of its own (returning its GradProgram): flops_of
-    # counts it like any other callable, count_flops takes the GradProgram.
+    # sparse_grad's function has a `trace` of its own (returning its GradProgram):
+    # count_flops counts its call like any other callable's, and takes the GradProgram.
     params = {f"l{i}": jax.random.normal(KEYS[i], (64, 64)) / 8 for i in range(3)}
     x = jax.random.normal(KEYS[5], (16, 64))
 
@@ -232,86 +232,25 @@ def test_a_sparse_grad_function_is_counted():
 
     scheme = pj.Scheme({"l2": pj.Channels(count=4, axis="out")})  # the rest frozen
     sg = pj.sparse_grad(loss, scheme)
-    ours = pj.flops_of(sg, params, x)
-    assert ours == pj.flops_of(lambda p, x: sg(p, x), params, x)
+    ours = pj.count_flops(sg, params, x)
+    assert ours == pj.count_flops(lambda p, x: sg(p, x), params, x)
     # the program computes the value too (sparse_grad drops it, and the count with it)
     vg = pj.sparse_value_and_grad(loss, scheme)
-    assert pj.count_flops(sg.trace(params, x)) == pj.flops_of(vg, params, x) > ours
+    assert pj.count_flops(sg.trace(params, x)) == pj.count_flops(vg, params, x) > ours
     shapes = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), (params, x))
-    assert pj.flops_of(sg, *shapes) == ours
-    assert 0 < ours < 0.5 * pj.flops_of(jax.grad(loss), params, x)
+    assert pj.count_flops(sg, *shapes) == ours
+    assert 0 < ours < 0.5 * pj.count_flops(jax.grad(loss), params, x)
 
 
 def test_wrong_argument_says_what_to_pass():
-    with pytest.raises(TypeError, match="flops_of"):
-        pf.count_flops(lambda x: x)
-    assert pj.count_flops is pf.count_flops and pj.flops_of is pf.flops_of
+    with pytest.raises(TypeError, match="a Jaxpr, a ClosedJaxpr"):
+        pf.count_flops(3.0)
+    with pytest.raises(TypeError, match="arguments only with a function"):
+        pf.count_flops(jax.make_jaxpr(jnp.sin)(1.0), 1.0)
+    assert pj.count_flops is pf.count_flops
 
 
-def test_docstring_examples():
-    result = doctest.testmod(pf, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0 and result.failed == 0
-
-
-# -- report() and the search on a scanned model ------------------------------------
-
-L, D, B = 6, 64, 16
-SCANNED = {"inp": jax.random.normal(KEYS[2], (D, D)) / 8, "ws": jax.random.normal(KEYS[3], (L, D, D)) / 8,
-           "head": jax.random.normal(KEYS[4], (D, 4)) / 8}
-
-
-def scanned_loss(unroll=False):
-    def loss(p, batch):
-        h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), batch["x"] @ p["inp"], p["ws"],
-                        unroll=unroll)
-        return jnp.mean((h @ p["head"] - batch["y"]) ** 2)
-    return loss
-
-
-def scanned_batch(i):
-    x = jax.random.normal(jax.random.PRNGKey(100 + i), (B, D))
-    return {"x": x, "y": scanned_loss_target(x)}
-
-
-def scanned_loss_target(x):
-    h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x @ SCANNED["inp"], SCANNED["ws"])
-    return h @ SCANNED["head"]
-
-
-LAST_TWO = pj.Scheme({"ws": pj.Channels(count=2, axis=0, last=True)}, default=pj.Full())
-
-
-def test_report_counts_a_split_scan_below_full_training():
-    """The split scan (frozen first layers, trained last two) was counted above full
-    training by XLA's cost analysis (1.05x here): each piece's body once."""
-    batch = scanned_batch(0)
-    rolled = pj.sparse_train(scanned_loss(), optimizer=optax.adam(1e-3), scheme=LAST_TWO)
-    state = rolled.init(SCANNED)
-    report = rolled.report(state, batch)
-    assert report.transform.scans_split == 1
-    assert report.flops < 0.9 * report.flops_full
-    # The same counts as XLA's on the model unrolled, which has no loop to miss.
-    unrolled = pj.sparse_train(scanned_loss(True), optimizer=optax.adam(1e-3), scheme=LAST_TWO)
-    assert report.flops == pytest.approx(xla_flops(unrolled.trace(state, batch)), rel=0.01)
-    full = unrolled._full_lowered(state, batch).compile().cost_analysis()
-    assert report.flops_full == pytest.approx(float(full["flops"]), rel=0.01)
-
-
-def test_search_costs_count_every_layer(tmp_path):
-    """Training the last k layers costs more as k grows, less than full training, and
-    what the unrolled step costs (XLA's count had a third of that: each body once)."""
-    student = dict(SCANNED, ws=SCANNED["ws"] + 0.3 * jax.random.normal(KEYS[5], (L, D, D)) / 8)
-    data = ([scanned_batch(i) for i in range(2)], [scanned_batch(50)])
-    cands = [Candidate(f"ws last {k}", "ws", (("ws", pj.Channels(count=k, axis=0, last=True)),))
-             for k in (1, 3, 5)]
-    factory = lambda s: pj.sparse_train(scanned_loss(), optimizer=optax.adam(1e-3), scheme=s)
-    _, report = pj.search(factory, student, data, budget="99%", steps=2, candidates=cands,
-                          progress=False)
-    flops = [r.flops for r in report.results]
-    assert flops == sorted(flops) and len(set(flops)) == 3, flops
-    assert flops[-1] < report.full_flops
-    for scheme, want in ((cands[-1].scheme(), flops[-1]),
-                         (pj.Scheme(default=pj.Full()), report.full_flops)):
-        unrolled = pj.sparse_train(scanned_loss(True), optimizer=optax.adam(1e-3), scheme=scheme)
-        state = jax.eval_shape(unrolled.init, student)
-        assert want == pytest.approx(xla_flops(unrolled.trace(state, data[0][0])), rel=0.01)
+def test_flops_of_is_a_deprecated_count_flops():
+    x = jnp.ones((4, 6))
+    with pytest.warns(DeprecationWarning, match=r"count_flops\(fn, \*args\)"):
+        assert pj.flops_of(lambda x: jnp.sum(x, 0), x) == pf.count_flops(lambda x: jnp.sum(x, 0), x) == 18
