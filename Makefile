@@ -46,11 +46,15 @@ RUN_ENV = mkdir -p $${XDG_RUNTIME_DIR:=/tmp/pockjax-xdg} && export XDG_RUNTIME_D
 	  export POCKJAX_ARM64_RUNTIME=$(abspath $(ARM64_RUNTIME)) &&
 
 # Test files run on every core (pytest-xdist), each file whole in one worker so its
-# compiled fixtures are built once.
+# compiled fixtures are built once. One JAX compilation cache, fresh for the run, serves
+# the workers and the processes the tests start (examples, benchmarks), so a program
+# several tests build (the same model's step) is compiled once.
 test: venv arm64-runtime
-	$(RUN_ENV) $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
+	$(RUN_ENV) export JAX_COMPILATION_CACHE_DIR=$$(mktemp -d /tmp/pockjax-test-jax-cache.XXXXXX) \
+	  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 && \
+	  $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
 
-# A tiny LLaMA: pretrained on generated text (cached in out/demo), sparse instruction
+# The tiny LLaMA shipped in examples/checkpoints (pretrained on generated text), sparse instruction
 # tuning, export for android-vulkan and host-cpu, and more steps in the artifacts.
 # Unbuffered, so each stage's heading shows as it starts even when the output is piped.
 demo: venv

@@ -70,7 +70,7 @@ def step_gflop() -> float:
     opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
     trainer = pj.sparse_train(loss, optimizer=opt, scheme=scheme)
     state = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract,
-                       jax.eval_shape(opt.init, pj.trainable(abstract, scheme)), scheme)
+                       jax.eval_shape(opt.init, pj.trainable_view(abstract, scheme)), scheme)
     tokens = jnp.asarray(make_batch("llama", s))
     return trainer.report(state, tokens).flops / 1e9
 

@@ -549,7 +549,7 @@ def run_pockjax_torch(workload: str, row: str, s: dict, args) -> dict:
 
     losses, times = _timed(step, args.steps, args.warmup)
     trained = sum(int(np.prod(np.shape(x))) for x in
-                  jax.tree_util.tree_leaves(pj.trainable(state[0].params, scheme)))
+                  jax.tree_util.tree_leaves(pj.trainable_view(state[0].params, scheme)))
     return {"losses": losses, "times": times, "trained_params": trained,
             "rss_imports_mib": rss_imports, **_memory(trainer.lower(state[0], tokens).compile())}
 

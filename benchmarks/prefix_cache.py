@@ -80,7 +80,7 @@ def row(args) -> dict:
     out.update(prefix_share=report.share, bound=report.bound, cut_bytes=report.bytes_per_example,
                step_gflop=report.step_flops / 1e9, suffix_gflop=report.suffix_flops / 1e9,
                trained_params=sum(int(np.prod(x.shape)) for x in
-                                  jax.tree_util.tree_leaves(pj.trainable(state[0].params, scheme))))
+                                  jax.tree_util.tree_leaves(pj.trainable_view(state[0].params, scheme))))
     if args.cached:
         step_fn = PrefixCachedTrainer(trainer, budget_bytes=2**30)
 

@@ -430,7 +430,7 @@ def profile_real_size(args, rows: list[str]) -> str:
     optimizer = {}
     for row in rows:  # the trained leaves, from shapes (as jax_row builds them)
         _, abstract, scheme, _ = build_params(s, scheme_for(row, s))
-        shapes = tuple(jax.tree.leaves(pj.trainable(abstract, scheme)))
+        shapes = tuple(jax.tree.leaves(pj.trainable_view(abstract, scheme)))
         key = tuple((x.shape, str(x.dtype)) for x in shapes)
         if key not in optimizer:
             print(f"  alone: AdamW over {len(shapes)} tensors", file=sys.stderr, flush=True)

@@ -487,7 +487,7 @@ def search_scheme(cfg: dict, budget: str, task: str) -> str:
     last = pj.schemes.blocks(loaded.params)[-settings["last_blocks"]:]
     include = [f"{b}/{part}" for b in last for part in settings["parts"]]
     t0 = time.perf_counter()
-    scheme, report = pj.search(factory, loaded.params, (train_batches, heldout), budget=value,
+    scheme, report = pj.search_scheme(factory, loaded.params, (train_batches, heldout), budget=value,
                                steps=settings["steps"], cache=str(folder / "cache"),
                                progress=False, include=include, ratios=settings["ratios"])
     folder.mkdir(parents=True, exist_ok=True)

@@ -295,7 +295,7 @@ def jax_row(row: str, s: dict, limit_gib: float):
     opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
     tokens = jnp.asarray(make_batch("llama", s))
     trained_params = sum(int(np.prod(x.shape)) for x in
-                         jax.tree.leaves(pj.trainable(abstract, scheme)))
+                         jax.tree.leaves(pj.trainable_view(abstract, scheme)))
 
     from flax import nnx
     if row.startswith("pockjax"):
@@ -304,7 +304,7 @@ def jax_row(row: str, s: dict, limit_gib: float):
 
         trainer = pj.sparse_train(loss, optimizer=opt, scheme=scheme)
         shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract,
-                            jax.eval_shape(opt.init, pj.trainable(abstract, scheme)), scheme)
+                            jax.eval_shape(opt.init, pj.trainable_view(abstract, scheme)), scheme)
         stage("compile")
         compiled = trainer.lower(shapes, tokens).compile()
         memory = _fits(compiled, shapes, limit_gib)
@@ -408,7 +408,7 @@ def iree_export(row: str, s: dict, args) -> dict:
             "step_alloc_bytes": memory["peak_alloc_bytes"],
             "archive_gib": art.manifest["files"]["params.irpa"]["bytes"] / GIB,
             "trained_params": sum(int(np.prod(x.shape)) for x in
-                                  jax.tree.leaves(pj.trainable(abstract, scheme)))}
+                                  jax.tree.leaves(pj.trainable_view(abstract, scheme)))}
 
 
 def iree_run(row: str, s: dict, args) -> dict:
@@ -629,7 +629,7 @@ def compiled_memory_rows() -> list[dict]:
                 trainer = pj.sparse_train(lambda p, t, g=graphdef: lm_loss(nnx.merge(g, p), t),
                                           optimizer=opt, scheme=scheme)
                 shapes = TrainState(jax.ShapeDtypeStruct((), jnp.int32), abstract,
-                                    jax.eval_shape(opt.init, pj.trainable(abstract, scheme)),
+                                    jax.eval_shape(opt.init, pj.trainable_view(abstract, scheme)),
                                     scheme)
                 tokens = jax.ShapeDtypeStruct((s["batch"], s["seq"]), jnp.int32)
                 m = pj.compiled_memory(trainer.lower(shapes, tokens).compile())

@@ -120,7 +120,7 @@ def main(argv=None):
 
     # 3. Export the step from the tuned state.
     stage("3/5 exporting the training step through StableHLO to IREE (IREE compiles each "
-          "target for about a minute)")
+          "target: seconds here, longer for larger models)")
     artifacts = {}
     for target in ("android-vulkan", "host-cpu"):
         print(f"compiling for {target}...", flush=True)

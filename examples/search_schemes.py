@@ -119,7 +119,7 @@ def train(task, model, trainer, steps, desc):
 
 
 def trained_count(trainer) -> int:
-    view = pj.trainable(trainer.params(), trainer.scheme)
+    view = pj.trainable_view(trainer.params(), trainer.scheme)
     return sum(int(np.prod(np.shape(x))) for x in jax.tree_util.tree_leaves(view))
 
 

@@ -44,13 +44,13 @@ def main():
     })
     grad_fn = pj.sparse_value_and_grad(loss_fn, scheme)
     opt = optax.adam(3e-3)
-    opt_state = opt.init(pj.trainable(params, scheme))
+    opt_state = opt.init(pj.trainable_view(params, scheme))
 
     @jax.jit
     def step(params, opt_state, batch):
         loss, g = grad_fn(params, batch)
         updates, opt_state = opt.update(g, opt_state)
-        return pj.apply_updates(params, updates, scheme), opt_state, loss
+        return pj.apply_sparse_updates(params, updates, scheme), opt_state, loss
 
     key = jax.random.PRNGKey(2)
     x0 = jax.random.normal(key, (BATCH, WIDTH))
@@ -63,7 +63,7 @@ def main():
     print(f"gradient GFLOP: dense jax.grad {first(dense) / 1e9:.3f}, sparse_grad {first(sparse) / 1e9:.3f} "
           f"({first(sparse) / first(dense):.2f}x)")
 
-    want = pj.trainable(jax.grad(loss_fn)(params, batch0), scheme)
+    want = pj.trainable_view(jax.grad(loss_fn)(params, batch0), scheme)
     got = grad_fn(params, batch0)[1]
     err = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(b)) + 1e-12))
               for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))

@@ -63,13 +63,13 @@ def reference(params, batches):
     """The same training with dense jax.grad, sliced, and optax on the trainable view."""
     loss = trainer.loss_fn
     opt = optax.adam(3e-3)
-    opt_state = opt.init(pj.trainable(params, SCHEME))
+    opt_state = opt.init(pj.trainable_view(params, SCHEME))
 
     @jax.jit
     def step(params, opt_state, batch):
-        g = pj.trainable(jax.grad(loss)(params, batch), SCHEME)
-        updates, opt_state = opt.update(g, opt_state, pj.trainable(params, SCHEME))
-        return pj.apply_updates(params, updates, SCHEME), opt_state
+        g = pj.trainable_view(jax.grad(loss)(params, batch), SCHEME)
+        updates, opt_state = opt.update(g, opt_state, pj.trainable_view(params, SCHEME))
+        return pj.apply_sparse_updates(params, updates, SCHEME), opt_state
 
     for b in batches:
         params, opt_state = step(params, opt_state, b)

@@ -11,7 +11,7 @@ and optionally `output` (see `pockjax.torch.trainer`). `--scheme FILE.json` (fro
 `pockjax search`) replaces the trainer's scheme.
 
 `pockjax search MODULE:ATTR --budget 40% --out scheme.json` reads ATTR the same
-way. It must give `(trainer_factory, params, data)`, as `pockjax.search` takes them,
+way. It must give `(trainer_factory, params, data)`, as `pockjax.search_scheme` takes them,
 or a dict with `model` (an `nnx.Module`), `loss_fn`, `optimizer` and `data`, as
 `pockjax.nnx.search` takes them. `data` is `(train_batches, heldout_batches)`.
 """
@@ -341,7 +341,7 @@ def _search(args, written: list[str]) -> int:
                                            data=obj["data"], **extra, **common)
         elif isinstance(obj, tuple) and len(obj) == 3:
             factory, params, data = obj
-            scheme, report = pj.search(factory, params, data, **common)
+            scheme, report = pj.search_scheme(factory, params, data, **common)
         else:
             raise SystemExit(f"pockjax search: {args.spec} must give (trainer_factory, params, data) "
                              f"or a dict with model, loss_fn, optimizer and data; got "

@@ -36,7 +36,7 @@ def dense_view(fun, scheme, params, *args, argnums=0, has_aux=False):
     g = dense_grad(fun, params, *args, argnums=argnums, has_aux=has_aux)
     if has_aux:
         g = g[0]
-    return pj.trainable(g, scheme)
+    return pj.trainable_view(g, scheme)
 
 
 def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):

@@ -99,9 +99,9 @@ def test_ctrl_c_in_search_says_what_was_kept(tmp_path, monkeypatch, capsys, writ
     spec = tmp_path / "problem.py"
     spec.write_text("problem = (None, None, None)\n")
     if written:  # interrupted while writing the report, after the scheme
-        monkeypatch.setattr(pj, "search", lambda *a, **k: (pj.Scheme({}), _Report()))
+        monkeypatch.setattr(pj, "search_scheme", lambda *a, **k: (pj.Scheme({}), _Report()))
     else:
-        monkeypatch.setattr(pj, "search", _interrupt)
+        monkeypatch.setattr(pj, "search_scheme", _interrupt)
     out, cache_dir = tmp_path / "scheme.json", tmp_path / "cache"
     argv = ["search", f"{spec}:problem", "--out", str(out), "--report", str(tmp_path / "r.json")]
     assert _cli(argv + (["--cache", str(cache_dir)] if cache else [])) == 130

@@ -130,8 +130,8 @@ def test_remat_gradients_equal_dense_jax_grad_on_the_kept_slices():
     graphdef = nnx.split(Net())[0]
     want = dense_view(lambda p, b: masked_mse(nnx.merge(graphdef, p), b), scheme(), start, data[0])
     got = jax.tree_util.tree_map(lambda a, b: None if b is None else a - b,
-                                 pj.trainable(start, scheme()),
-                                 pj.trainable(trainer.params(), scheme()),
+                                 pj.trainable_view(start, scheme()),
+                                 pj.trainable_view(trainer.params(), scheme()),
                                  is_leaf=lambda x: x is None)
     assert_trees_close(got, want, rtol=1e-5, atol=1e-6)
     # The dead unit's weights get exactly no gradient.
@@ -457,7 +457,7 @@ def test_mobilenetv2_blocks():
     jax.config.update("jax_enable_x64", True)
     try:
         grad = jax.jit(jax.grad(lambda p, b: loss(nnx.merge(graphdef, p, f64(rest)), b)))
-        want = jax.tree_util.tree_map(np.asarray, pj.trainable(grad(f64(start), f64(batch)),
+        want = jax.tree_util.tree_map(np.asarray, pj.trainable_view(grad(f64(start), f64(batch)),
                                                                scheme))
     finally:
         jax.config.update("jax_enable_x64", False)
@@ -469,7 +469,7 @@ def test_mobilenetv2_blocks():
     (plain, plain_loss), (remat, remat_loss) = found[None], found["blocks"]
     assert remat.sparse.remat.where == "blocks = blocks/* (6 InvertedResidual)"
     got = jax.tree_util.tree_map(lambda a, b: None if b is None else a - b,
-                                 pj.trainable(start, scheme), pj.trainable(remat.params(), scheme),
+                                 pj.trainable_view(start, scheme), pj.trainable_view(remat.params(), scheme),
                                  is_leaf=lambda x: x is None)
     assert_trees_close(got, want, rtol=1e-4, atol=1e-6)
     assert remat_loss == pytest.approx(plain_loss, rel=1e-6)

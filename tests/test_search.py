@@ -80,7 +80,7 @@ def problem():
 @pytest.fixture(scope="module")
 def searched(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("search-cache"))
-    scheme, report = pj.search(factory, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
+    scheme, report = pj.search_scheme(factory, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
                                progress=False)
     return scheme, report, cache
 
@@ -160,11 +160,11 @@ def test_an_interrupted_analysis_resumes_from_the_cache(searched, tmp_path):
 
     cache = str(tmp_path / "cache")
     with pytest.raises(KeyboardInterrupt):
-        pj.search(lambda s: counting(s, stop_after=5), student(), DATA, budget=BUDGET,
+        pj.search_scheme(lambda s: counting(s, stop_after=5), student(), DATA, budget=BUDGET,
                   steps=STEPS, cache=cache, progress=False)
     assert len(runs) == 6
     runs.clear()
-    _, resumed = pj.search(counting, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
+    _, resumed = pj.search_scheme(counting, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
                            progress=False)
     assert len(runs) == len(report.results) - 5
     assert [r.contribution for r in resumed.results] == [r.contribution for r in report.results]
@@ -204,18 +204,18 @@ def test_flop_budget_is_kept(searched):
     full, half = by_name["branch1/l1/kernel full"].flops, by_name["branch1/l1/kernel 1/2 in"].flops
     assert half < full
     limit = (half + full) / 2
-    _, small = pj.search(factory, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
+    _, small = pj.search_scheme(factory, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
                          progress=False, flop_budget=limit)
     assert small.measured_flops <= limit
     assert "branch1/l1/kernel full" not in small.chosen and small.chosen
     with pytest.raises(ValueError, match="FLOP budget .* is below every candidate's step"):
-        pj.search(factory, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
+        pj.search_scheme(factory, student(), DATA, budget=BUDGET, steps=STEPS, cache=cache,
                   progress=False, flop_budget=1.0)
 
 
 def test_budgets_out_of_range_say_what_makes_sense(searched):
     _, report, cache = searched
-    run = lambda budget: pj.search(factory, student(), DATA, budget=budget, steps=STEPS,
+    run = lambda budget: pj.search_scheme(factory, student(), DATA, budget=budget, steps=STEPS,
                                    cache=cache, progress=False)
     with pytest.raises(ValueError, match=r"at least full fine-tuning's step memory.*between"):
         run("100%")
@@ -233,7 +233,7 @@ def test_budgets_out_of_range_say_what_makes_sense(searched):
     assert parse_budget("2GiB", 0) == 2 * 2**30 and parse_budget("40%", 1000) == 400
     assert parse_budget("512 MB", 0) == 512_000_000 and parse_budget(1234, 0) == 1234
     with pytest.raises(ValueError, match="at least 20"):
-        pj.search(factory, student(), (DATA[0][:5], DATA[1]), steps=STEPS, progress=False)
+        pj.search_scheme(factory, student(), (DATA[0][:5], DATA[1]), steps=STEPS, progress=False)
 
 
 def test_candidates():

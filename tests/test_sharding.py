@@ -152,7 +152,7 @@ def _reduced_shapes(compiled):
 
 
 def _trainable_shapes(state):
-    view = pj.trainable(state.params, SCHEME)
+    view = pj.trainable_view(state.params, SCHEME)
     return [x.shape for x in jax.tree_util.tree_leaves(view)]
 
 

@@ -565,7 +565,7 @@ def test_cli_exports_a_torch_model_with_its_loss(tmp_path):
 def test_search_on_torch_params(small_torch_trainer):
     trainer, state, batch = small_torch_trainer
     data = ([batch] * 3, [batch])
-    scheme, report = pj.search(
+    scheme, report = pj.search_scheme(
         lambda s: pj.sparse_train(trainer.loss_fn, optimizer=optax.adamw(1e-2), scheme=s),
         state.params, data, "60%", steps=3, ratios=(0.5,), axis="out")
     decisions = dict(leaves_with_paths(scheme.resolve(state.params))[0])

@@ -56,12 +56,12 @@ OPTIMIZERS = {
 
 def reference_steps(loss, optimizer, scheme, params, batches):
     """Dense jax.grad, sliced by the scheme, optax on the trainable view, written back."""
-    view = pj.trainable(params, scheme)
+    view = pj.trainable_view(params, scheme)
     opt_state = optimizer.init(view)
     for batch in batches:
-        g = pj.trainable(jax.grad(loss)(params, batch), scheme)
-        updates, opt_state = optimizer.update(g, opt_state, pj.trainable(params, scheme))
-        params = pj.apply_updates(params, updates, scheme)
+        g = pj.trainable_view(jax.grad(loss)(params, batch), scheme)
+        updates, opt_state = optimizer.update(g, opt_state, pj.trainable_view(params, scheme))
+        params = pj.apply_sparse_updates(params, updates, scheme)
     return params, opt_state
 
 

@@ -70,17 +70,17 @@ def test_low_precision_step_update_equals_float32_reference():
         state, metrics = trainer(state, TOKENS)
 
     ref = upcast(mixed)
-    view = pj.trainable(ref, scheme)
+    view = pj.trainable_view(ref, scheme)
     opt_state = opt.init(view)
     for _ in range(2):
         value, grads = jax.value_and_grad(loss)(ref, TOKENS)
-        updates, opt_state = opt.update(pj.trainable(grads, scheme), opt_state, view)
-        ref = pj.apply_updates(ref, updates, scheme)
-        view = pj.trainable(ref, scheme)
+        updates, opt_state = opt.update(pj.trainable_view(grads, scheme), opt_state, view)
+        ref = pj.apply_sparse_updates(ref, updates, scheme)
+        view = pj.trainable_view(ref, scheme)
     np.testing.assert_allclose(float(metrics["loss"]), float(value), rtol=1e-5)
     # Adam divides by sqrt(v): where a gradient is near zero, float32 rounding of the
     # reference's different summation order shows up at 1e-5 of the step size.
-    assert_trees_close(pj.trainable(state.params, scheme), view, rtol=1e-4, atol=5e-5)
+    assert_trees_close(pj.trainable_view(state.params, scheme), view, rtol=1e-4, atol=5e-5)
     for got, old, d in zip(jax.tree.leaves(state.params), jax.tree.leaves(mixed),
                            jax.tree.leaves(scheme.resolve(mixed))):
         assert got.dtype == old.dtype
@@ -119,7 +119,7 @@ def _step_memory(config, scheme_fn, frozen_dtype):
 
     trainer = pj.sparse_train(loss, optimizer=opt, scheme=scheme)
     state = pj.TrainState(jax.ShapeDtypeStruct((), jnp.int32), params,
-                          jax.eval_shape(opt.init, pj.trainable(params, scheme)), scheme)
+                          jax.eval_shape(opt.init, pj.trainable_view(params, scheme)), scheme)
     compiled = trainer.lower(state, jax.ShapeDtypeStruct((1, 8), jnp.int32)).compile()
     frozen = [x for x, d in zip(jax.tree.leaves(params), jax.tree.leaves(scheme.resolve(params)))
               if isinstance(d, pj.Frozen)]

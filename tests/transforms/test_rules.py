@@ -325,7 +325,7 @@ def weight_standardised_cnn(p, x):
 def test_elementwise_with_a_keepdims_operand(decision):
     # e.g. `mul f32[3,3,8,6], f32[1,1,1,6]`: the size-1 dims keep their whole (0, 1) box.
     info = check(weight_standardised_cnn, pj.Scheme({"a": decision}), WSP, XWS, rule="mul")
-    kept = pj.trainable(WSP, pj.Scheme({"a": decision}))["a"].shape
+    kept = pj.trainable_view(WSP, pj.Scheme({"a": decision}))["a"].shape
     narrowed = [tuple(v.aval.shape for v in e.invars) for e in info.jaxpr.jaxpr.eqns
                 if e.primitive.name == "mul" and e.outvars[0].aval.shape == kept]
     assert ((1, 1, 1, kept[3]), kept) in narrowed or (kept, (1, 1, 1, kept[3])) in narrowed, narrowed
@@ -589,7 +589,7 @@ def test_cumulative_every_length(op, decision):
     scheme = pj.Scheme(default=decision)
     params, xs = _cumulative_data()
     got = jax.jit(pj.sparse_grad(_cumulative_loss(op), scheme))(params, xs)
-    assert_trees_close(got, pj.trainable(_dense_cumulative(op), scheme), rtol=1e-5, atol=1e-5)
+    assert_trees_close(got, pj.trainable_view(_dense_cumulative(op), scheme), rtol=1e-5, atol=1e-5)
 
 
 def test_cummax_after_a_trained_matmul():
@@ -598,4 +598,4 @@ def test_cummax_after_a_trained_matmul():
     loss = lambda p, x: jnp.sum(lax.cummax(x @ p["w"], axis=1) ** 2)
     params, scheme = {"w": jax.random.normal(K[2], (3, 8))}, pj.Scheme({"w": pj.Full()})
     assert_trees_close(jax.jit(pj.sparse_grad(loss, scheme))(params, x),
-                       pj.trainable(jax.jit(jax.grad(loss))(params, x), scheme))
+                       pj.trainable_view(jax.jit(jax.grad(loss))(params, x), scheme))

@@ -41,7 +41,7 @@ def test_structure_frozen_none_channels_sliced():
     assert g["dense_0"]["kernel"].shape == (3, 12)
     assert g["dense_1"]["kernel"].shape == (12, 3)
     assert g["dense_2"]["kernel"].shape == (10, 4)
-    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(pj.trainable(PARAMS, SCHEME))
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(pj.trainable_view(PARAMS, SCHEME))
 
 
 def test_matches_dense_jitted_and_not():
@@ -67,7 +67,7 @@ def test_argnums_and_static_arguments():
         act = {"gelu": jax.nn.gelu, "tanh": jnp.tanh}[act_name]
         return scale * mlp_loss(params, x, act)
     g = pj.sparse_grad(loss, SCHEME, argnums=1)(X, PARAMS, 2.0, act_name="tanh")
-    want = pj.trainable(jax.grad(loss, argnums=1)(X, PARAMS, 2.0, act_name="tanh"), SCHEME)
+    want = pj.trainable_view(jax.grad(loss, argnums=1)(X, PARAMS, 2.0, act_name="tanh"), SCHEME)
     assert_trees_close(g, want)
 
 
@@ -75,14 +75,14 @@ def test_tuple_argnums_prefix_paths():
     s = pj.Scheme({"0/dense_2/kernel": pj.Full(), "1": pj.Full()})
     loss = lambda p, x: mlp_loss(p, x)
     g = pj.sparse_grad(loss, s, argnums=(0, 1))(PARAMS, X)
-    want = pj.trainable(jax.grad(loss, argnums=(0, 1))(PARAMS, X), s)
+    want = pj.trainable_view(jax.grad(loss, argnums=(0, 1))(PARAMS, X), s)
     assert_trees_close(g, want)
 
 
 def test_trainable_and_apply_updates_write_slices():
-    view = pj.trainable(PARAMS, SCHEME)
+    view = pj.trainable_view(PARAMS, SCHEME)
     ones = jax.tree_util.tree_map(jnp.ones_like, view)
-    new = pj.apply_updates(PARAMS, ones, SCHEME)
+    new = pj.apply_sparse_updates(PARAMS, ones, SCHEME)
     k0 = np.asarray(new["dense_0"]["kernel"]) - np.asarray(PARAMS["dense_0"]["kernel"])
     np.testing.assert_allclose(k0[:3], 1, rtol=1e-6)
     assert np.all(k0[3:] == 0)
@@ -93,11 +93,11 @@ def test_trainable_and_apply_updates_write_slices():
 
 
 def test_apply_updates_errors_name_the_path():
-    view = pj.trainable(PARAMS, SCHEME)
+    view = pj.trainable_view(PARAMS, SCHEME)
     bad = jax.tree_util.tree_map(lambda u: u, view)
     bad["dense_0"]["kernel"] = jnp.ones((4, 12))
     with pytest.raises(pj.SchemeError, match="update for 'dense_0/kernel' has shape \\(4, 12\\), expected"):
-        pj.apply_updates(PARAMS, bad, SCHEME)
+        pj.apply_sparse_updates(PARAMS, bad, SCHEME)
 
 
 def test_non_scalar_loss_raises():
