@@ -1,5 +1,4 @@
-"""Push-down rules of the higher-order primitives: `scan`, `remat`, `cond`, `while` and
-the custom-derivative calls.
+"""Push-down rules of `scan`, `remat`, `cond`, `while` and the custom-derivative calls.
 
 A box of a `scan`, `remat` or `cond` output becomes an extra output of the rewritten
 body (a `BodyRewrite` plan), which `pushdown.rewrite` rewrites recursively; `while`

@@ -63,9 +63,9 @@ __all__ = ["Box", "full_box", "is_full", "box_shape", "slice_to_box", "Stats", "
            "Narrowed", "Whole", "Alias", "Plan", "Analysis", "Rule", "compute_whole", "BoxRule",
            "RULES", "register", "ELEMENTWISE", "rewrite", "BodyRewrite", "count_eqns"]
 
-RULE_MODULES = (_rules_elementwise, _rules_layout, _rules_slicing, _rules_contraction,
-                _control_flow)
-"""The modules whose rules fill `RULES`, each imported above."""
+# The modules whose rules fill `RULES`, each imported above.
+_RULE_MODULES = (_rules_elementwise, _rules_layout, _rules_slicing, _rules_contraction,
+                 _control_flow)
 
 
 # --------------------------------------------------------------------------- the pass

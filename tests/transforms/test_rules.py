@@ -241,6 +241,8 @@ def test_the_rule_table_holds_every_rules_modules_rules():
               "custom_jvp_call", "custom_vjp_call"}
     assert {p.name for p in pushdown.RULES} == {p.name for p in pushdown.ELEMENTWISE} | others
     assert len(pushdown.RULES) == len(pushdown.ELEMENTWISE) + len(others) == 94
+    homes = {getattr(rule, "pull", rule).__module__ for rule in pushdown.RULES.values()}
+    assert homes == {m.__name__ for m in pushdown._RULE_MODULES}
 
 
 def test_reshape_groups_helpers():
