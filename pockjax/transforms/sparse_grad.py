@@ -12,6 +12,10 @@ How it works, in three steps on jaxprs:
 3. Push those slices up the backward graph (`pushdown`), so the weight gradient is
    computed for the kept channels only; dead code disappears on the way, and the
    forward `concatenate(slice(W), slice(W))` folds back into `W`.
+
+The steps are plain functions in `_kept_grad`; this module holds the public functions,
+the trainable view of the parameters and `SparseGradFn`, which traces the steps once
+per argument signature and reports what they did (`TransformInfo`).
 """
 from __future__ import annotations
 
@@ -27,10 +31,9 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.interpreters import partial_eval as pe
 
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
-from pockjax.transforms import pushdown, scan_split
+from pockjax.transforms._kept_grad import kept_value_and_grad, make_jaxpr_with_aux, push_down
 
 __all__ = ["sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo",
            "TracedValueError"]
@@ -389,114 +392,32 @@ class SparseGradFn:
         return entry
 
     def _trace(self, nums, named, diff_def, decisions, other_leaves, other_def, dyn_mask):
-        fun, has_aux = self.fun, self.has_aux
-
-        def rebuild(t, frozen_parts):
-            """Full leaves from kept slices `t` and the frozen parts."""
-            out, it = [], iter(t)
-            for d, fpart in zip(decisions, frozen_parts):
-                if isinstance(d, Frozen):
-                    out.append(fpart)
-                elif isinstance(d, Full):
-                    out.append(next(it))
-                else:
-                    kept = next(it)
-                    pieces = [fpart, kept] if d.last else [kept, fpart]
-                    out.append(lax.concatenate(pieces, d.axis))
-            return out
-
-        def call_user(leaves, dyn):
-            dyn_it = iter(dyn)
-            others = [next(dyn_it) if m else x for x, m in zip(other_leaves, dyn_mask)]
-            rest, kwargs = jax.tree_util.tree_unflatten(other_def, others)
-            diff = jax.tree_util.tree_unflatten(diff_def, leaves)
-            args = list(rest)
-            if isinstance(self.argnums, tuple):
-                for a, sub in zip(nums, diff):
-                    args[a] = sub
-            else:
-                args[nums[0]] = diff
-            try:
-                return fun(*args, **kwargs)
-            except tuple(kind for kind, _ in _CONCRETIZATION) as err:
-                raise _traced_value_error(err, fun) from err
-
-        out_info = {}
-
-        def outer(leaves, dyn):
-            t, frozen_parts = [], []
-            for x, d in zip(leaves, decisions):
-                if isinstance(d, Frozen):
-                    frozen_parts.append(x)
-                elif isinstance(d, Full):
-                    t.append(x)
-                    frozen_parts.append(None)
-                else:
-                    axis, start, stop = d.bounds(np.shape(x))
-                    n = np.shape(x)[axis]
-                    t.append(lax.slice_in_dim(x, start, stop, axis=axis))
-                    frozen_parts.append(lax.slice_in_dim(x, 0, start, axis=axis) if d.last
-                                        else lax.slice_in_dim(x, stop, n, axis=axis))
-
-            def forward(t, frozen_parts, dyn):
-                return call_user(rebuild(t, frozen_parts), dyn)
-
-            # The forward, traced once, with scans split where a stacked weight's layer
-            # axis is partly trained; then differentiated with respect to `t` only.
-            fwd_closed, fwd_tree = _trace_with_tree(forward, t, frozen_parts, dyn)
-            split_closed, n_split = scan_split.split_scans(fwd_closed)
-            out_info["scans_split"] = n_split
-            n_t = len(jax.tree_util.tree_leaves(t))
-            f_leaves = jax.tree_util.tree_leaves((frozen_parts, dyn))
-
-            def forward_flat(t_list):
-                outs = jex.jaxpr_as_fun(split_closed)(*t_list, *f_leaves)
-                return jax.tree_util.tree_unflatten(fwd_tree, outs)
-
-            if has_aux:
-                (value, aux), g = jax.value_and_grad(forward_flat, has_aux=True)(list(t))
-            else:
-                value, g = jax.value_and_grad(forward_flat)(list(t))
-                aux = None
-            aux_leaves, aux_def = jax.tree_util.tree_flatten(aux)
-            out_info["aux_def"] = aux_def
-            assert len(g) == n_t
-            return [value, *aux_leaves, *g]
-
+        call = functools.partial(self._call, nums, diff_def, other_leaves, other_def, dyn_mask)
+        grad = functools.partial(kept_value_and_grad, call, decisions, self.has_aux)
         leaves = [x for _, x in named]
         dyn = [x for x, m in zip(other_leaves, dyn_mask) if m]
-        closed = jax.make_jaxpr(outer)(leaves, dyn)
-        stats = pushdown.Stats()
-        stats.eqns_in = pushdown.count_eqns(closed.jaxpr)
-        rewritten = pushdown.rewrite(closed, None, stats)
-        dced, _ = pe.dce_jaxpr(rewritten.jaxpr, [True] * len(rewritten.jaxpr.outvars),
-                               instantiate=True)
-        # dce_jaxpr drops unused inputs; keep the signature so callers pass every leaf.
-        dced = dced.replace(invars=rewritten.jaxpr.invars) if len(dced.invars) != len(
-            rewritten.jaxpr.invars) else dced
-        final = jex.ClosedJaxpr(dced, rewritten.consts)
-        stats.eqns_out = pushdown.count_eqns(final.jaxpr)
+        closed, _, (aux_def, n_split) = make_jaxpr_with_aux(grad, leaves, dyn)
+        final, stats = push_down(closed)
+        info = _transform_info(final, stats, named, decisions, n_split)
+        return GradProgram(jax.jit(jex.jaxpr_as_fun(final)), info, aux_def, decisions, diff_def)
 
-        total = sum(int(np.prod(np.shape(x))) for _, x in named)
-        n_train = 0
-        for (_, x), d in zip(named, decisions):
-            if isinstance(d, Full):
-                n_train += int(np.prod(np.shape(x)))
-            elif isinstance(d, Channels):
-                axis, s, e = d.bounds(np.shape(x))
-                n_train += int(np.prod(np.shape(x))) // np.shape(x)[axis] * (e - s)
-        info = TransformInfo(
-            jaxpr=final, trainable_params=n_train, total_params=total,
-            frozen=[p for (p, _), d in zip(named, decisions) if isinstance(d, Frozen)],
-            channels={p: d for (p, _), d in zip(named, decisions) if isinstance(d, Channels)},
-            full=[p for (p, _), d in zip(named, decisions) if isinstance(d, Full)],
-            rules=dict(stats.rules), fallbacks=dict(stats.fallbacks),
-            fallback_sources=dict(stats.fallback_sources),
-            fallback_reasons=dict(stats.fallback_reasons),
-            eqns_before=stats.eqns_in, eqns_after=stats.eqns_out,
-            scans_split=out_info.get("scans_split", 0))
-        runner = jax.jit(jex.jaxpr_as_fun(final))
-        return GradProgram(runner, info, out_info["aux_def"], decisions, diff_def)
+    def _call(self, nums, diff_def, other_leaves, other_def, dyn_mask, leaves, dyn):
+        """`fun` on the differentiated leaves `leaves` and the dynamic leaves `dyn` of the
+        other arguments; JAX's concretization errors become a `TracedValueError`."""
+        dyn_it = iter(dyn)
+        others = [next(dyn_it) if m else x for x, m in zip(other_leaves, dyn_mask)]
+        rest, kwargs = jax.tree_util.tree_unflatten(other_def, others)
+        diff = jax.tree_util.tree_unflatten(diff_def, leaves)
+        args = list(rest)
+        if isinstance(self.argnums, tuple):
+            for a, sub in zip(nums, diff):
+                args[a] = sub
+        else:
+            args[nums[0]] = diff
+        try:
+            return self.fun(*args, **kwargs)
+        except tuple(kind for kind, _ in _CONCRETIZATION) as err:
+            raise _traced_value_error(err, self.fun) from err
 
     # -- calling ---------------------------------------------------------------
 
@@ -530,17 +451,26 @@ class SparseGradFn:
         return self.trace(*args, **kwargs).info
 
 
-def _trace_with_tree(f, *args):
-    tree_box = {}
-
-    def flat(*flat_args):
-        out = f(*jax.tree_util.tree_unflatten(in_def, flat_args))
-        leaves, tree_box["def"] = jax.tree_util.tree_flatten(out)
-        return leaves
-
-    flat_args, in_def = jax.tree_util.tree_flatten(args)
-    closed = jax.make_jaxpr(flat)(*flat_args)
-    return closed, tree_box["def"]
+def _transform_info(final, stats, named, decisions, n_split) -> TransformInfo:
+    """The report of one traced gradient: `final` its jaxpr, `named` the `(path, leaf)`
+    pairs of the differentiated leaves."""
+    total = sum(int(np.prod(np.shape(x))) for _, x in named)
+    n_train = 0
+    for (_, x), d in zip(named, decisions):
+        if isinstance(d, Full):
+            n_train += int(np.prod(np.shape(x)))
+        elif isinstance(d, Channels):
+            axis, s, e = d.bounds(np.shape(x))
+            n_train += int(np.prod(np.shape(x))) // np.shape(x)[axis] * (e - s)
+    return TransformInfo(
+        jaxpr=final, trainable_params=n_train, total_params=total,
+        frozen=[p for (p, _), d in zip(named, decisions) if isinstance(d, Frozen)],
+        channels={p: d for (p, _), d in zip(named, decisions) if isinstance(d, Channels)},
+        full=[p for (p, _), d in zip(named, decisions) if isinstance(d, Full)],
+        rules=dict(stats.rules), fallbacks=dict(stats.fallbacks),
+        fallback_sources=dict(stats.fallback_sources),
+        fallback_reasons=dict(stats.fallback_reasons),
+        eqns_before=stats.eqns_in, eqns_after=stats.eqns_out, scans_split=n_split)
 
 
 def sparse_grad(fun: Callable, scheme: Scheme, argnums: int | Sequence[int] = 0,

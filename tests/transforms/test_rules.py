@@ -9,7 +9,7 @@ from jax import lax
 
 import pockjax as pj
 from pockjax._jaxpr import is_var, var_shape
-from pockjax.transforms import pushdown
+from pockjax.transforms import _rules_elementwise, _rules_layout, pushdown
 from tests.helpers import assert_matches_dense, assert_trees_close, flops
 
 K = jax.random.split(jax.random.PRNGKey(0), 8)
@@ -231,12 +231,26 @@ def test_registered_rules_cover_the_listed_primitives():
         assert name in {p.name for p in pushdown.RULES}
 
 
+def test_the_rule_table_holds_every_rules_modules_rules():
+    # The rules live in several modules, each registering into the one table when it is
+    # imported; pushdown imports them all. A module left out would lose its rules silently.
+    others = {"transpose", "squeeze", "rev", "reshape", "broadcast_in_dim", "reduce_sum", "reduce_max",
+              "reduce_min", "reduce_prod", "argmax", "argmin", "reduce_window_sum", "slice", "split",
+              "unstack", "stack", "concatenate", "pad", "dynamic_slice", "dynamic_update_slice",
+              "scatter-add", "dot_general", "conv_general_dilated", "scan", "remat2", "cond", "while",
+              "custom_jvp_call", "custom_vjp_call"}
+    assert {p.name for p in pushdown.RULES} == {p.name for p in pushdown.ELEMENTWISE} | others
+    assert len(pushdown.RULES) == len(pushdown.ELEMENTWISE) + len(others) == 94
+    homes = {getattr(rule, "pull", rule).__module__ for rule in pushdown.RULES.values()}
+    assert homes == {m.__name__ for m in pushdown._RULE_MODULES}
+
+
 def test_reshape_groups_helpers():
-    assert pushdown._box_to_flat(((1, 2), (0, 4)), (3, 4)) == (4, 8)
-    assert pushdown._box_to_flat(((0, 3), (0, 2)), (3, 4)) is None
-    assert pushdown._flat_to_box(4, 8, (12,)) == ((4, 8),)
-    assert pushdown._flat_to_box(4, 8, (3, 4)) == ((1, 2), (0, 4))
-    assert pushdown._flat_to_box(2, 6, (3, 4)) is None
+    assert _rules_layout._box_to_flat(((1, 2), (0, 4)), (3, 4)) == (4, 8)
+    assert _rules_layout._box_to_flat(((0, 3), (0, 2)), (3, 4)) is None
+    assert _rules_layout._flat_to_box(4, 8, (12,)) == ((4, 8),)
+    assert _rules_layout._flat_to_box(4, 8, (3, 4)) == ((1, 2), (0, 4))
+    assert _rules_layout._flat_to_box(2, 6, (3, 4)) is None
 
 
 # -- scatter-add: the gradient of an embedding lookup ------------------------------
@@ -342,7 +356,7 @@ def test_elementwise_with_a_keepdims_operand_across_the_statistics(decision):
 def test_elementwise_with_a_keepdims_operand_cuts_flops(monkeypatch):
     scheme = pj.Scheme({"a": pj.Channels(count=2, axis="out"), "b": pj.Channels(count=1, axis="out")})
     with_rule = sparse_flops(weight_standardised_cnn, scheme, WSP, XWS)
-    plain = pushdown._elementwise_pull
+    plain = _rules_elementwise._elementwise_pull
 
     def no_broadcast(eqn, i, box):  # the rule as it was: operands of the output's shape only
         out = var_shape(eqn.outvars[0])
@@ -515,7 +529,7 @@ def test_a_primitive_without_a_rule_is_computed_whole_and_counted():
 
 def test_register_takes_primitives_not_names():
     with pytest.raises(TypeError, match="jax Primitive objects"):
-        pushdown.register("tanh", pushdown._elementwise_pull, pushdown._elementwise_apply)
+        pushdown.register("tanh", _rules_elementwise._elementwise_pull, _rules_elementwise._elementwise_apply)
 
 
 # -- cumulative reductions (lax.associative_scan in their derivatives) ------------------------
