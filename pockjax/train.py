@@ -354,18 +354,12 @@ class SparseTrainer:
         return state_avals, batch_avals
 
     def lower(self, state: TrainState, batch) -> jax.stages.Lowered:
-        """The lowered step, for `.as_text()`, `.compile().memory_analysis()`, ...
-
-        Args:
-          state: a `TrainState` (arrays or shapes).
-          batch: a batch (arrays or `jax.ShapeDtypeStruct`s).
+        """The lowered step, for `.as_text()`, `.compile().memory_analysis()`, ...: the
+        step `trace` gives, lowered (on one device, a state of arrays is lowered as it
+        is). It takes the arguments `trace` takes and raises what `trace` raises.
 
         Returns:
           The `jax.stages.Lowered` step.
-
-        Raises:
-          TypeError: `state` is not a `TrainState`.
-          SchemeError: `state` was made for another scheme.
         """
         self._check_state(state)
         if self.layout is not None:
