@@ -341,14 +341,12 @@ class PrefixCachedTrainer:
             values = cache.get(key) or sess.prefix(batch)
             sess.step({"batch": batch, "cut": values})
 
+        `target`, `out_dir`, `gpu`, `extra_flags` and `progress` are those of
+        `SparseTrainer.export`.
+
         Args:
           state: the `TrainState`.
           batch: a batch of the shape to compile for.
-          target: the IREE target's name (`pockjax.export.TARGETS`); default "host-cpu".
-          out_dir: the artifact directory to write; default "export".
-          gpu: the GPU family, for GPU targets; None for the target's default.
-          extra_flags: more compiler flags (`--iree-...=value`).
-          progress: name each stage on stderr as it starts; default False.
 
         Returns:
           The `pockjax.export.Artifact`.
