@@ -319,18 +319,12 @@ class ScheduledTrainer:
         return self.trainer_of(state).explain(state, batch)
 
     def report(self, state, batch, **kw):
-        """`SparseTrainer.report` for the scheme `state` holds.
-
-        Args:
-          state: a `TrainState` of one of the schedule's schemes.
-          batch: a batch of the training shape.
-          **kw: passed on to `SparseTrainer.report`.
+        """`SparseTrainer.report` for the scheme `state` holds: `state` and `batch` as in
+        `explain`, `**kw` passed on to `SparseTrainer.report`, and the same `SchemeError`
+        for a state of another scheme.
 
         Returns:
           The `TrainReport` of that scheme's step.
-
-        Raises:
-          SchemeError: `state.scheme` is not one of the schedule's schemes.
         """
         return self.trainer_of(state).report(state, batch, **kw)
 
