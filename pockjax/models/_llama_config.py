@@ -282,47 +282,33 @@ class LlamaConfig:
 
     @classmethod
     def llama2_7b(cls, **overrides) -> "LlamaConfig":
-        """LLaMA-2-7B's shape (6,738,415,616 parameters).
-
-        Args:
-          **overrides: fields that replace the shape's (e.g. `num_layers=4`).
-
-        Returns:
-          The `LlamaConfig`.
-        """
-        return cls(**{**dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                             num_layers=32, num_heads=32, max_position_embeddings=4096),
-                      **overrides})
+        """LLaMA-2-7B's shape (6,738,415,616 parameters), `overrides` replacing any of its
+        fields (e.g. `num_layers=4`)."""
+        return cls._preset(overrides, vocab_size=32000, hidden_size=4096,
+                           intermediate_size=11008, num_layers=32, num_heads=32,
+                           max_position_embeddings=4096)
 
     @classmethod
     def tinyllama_1b(cls, **overrides) -> "LlamaConfig":
         """TinyLlama-1.1B's shape (1,100,048,384 parameters; grouped-query attention with
-        4 key/value heads).
-
-        Args:
-          **overrides: fields that replace the shape's (e.g. `num_layers=4`).
-
-        Returns:
-          The `LlamaConfig`.
-        """
-        return cls(**{**dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
-                             num_layers=22, num_heads=32, num_kv_heads=4,
-                             max_position_embeddings=2048), **overrides})
+        4 key/value heads), `overrides` replacing any of its fields (e.g. `num_layers=4`)."""
+        return cls._preset(overrides, vocab_size=32000, hidden_size=2048,
+                           intermediate_size=5632, num_layers=22, num_heads=32, num_kv_heads=4,
+                           max_position_embeddings=2048)
 
     @classmethod
     def tiny(cls, **overrides) -> "LlamaConfig":
-        """A small model for tests and examples (grouped-query attention, 2 layers).
+        """A small model for tests and examples (grouped-query attention, 2 layers),
+        `overrides` replacing any of its fields (e.g. `dtype=jnp.float32`)."""
+        return cls._preset(overrides, vocab_size=256, hidden_size=64, intermediate_size=172,
+                           num_layers=2, num_heads=4, num_kv_heads=2,
+                           max_position_embeddings=512)
 
-        Args:
-          **overrides: fields that replace the shape's (e.g. `dtype=jnp.float32`).
-
-        Returns:
-          The `LlamaConfig`.
-        """
-        return cls(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=172,
-                             num_layers=2, num_heads=4, num_kv_heads=2,
-                             max_position_embeddings=512),
-                      **overrides})
+    @classmethod
+    def _preset(cls, overrides: dict, **shape) -> "LlamaConfig":
+        """A preset's `shape` with the caller's `overrides` replacing its fields (checked
+        together, as one `LlamaConfig`)."""
+        return cls(**{**shape, **overrides})
 
     @classmethod
     def from_hf(cls, config: dict, **overrides) -> "LlamaConfig":
