@@ -404,7 +404,7 @@ def test_upstream_xla_cpu_early_converts_still_needs_workaround():
         assert temp >= every_copy, (
             f"XLA now converts each weight when its layer runs ({upcast.__name__}: {temp} "
             f"bytes of temporaries, all copies are {every_copy}): review _upcast_after in "
-            "pockjax/models/llama.py")
+            "pockjax/models/_llama_precision.py")
 
 
 def test_upstream_xla_cpu_reduction_fused_into_dot_still_needs_workaround():
@@ -475,7 +475,7 @@ def test_upstream_xla_cpu_pointwise_conv_weight_grad_still_needs_workaround():
     hlo = _compiled(jax.grad(conv), jnp.ones((1, 1, 4, 6)), jnp.ones((2, 8, 8, 4))).as_text()
     assert re.search(r"convolution\(.*window=\{size=8x8", hlo), (
         "XLA no longer computes a 1x1 convolution's weight gradient as an 8x8 convolution: "
-        "review pointwise_conv in pockjax/models/mobilenetv2.py")
+        "review pointwise_conv in pockjax/models/_mobilenetv2_kernels.py")
 
 
 def test_upstream_xla_cpu_batch_norm_centred_copy_still_needs_workaround():
@@ -503,7 +503,7 @@ def test_upstream_xla_cpu_batch_norm_centred_copy_still_needs_workaround():
                       and any(f"%{c}" in line.split("calls=")[0] for c in centred)]
     assert into_reduction, (
         "XLA no longer writes the centred input to memory for a YNNPACK reduction: review "
-        "the batch-norm backward in pockjax/models/mobilenetv2.py")
+        "the batch-norm backward in pockjax/models/_mobilenetv2_kernels.py")
 
 
 def test_upstream_xla_cost_analysis_loop_once_still_needs_workaround():

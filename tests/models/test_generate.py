@@ -13,7 +13,8 @@ import torch
 from flax import nnx
 
 from pockjax.models.hf import load_llama
-from pockjax.models.llama import Llama, LlamaConfig, _generate, _sample, generate
+from pockjax.models._llama_generate import _generate, _sample
+from pockjax.models.llama import Llama, LlamaConfig, generate
 from tests.models.common import VOCAB, forward, random_tokens
 from tests.models.test_families import hf_family_model
 

@@ -464,10 +464,10 @@ def test_sparse_gradient_through_the_chunked_depthwise_weight_gradient(short_mod
     (forced here for every layer, one image per chunk): sparse_grad through that loop,
     with depth-wise kernels trained whole and by channels, equals the sliced dense
     gradient."""
-    from pockjax.models import mobilenetv2 as M
+    from pockjax.models import _mobilenetv2_kernels as kernels
 
-    monkeypatch.setattr(M, "_WEIGHT_GRAD_CHUNK_BYTES", 1)
-    monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
+    monkeypatch.setattr(kernels, "_WEIGHT_GRAD_CHUNK_BYTES", 1)
+    monkeypatch.setattr(kernels, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
     last = blocks_with_expansion(MOBILENETV2_STAGES)[-1]
     scheme = pj.Scheme({"blocks/1/depthwise/conv/kernel": pj.Channels(ratio=0.5, axis="out"),
                         f"blocks/{last}/depthwise/conv/kernel": pj.Full(),

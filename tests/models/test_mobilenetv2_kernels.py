@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from pockjax.models import _mobilenetv2_kernels as kernels
 from pockjax.models import mobilenetv2 as M
 from tests.helpers import MOBILENETV2_STAGES, assert_trees_close
 
@@ -43,7 +44,7 @@ def test_depthwise_gradients_equal_the_grouped_convolution(stride, h, w, eager):
             return lambda x, k: jnp.sum(jnp.sin(f(x, k, stride)) * jnp.arange(5.0))
 
         want = jax.jit(jax.value_and_grad(loss(grouped_conv), (0, 1)))(x, kernel)
-        got = jax.value_and_grad(loss(M.depthwise_conv), (0, 1))
+        got = jax.value_and_grad(loss(kernels.depthwise_conv), (0, 1))
         assert_trees_close(jax.jit(got)(x, kernel), want, rtol=1e-10, atol=1e-10)
         if eager:
             assert_trees_close(got(x, kernel), want, rtol=1e-10, atol=1e-10)
@@ -58,15 +59,15 @@ def test_depthwise_weight_gradient_in_chunks_of_images(monkeypatch, stride, imag
         x = adversarial_images((6, 9, 8, 5), key=2)
         kernel = jax.random.normal(jax.random.key(3), (3, 3, 5), jnp.float64)
         kernel = kernel.at[:, :, -1].set(0.0)
-        per_image = (x[0].size + M.depthwise_conv(x[:1], kernel, stride)[0].size) * 8
-        monkeypatch.setattr(M, "_WEIGHT_GRAD_CHUNK_BYTES", images_per_chunk * per_image)
-        monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
+        per_image = (x[0].size + kernels.depthwise_conv(x[:1], kernel, stride)[0].size) * 8
+        monkeypatch.setattr(kernels, "_WEIGHT_GRAD_CHUNK_BYTES", images_per_chunk * per_image)
+        monkeypatch.setattr(kernels, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
 
         def loss(f):
             return lambda x, k: jnp.sum(jnp.tanh(f(x, k, stride)) * jnp.arange(5.0))
 
         want = jax.jit(jax.value_and_grad(loss(grouped_conv), (0, 1)))(x, kernel)
-        grad = jax.value_and_grad(loss(M.depthwise_conv), (0, 1))
+        grad = jax.value_and_grad(loss(kernels.depthwise_conv), (0, 1))
         assert "scan" in str(jax.make_jaxpr(grad)(x, kernel))  # the chunked path ran
         assert_trees_close(jax.jit(grad)(x, kernel), want, rtol=1e-10, atol=1e-10)
 
@@ -78,24 +79,24 @@ def test_chunked_depthwise_weight_gradient_keeps_a_split_batch_split(monkeypatch
     across chunks."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    monkeypatch.setattr(M, "_WEIGHT_GRAD_CHUNK_BYTES", 2 * (6 * 6 * 4 * 2) * 4)
-    monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
+    monkeypatch.setattr(kernels, "_WEIGHT_GRAD_CHUNK_BYTES", 2 * (6 * 6 * 4 * 2) * 4)
+    monkeypatch.setattr(kernels, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
     x = adversarial_images((8, 6, 6, 4), key=4).astype(jnp.float32)
     g = jax.random.normal(jax.random.key(5), (8, 6, 6, 4))
     split = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("data",)), PartitionSpec("data"))
-    grad = jax.jit(lambda x, g: M._depthwise_weight_grad(x, g, 3, 1, 1))
+    grad = jax.jit(lambda x, g: kernels._depthwise_weight_grad(x, g, 3, 1, 1))
     hlo = grad.lower(jax.device_put(x, split), jax.device_put(g, split)).compile().as_text()
     assert "all-gather" not in hlo and "all-reduce" in hlo and "while" in hlo
-    monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 10**6)  # the unchunked reference
-    want = jax.jit(lambda x, g: M._depthwise_weight_grad(x, g, 3, 1, 1))(x, g)
-    monkeypatch.setattr(M, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
+    monkeypatch.setattr(kernels, "_WEIGHT_GRAD_MIN_CHUNKS", 10**6)  # the unchunked reference
+    want = jax.jit(lambda x, g: kernels._depthwise_weight_grad(x, g, 3, 1, 1))(x, g)
+    monkeypatch.setattr(kernels, "_WEIGHT_GRAD_MIN_CHUNKS", 2)
     got = grad(jax.device_put(x, split), jax.device_put(g, split))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-3)
     xb, gb = x.astype(jnp.bfloat16), g.astype(jnp.bfloat16)
     low = grad(xb, gb)
     assert low.dtype == jnp.bfloat16
     with jax.enable_x64(True):  # the same bfloat16 inputs, summed exactly
-        exact = np.asarray(M._depthwise_weight_grad(xb.astype(jnp.float64),
+        exact = np.asarray(kernels._depthwise_weight_grad(xb.astype(jnp.float64),
                                                     gb.astype(jnp.float64), 3, 1, 1))
     # one bfloat16 rounding of each product and of the result, none per chunk
     np.testing.assert_allclose(np.asarray(low, np.float64), exact, rtol=2e-2,
@@ -130,8 +131,8 @@ def test_batch_norm_equals_flax_values_and_gradients(relu6):
 
         want = jax.value_and_grad(loss(lambda *a: flax_batch_norm(*a, relu6)), (0, 1, 2))(
             x, scale, bias)
-        got = jax.value_and_grad(loss(lambda *a: M.batch_norm(*a, 1e-5, relu6)), (0, 1, 2))(
-            x, scale, bias)
+        got = jax.value_and_grad(loss(lambda *a: kernels.batch_norm(*a, 1e-5, relu6)),
+                                 (0, 1, 2))(x, scale, bias)
         assert_trees_close(got, want, rtol=1e-9, atol=1e-9)
 
 
@@ -174,11 +175,11 @@ def test_batch_norm_backward_rounding_is_bounded(dtype, relu6):
     scale = np.array([1.0, 2.0, 0.5, -1.0, 0.5, 3.0])
     bias = np.array([0.0, 1.0, 2.0, 3.0, 0.1, 0.2])
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
-    _, residuals = M._batch_norm_fwd(cast(x), cast(scale), cast(bias), 1e-5, relu6)
+    _, residuals = kernels._batch_norm_fwd(cast(x), cast(scale), cast(bias), 1e-5, relu6)
     mean_var_cot = (jnp.asarray(rng.standard_normal(ratios.size) * 1e-3, dtype),
                     jnp.zeros(ratios.size, dtype))
     cotangents = (cast(g), *mean_var_cot)
-    got = M._batch_norm_bwd(1e-5, relu6, residuals, cotangents)
+    got = kernels._batch_norm_bwd(1e-5, relu6, residuals, cotangents)
     assert [r.dtype for r in got] == [jnp.dtype(dtype)] * 3
     want = centred_backward(1e-5, relu6, residuals, cotangents)
 
@@ -233,10 +234,9 @@ def test_pointwise_matmul_equals_the_convolution_values_and_gradients():
             return lambda x, k: jnp.sum(jnp.sin(f(x, k)) * jnp.arange(7.0))
 
         want = jax.value_and_grad(loss(conv), (0, 1))(x, kernel)
-        assert_trees_close(jax.value_and_grad(loss(M.pointwise_conv), (0, 1))(x, kernel), want,
-                           rtol=1e-10, atol=1e-10)
-        assert_trees_close(jax.jit(jax.value_and_grad(loss(M.pointwise_conv), (0, 1)))(x, kernel),
-                           want, rtol=1e-10, atol=1e-10)
+        grad = jax.value_and_grad(loss(kernels.pointwise_conv), (0, 1))
+        assert_trees_close(grad(x, kernel), want, rtol=1e-10, atol=1e-10)
+        assert_trees_close(jax.jit(grad)(x, kernel), want, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("frozen_norms", [False, True])
