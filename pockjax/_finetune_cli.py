@@ -95,6 +95,7 @@ def main(args) -> int:
 
 
 def add_generate_arguments(p) -> None:
+    """`pockjax generate`'s options (the same as `generate_text`'s arguments)."""
     p.add_argument("--model", required=True, help="a Hugging Face model folder (e.g. a "
                    "finetune run's final/)")
     p.add_argument("--prompt", required=True, help="the text to continue")
