@@ -19,21 +19,38 @@ checkpoints and guards:
 
 The output folder holds `run.json` (the options), `checkpoints/`, `metrics.jsonl`,
 `loss.png` and `final/`, a Hugging Face model folder with the tokenizer files.
+
+This module holds the run itself (`finetune`) and the reading of `--scheme`
+(`scheme_from_spec`); the folder's model, its loss and writing it back are in
+`pockjax._finetune_model`, the output folder in `pockjax._finetune_run`, the command lines
+`pockjax finetune` / `pockjax generate` in `pockjax._finetune_cli`, the errors in
+`pockjax._finetune_base`. Their public names are re-exported here.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import shutil
 import sys
-import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
+
+from pockjax._finetune_base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
+from pockjax._finetune_model import lm_loss, load_model, low_bit, nll_sum, write_final
+from pockjax._finetune_run import FINAL, RunFolder, close_prefix_cache, fingerprint, \
+    options_of, plot_losses
+
+# The job's other parts, reachable here as before: `pockjax.cli` runs the command lines
+# through this module.
+from pockjax._finetune_base import FRONTENDS  # noqa: F401
+from pockjax._finetune_cli import (add_arguments, add_generate_arguments,  # noqa: F401
+                                   generate_main, generate_text, main)
+from pockjax._finetune_model import LORA_TARGETS, LoadedModel  # noqa: F401
+from pockjax._finetune_run import CHECKPOINTS, METRICS, RUN  # noqa: F401
 
 __all__ = ["finetune", "FinetuneError", "NonFiniteLoss", "Interrupted", "FinetuneResult",
            "load_model", "lm_loss", "scheme_from_spec", "SCHEMES", "SCHEDULES"]
@@ -41,253 +58,6 @@ __all__ = ["finetune", "FinetuneError", "NonFiniteLoss", "Interrupted", "Finetun
 SCHEMES = ("paper", "paper:K", "full", "last:N", "blockwise:K", "blockwise:K:N", "lora:R",
            "search:BUDGET", "FILE.json")
 """The forms of `finetune(scheme=...)` (`--scheme`), as `scheme_from_spec` reads them."""
-FRONTENDS = ("auto", "flax", "torch")
-# LoRA's targets for `--scheme lora:R`: every linear layer of a LLaMA block.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-SCHEDULES = ("cosine", "linear", "constant")
-"""The learning-rate decays `finetune(schedule=...)` (`--schedule`) takes."""
-RUN = "run.json"
-CHECKPOINTS = "checkpoints"
-METRICS = "metrics.jsonl"
-FINAL = "final"
-# Options that change what a run computes: a resumed run must have the same ones.
-_RESULT_OPTIONS = ("model", "data", "scheme", "total_steps", "batch", "seq", "lr", "warmup",
-                   "schedule", "seed", "frozen_dtype", "skip_nonfinite", "weight_decay",
-                   "frontend")
-
-
-class FinetuneError(RuntimeError):
-    """Raised when a fine-tuning run cannot start or go on; the message says why and what
-    to do."""
-
-
-class NonFiniteLoss(FinetuneError):
-    """Raised when the loss becomes NaN or infinite; the last good checkpoint is left as
-    it was."""
-
-
-class Interrupted(FinetuneError):
-    """Raised when Ctrl-C stops the run; a checkpoint of the last completed step was
-    written (where a step completed)."""
-
-
-# --------------------------------------------------------------------------- the model
-
-
-@dataclasses.dataclass
-class LoadedModel:
-    """A model folder's model as parameters and a pure function of them.
-
-    Attributes:
-      kind: "flax" (`pockjax.models.llama`) or "torch" (`pockjax.torch`).
-      params: the parameter pytree.
-      apply: `apply(params, tokens [B, L]) -> logits [B, L, V]`.
-      vocab_size: the model's vocabulary size.
-      num_layers: its number of blocks.
-      save: `save(params, folder)` writes a Hugging Face model folder (with the
-        tokenizer files).
-      description: a one-line description for logs.
-    """
-
-    kind: str                      # "flax" (pockjax.models.llama) or "torch"
-    params: Any
-    apply: Callable                # apply(params, tokens [B, L]) -> logits [B, L, V]
-    vocab_size: int
-    num_layers: int
-    save: Callable                 # save(params, folder): a Hugging Face model folder
-    description: str
-
-
-def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
-               lora: int | None = None, seed: int = 0) -> LoadedModel:
-    """The model of a Hugging Face folder: LLaMA-family configs (`model_type` in
-    `pockjax.models.hf.SUPPORTED_FAMILIES`) as the Flax `Llama`, any other causal LM
-    through `pockjax.torch` (needs torch and transformers).
-
-    Args:
-      folder: a folder with `config.json` and `model.safetensors` (or shards).
-      frozen_dtype: "float32", or "bfloat16" to keep the weights in bfloat16 (computed
-        in float32); `finetune` then casts the trained ones back to float32 masters. An
-        integer format ("int8", "int4", "int4:GROUP") loads as bfloat16 (Flax models)
-        and `finetune` quantizes the frozen weights (`pockjax.lowbit`).
-      frontend: "auto" (as above), "flax" (LLaMA families only) or "torch" (any causal
-        LM transformers builds, LLaMA's too, through `pockjax.torch`).
-      lora: a rank: LoRA adapters (`pockjax.models.lora`, alpha = 2 x rank, `a` drawn
-        from `seed`) on every linear layer of the blocks (Flax models only); `save`
-        writes the weights with the adapters merged. None (the default): no adapters.
-      seed: the seed of the LoRA adapters' initialisation; default 0.
-
-    Returns:
-      A `LoadedModel`.
-
-    Raises:
-      FinetuneError: the folder is not a model folder; `frozen_dtype` or `frontend` is
-        not one of its values; "flax" is asked for a family it does not load; `lora`
-        is given for a model that runs through `pockjax.torch`; "bfloat16" is asked
-        for a model through `pockjax.torch`; torch or transformers is missing, or
-        transformers cannot build the model.
-    """
-    from pockjax.models import hf
-
-    from pockjax.checkpoint import CheckpointError
-
-    folder = Path(folder)
-    try:
-        config = hf.read_config(folder)
-    except CheckpointError as e:
-        raise FinetuneError(f"{e}; --model takes the folder a model was downloaded or "
-                            f"saved to") from None
-    model_type = config.get("model_type")
-    families = hf.SUPPORTED_FAMILIES
-    _check_frozen_dtype(frozen_dtype)
-    if frontend not in FRONTENDS:
-        raise FinetuneError(f"--frontend {frontend!r}: choose one of {', '.join(FRONTENDS)}")
-    if frontend == "flax" and model_type not in families:
-        raise FinetuneError(f"--frontend flax: '{folder}' is a {model_type!r} model and "
-                            f"pockjax's Flax models load {', '.join(families)}; use "
-                            f"--frontend torch (or auto)")
-    if model_type in families and frontend != "torch":
-        return _flax_model(folder, frozen_dtype, lora, seed)
-    if lora is not None:
-        raise FinetuneError(f"--scheme lora:{lora} is implemented for pockjax's Flax models "
-                            f"({', '.join(families)}); this model runs through pockjax.torch")
-    return _torch_model(folder, model_type, families, frozen_dtype)
-
-
-def _check_frozen_dtype(frozen_dtype: str) -> None:
-    from pockjax import lowbit
-
-    try:
-        lowbit.format_of(frozen_dtype)
-    except lowbit.QuantizeError:
-        raise FinetuneError(f"--frozen-dtype {frozen_dtype!r}: choose float32, bfloat16, int8 "
-                            f"or int4 (int4:GROUP sets the group, e.g. int4:32)") from None
-
-
-def _low_bit(frozen_dtype: str) -> bool:
-    """Whether frozen weights are stored as integers (pockjax.lowbit), not a float type."""
-    return frozen_dtype.startswith("int")
-
-
-def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
-                seed: int = 0) -> LoadedModel:
-    import jax.numpy as jnp
-
-    from pockjax import nnx as pj_nnx
-    from pockjax.checkpoint import CheckpointError
-    from pockjax.models.hf import load_llama, save_llama
-
-    try:
-        model = load_llama(folder, dtype=None if frozen_dtype == "float32" else jnp.bfloat16,
-                           compute_dtype=None if frozen_dtype == "float32" else jnp.float32)
-    except CheckpointError as e:
-        raise FinetuneError(str(e)) from None
-    if lora is not None:
-        from flax import nnx
-
-        from pockjax.models.lora import apply_lora, merge_lora
-        try:
-            apply_lora(model, rank=lora, alpha=2.0 * lora, targets=LORA_TARGETS,
-                       rngs=nnx.Rngs(seed))
-        except ValueError as e:
-            raise FinetuneError(f"--scheme lora:{lora}: {e}") from None
-    graphdef, params, rest = pj_nnx.split(model)
-
-    def apply(p, tokens):
-        return pj_nnx.merge(graphdef, p, rest)(tokens)
-
-    def save(p, out):
-        module = pj_nnx.merge(graphdef, p, rest)
-        save_llama(merge_lora(module) if lora is not None else module, out, tokenizer=folder)
-
-    c = model.config
-    return LoadedModel("flax", params, apply, c.vocab_size, c.num_layers, save,
-                       f"{getattr(c, 'model_type', 'llama')} (pockjax.models.llama), "
-                       f"{c.num_layers} layers, width {c.hidden_size}")
-
-
-def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> LoadedModel:
-    supported = ", ".join(families)
-    try:
-        import torch
-        import transformers
-    except ImportError:
-        raise FinetuneError(f"'{folder}' is a {model_type!r} model; pockjax's own models load "
-                            f"{supported}, and other architectures run through pockjax.torch, "
-                            f"which needs torch and transformers: pip install "
-                            f"'pockjax[torch]'") from None
-    if frozen_dtype != "float32" and not _low_bit(frozen_dtype):
-        raise FinetuneError(f"--frozen-dtype {frozen_dtype} is implemented for the "
-                            f"{supported} families; '{folder}' is a {model_type!r} model "
-                            f"(through pockjax.torch): use float32")
-    from pockjax import torch as pj_torch
-    from pockjax.models.hf import TOKENIZER_FILES
-
-    try:
-        module = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    except (ValueError, KeyError, OSError) as e:
-        raise FinetuneError(f"'{folder}': transformers cannot build a causal language model "
-                            f"from it ({str(e).splitlines()[0][:200]}); pockjax loads "
-                            f"{supported} itself and other causal LMs that transformers "
-                            f"knows through pockjax.torch") from None
-    module.eval()  # no dropout: steps are reproducible
-    params, fn = pj_torch.functional(module, output=lambda out: out.logits)
-
-    def apply(p, tokens):
-        return fn(p, tokens, use_cache=False)
-
-    def save(p, out):
-        pj_torch.load_state(module, p)
-        out = Path(out)
-        module.save_pretrained(out)
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file():
-                shutil.copyfile(folder / name, out / name)
-
-    cfg = module.config
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
-    return LoadedModel("torch", params, apply, int(cfg.vocab_size), int(layers), save,
-                       f"{model_type} (pockjax.torch), {layers} layers")
-
-
-def lm_loss(logits, tokens, mask):
-    """Mean next-token cross-entropy over the positions `mask` marks: `logits[:, t]`
-    predicts `tokens[:, t + 1]`, counted with weight `mask[:, t + 1]`.
-
-    Args:
-      logits: `[B, L, V]` logits (computed in float32).
-      tokens: `[B, L]` integer token ids.
-      mask: `[B, L]` weights (bool or float); 0 leaves a position out.
-
-    Returns:
-      The weighted sum of the negative log-likelihoods divided by the total weight (at
-      least 1), a float32 scalar.
-    """
-    import jax.numpy as jnp
-
-    nll, w = _next_token_nll(logits, tokens, mask)
-    return jnp.sum(nll) / jnp.maximum(jnp.sum(w), 1.0)
-
-
-def _nll_sum(logits, tokens, mask):
-    import jax.numpy as jnp
-
-    nll, w = _next_token_nll(logits, tokens, mask)
-    return jnp.sum(nll), jnp.sum(w)
-
-
-def _next_token_nll(logits, tokens, mask):
-    """Weighted per-position negative log-likelihoods [B, L] and their weights: the
-    labels shift left by one and the last position gets weight 0. Shifting the labels,
-    not slicing `logits[:, :-1]`, keeps XLA from copying the [B, L, vocab] logits
-    forward and padding their gradient backward (on CPU a third of the head's cost)."""
-    import jax.numpy as jnp
-    import optax
-
-    labels = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-    w = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1).astype(jnp.float32)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-    return jnp.where(w != 0, nll * w, 0.0), w
 
 
 # --------------------------------------------------------------------------- schemes
@@ -406,110 +176,6 @@ class FinetuneResult:
     skipped: int
     trainable_params: int
     total_params: int
-
-
-def _options_of(**kw) -> dict:
-    return {k: kw[k] for k in _RESULT_OPTIONS}
-
-
-def _fingerprint(path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
-
-
-class _Run:
-    """The output folder: run.json, checkpoints, metrics."""
-
-    def __init__(self, out: Path, options: dict, *, resume: bool, overwrite: bool):
-        self.out = out
-        run_file = out / RUN
-        if out.exists() and not out.is_dir():
-            raise FinetuneError(f"--out '{out}' is a file; give a folder")
-        if out.is_dir() and any(out.iterdir()):
-            if not run_file.is_file():
-                raise FinetuneError(f"--out '{out}' is not empty and holds no pockjax run; "
-                                    f"give a new or empty folder")
-            if overwrite:
-                for name in (RUN, CHECKPOINTS, METRICS, FINAL, "loss.png"):
-                    p = out / name
-                    shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-            elif resume:
-                self._check_same(json.loads(run_file.read_text()), options)
-            else:
-                raise FinetuneError(f"--out '{out}' holds another run ({RUN}); pass --resume "
-                                    f"to continue it or --overwrite to start again")
-        elif resume:
-            print(f"pockjax finetune: nothing to resume in '{out}'; starting a new run",
-                  file=sys.stderr)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / CHECKPOINTS).mkdir(exist_ok=True)
-        for tmp in (out / CHECKPOINTS).glob(".tmp-*"):  # a write that a kill cut short
-            tmp.unlink(missing_ok=True)
-        from pockjax.checkpoint import write_atomic
-        write_atomic(run_file, (json.dumps(options, indent=2) + "\n").encode())
-
-    @staticmethod
-    def _check_same(before: dict, now: dict) -> None:
-        for k in _RESULT_OPTIONS:
-            if before.get(k, "auto" if k == "frontend" else None) != now.get(k):
-                raise FinetuneError(f"cannot resume: this run used {k}={before.get(k)!r}, now "
-                                    f"{k}={now.get(k)!r}; resume with the same options, or "
-                                    f"pass --overwrite to start again")
-
-    def checkpoints(self) -> list[tuple[int, Path]]:
-        found = []
-        for p in (self.out / CHECKPOINTS).glob("step-*.safetensors"):
-            try:
-                found.append((int(p.stem.split("-")[1]), p))
-            except ValueError:
-                continue
-        return sorted(found)
-
-    def save(self, state, keep: int) -> Path:
-        import pockjax as pj
-
-        step = int(state.step)
-        path = self.out / CHECKPOINTS / f"step-{step:08d}.safetensors"
-        pj.save(path, state)
-        for _, old in self.checkpoints()[:-keep]:
-            old.unlink(missing_ok=True)
-        return path
-
-    def restore(self, like):
-        """The newest checkpoint that loads, or None; a damaged newer one is named.
-        `like` is a state, or a function of the checkpoint's step giving one."""
-        import pockjax as pj
-
-        for step, path in reversed(self.checkpoints()):
-            try:
-                return pj.load(path, like=like(step) if callable(like) else like), path
-            except pj.CheckpointError as e:
-                print(f"pockjax finetune: skipping checkpoint {path.name}: {e}", file=sys.stderr)
-        return None, None
-
-    def log(self, record: dict) -> None:
-        with open(self.out / METRICS, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-    def trim_log(self, step: int) -> None:
-        """Drop records after `step` (a resumed run logs those steps again)."""
-        path = self.out / METRICS
-        if not path.is_file():
-            return
-        kept = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line).get("step", 0) <= step:
-                    kept.append(line)
-            except ValueError:  # a line a kill cut short
-                continue
-        from pockjax.checkpoint import write_atomic
-        write_atomic(path, ("\n".join(kept) + "\n" if kept else "").encode())
 
 
 def _schedule(lr: float, warmup: int, total: int, kind: str):
@@ -676,7 +342,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     if frozen_dtype != "float32" and loaded.kind == "flax":
         from pockjax.models.llama import cast_frozen
         params = cast_frozen(params, chosen)
-    if _low_bit(frozen_dtype):
+    if low_bit(frozen_dtype):
         import jax.numpy as jnp
 
         from pockjax import lowbit
@@ -685,13 +351,13 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         except lowbit.QuantizeError as e:
             raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
 
-    options = _options_of(model=os.path.abspath(model), data=_fingerprint(data),
+    options = options_of(model=os.path.abspath(model), data=fingerprint(data),
                           scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
                           total_steps=total, batch=batch, seq=seq,
                           lr=lr, warmup=warmup, schedule=schedule, seed=seed,
                           frozen_dtype=frozen_dtype, skip_nonfinite=skip_nonfinite,
                           weight_decay=weight_decay, frontend=frontend)
-    run = _Run(Path(out), options, resume=resume, overwrite=overwrite)
+    run = RunFolder(Path(out), options, resume=resume, overwrite=overwrite)
 
     optimizer = optax.adamw(_schedule(lr, warmup, total, schedule), weight_decay=weight_decay)
     trainer = pj.sparse_train(loss_fn, optimizer=optimizer, scheme=chosen,
@@ -712,14 +378,15 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
             _say(progress, f"resumed from {path.name} (step {start} of {total})")
         run.trim_log(start)
 
-    nll_sum = jax.jit(lambda p, b: _nll_sum(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"]))
+    batch_nll = jax.jit(lambda p, b: nll_sum(loaded.apply(p, b["tokens"]), b["tokens"],
+                                             b["mask"]))
 
     def evaluate(state) -> float | None:
         if held is None:
             return None
         total_nll = count = 0.0
         for b in eval_batches(held, batch, seq, pad):
-            s, n = nll_sum(state.params, b)
+            s, n = batch_nll(state.params, b)
             total_nll, count = total_nll + float(s), count + float(n)
         return total_nll / count
 
@@ -778,14 +445,14 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                                      run.save(s, keep)), save_every=save_every,
                                  on_record=record, stop_nonfinite=True, tokens=tokens_of)
     except StepNotFinite as e:
-        _close(cached, out)
+        close_prefix_cache(cached, out)
         kept = run.checkpoints()
         where = (f"the last checkpoint, {kept[-1][1]}, is from step {kept[-1][0]}"
                  if kept else "no checkpoint was written")
         raise NonFiniteLoss(f"step {e.step}: the loss is {e.loss}; the run stopped and {where}. "
                             f"Lower the learning rate (--lr {lr:g}), add warm-up (--warmup), "
                             f"or pass --skip-nonfinite to skip such steps") from None
-    _close(cached, out)
+    close_prefix_cache(cached, out)
     if history.interrupted:
         if history.steps > 0:
             raise Interrupted(f"interrupted at step {start + history.steps} of {total}; saved "
@@ -797,9 +464,9 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                    else (evaluate(state) if held is not None else None))
     seconds = history.seconds
     final = Path(out) / FINAL
-    _write_final(loaded, state.params, final, frozen_dtype)
+    write_final(loaded, state.params, final, frozen_dtype)
     if plot:
-        _plot(Path(out))
+        plot_losses(Path(out))
     result = FinetuneResult(
         out=str(out), final=str(final), steps=total, start_step=start,
         train_loss=float(np.mean(history.loss[-10:])) if len(history.loss) else float("nan"),
@@ -810,60 +477,6 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     _say(progress, f"done: {total - start} steps in {seconds:.1f} s "
                    f"({result.tokens_per_second:,.0f} tokens/s), model in {final}")
     return result
-
-
-def _close(cached, out) -> None:
-    """Drop the prefix cache and its spill folder."""
-    if cached is not None:
-        cached.close()
-        shutil.rmtree(Path(out) / "prefix-cache", ignore_errors=True)
-
-
-def _write_final(loaded: LoadedModel, params, final: Path, frozen_dtype: str) -> None:
-    """The Hugging Face folder, written beside and renamed into place (a crash leaves the
-    previous one or none, never half of one)."""
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    if _low_bit(frozen_dtype):
-        # Frozen weights dequantized to bfloat16 (what they hold); trained ones as trained.
-        import jax
-        import jax.numpy as jnp
-
-        from pockjax import lowbit
-        params = jax.tree_util.tree_map(
-            lambda x: lowbit.dequantize(x, jnp.bfloat16) if lowbit.is_quantized(x) else x,
-            params, is_leaf=lowbit.is_quantized)
-    loaded.save(params, tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-
-
-def _plot(out: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return  # the plot is optional (matplotlib is in the examples extra)
-    train, valid = [], []
-    for line in (out / METRICS).read_text().splitlines():
-        r = json.loads(line)
-        if r.get("loss") is not None:
-            train.append((r["step"], r["loss"]))
-        if "valid_loss" in r:
-            valid.append((r["step"], r["valid_loss"]))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    if train:
-        ax.plot(*zip(*train), label="train loss", lw=1)
-    if valid:
-        ax.plot(*zip(*valid), "o-", label="validation loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats per token)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "loss.png", dpi=100)
-    plt.close(fig)
 
 
 def _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr, cache,
@@ -892,179 +505,3 @@ def _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, 
         raise FinetuneError(f"--scheme search:{budget}: {e}") from None
     _say(progress, f"search under {budget}: trains {', '.join(report.chosen)}")
     return scheme
-
-
-# --------------------------------------------------------------------------- command line
-
-
-def add_arguments(p) -> None:
-    """`pockjax finetune`'s options (the same as `finetune`'s arguments)."""
-    p.add_argument("--model", required=True, help="a Hugging Face model folder (config.json, "
-                   "model.safetensors, tokenizer.json)")
-    p.add_argument("--data", required=True, help='a JSONL file: {"text"}, {"prompt", '
-                   '"completion"} or {"messages": [{"role", "content"}, ...]} per line')
-    p.add_argument("--valid", help="held-out JSONL, evaluated every --eval-every steps")
-    p.add_argument("--out", required=True, help="the run's folder (checkpoints, metrics.jsonl, "
-                   "loss.png, final/)")
-    p.add_argument("--scheme", default="paper", help="paper (PockEngine's transformer scheme, "
-                   "last half of the blocks) | paper:K | full | last:N | blockwise:K[:N] (the "
-                   "blocks, N at a time, each trained K steps in turn) | lora:R (LoRA of rank "
-                   "R on every linear layer, merged at the end) | search:BUDGET "
-                   "(e.g. search:40%% or search:4GiB) | FILE.json (default: paper)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--steps", type=int, help="training steps")
-    g.add_argument("--epochs", type=float, help="passes over the data (default 1)")
-    p.add_argument("--batch", type=int, default=4, help="examples per step (default 4)")
-    p.add_argument("--seq", type=int, default=512, help="tokens per example; longer ones are "
-                   "cut (default 512)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
-    p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default 0)")
-    p.add_argument("--schedule", default="cosine", choices=SCHEDULES,
-                   help="decay after the warm-up (default cosine)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--eval-every", type=int, help="steps between evaluations (default: at the "
-                   "start and the end)")
-    p.add_argument("--save-every", type=int, help="steps between checkpoints (default: at the "
-                   "end, and on Ctrl-C)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--overwrite", action="store_true", help="start again in --out")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data order")
-    p.add_argument("--frozen-dtype", default="float32", metavar="FORMAT",
-                   help="storage of the frozen weights: float32, bfloat16 (LLaMA families), "
-                        "int8 (a scale per output channel) or int4 (a scale per group of 64 "
-                        "inputs; int4:GROUP sets the group), dequantized where each is used "
-                        "(pockjax.lowbit); the fine-tuned model is written with frozen "
-                        "weights in bfloat16 and trained ones in float32")
-    p.add_argument("--frontend", default="auto", choices=FRONTENDS, help="the model code: "
-                   "auto (pockjax's Flax LLaMA for LLaMA families, pockjax.torch for other "
-                   "causal LMs), flax, or torch (transformers' own module for any family)")
-    p.add_argument("--skip-nonfinite", action="store_true", help="skip a step whose loss or "
-                   "gradient is not finite instead of stopping")
-    p.add_argument("--prefix-cache", default="auto", choices=("auto", "on", "off"),
-                   help="compute the frozen prefix once per example when the data repeats "
-                        "(auto: when it saves enough; same results either way)")
-    p.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw loss.png "
-                   "(matplotlib) at the end; metrics.jsonl is written either way")
-
-
-def main(args) -> int:
-    """Run `pockjax finetune` from parsed `args`; the exit status."""
-    try:
-        result = finetune(args.model, args.data, args.out, valid=args.valid, scheme=args.scheme,
-                          steps=args.steps, epochs=args.epochs, batch=args.batch, seq=args.seq,
-                          lr=args.lr, warmup=args.warmup, schedule=args.schedule,
-                          weight_decay=args.weight_decay, eval_every=args.eval_every,
-                          save_every=args.save_every, keep=args.keep, resume=args.resume,
-                          overwrite=args.overwrite, seed=args.seed,
-                          frozen_dtype=args.frozen_dtype, skip_nonfinite=args.skip_nonfinite,
-                          frontend=args.frontend, plot=args.plot,
-                          prefix_cache=args.prefix_cache)
-    except Interrupted as e:
-        print(f"pockjax finetune: {e}", file=sys.stderr)
-        return 130
-    except FinetuneError as e:
-        print(f"pockjax finetune: {e}", file=sys.stderr)
-        return 1
-    before = (f"{result.valid_loss_before:.4f} -> " if result.valid_loss_before is not None
-              else "")
-    valid = (f", validation loss {before}{result.valid_loss:.4f}" if result.valid_loss is not None
-             else "")
-    print(f"fine-tuned model: {result.final} (train loss {result.train_loss:.4f}{valid})")
-    return 0
-
-
-def add_generate_arguments(p) -> None:
-    p.add_argument("--model", required=True, help="a Hugging Face model folder (e.g. a "
-                   "finetune run's final/)")
-    p.add_argument("--prompt", required=True, help="the text to continue")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 for greedy decoding (default), else sampling at this temperature")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0)")
-    p.add_argument("--seed", type=int, default=0, help="the sampling seed")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in "
-                   "the model's chat template")
-
-
-def generate_main(args) -> int:
-    """Run `pockjax generate` from parsed `args`: the continuation on stdout, the speed on
-    stderr; the exit status."""
-    try:
-        text, new_tokens, seconds = generate_text(
-            args.model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-            top_p=args.top_p, seed=args.seed, chat=args.chat)
-    except (FinetuneError, ValueError) as e:
-        print(f"pockjax generate: {e}", file=sys.stderr)
-        return 1
-    print(text)
-    print(f"pockjax generate: {new_tokens} tokens in {seconds:.2f} s "
-          f"({new_tokens / max(seconds, 1e-9):.1f} tokens/s, after compiling)", file=sys.stderr)
-    return 0
-
-
-def generate_text(folder, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
-                  top_p: float = 1.0, seed: int = 0, chat: bool = False):
-    """`(text, new tokens, seconds)`: the model in `folder` continuing `prompt` (decoded,
-    without the prompt). LLaMA families decode with `pockjax.models.llama.generate` (a
-    key/value cache); other architectures with transformers' own `generate`."""
-    import time
-
-    from pockjax.tokenizer import Tokenizer, TokenizerError
-
-    loaded_kind = _kind(folder)
-    try:
-        tok = Tokenizer.from_folder(folder)
-        text = (tok.apply_chat_template([{"role": "user", "content": prompt}],
-                                        add_generation_prompt=True) if chat else prompt)
-        ids = tok.encode(text, add_special_tokens=not chat)
-    except TokenizerError as e:
-        raise FinetuneError(str(e)) from None
-    if not ids:
-        raise FinetuneError("the prompt is empty after tokenizing; give some text")
-    if max_tokens < 1:
-        raise FinetuneError(f"--max-tokens must be at least 1, got {max_tokens}")
-    if loaded_kind == "flax":
-        import jax
-        import jax.numpy as jnp
-
-        from pockjax.models.hf import load_llama
-        from pockjax.models.llama import generate
-
-        model = load_llama(folder)
-        prompt_ids = jnp.asarray([ids], jnp.int32)
-        run = lambda: generate(model, prompt_ids, max_tokens, temperature=temperature,
-                               top_p=top_p, seed=seed, stop_token=tok.eos_id)
-        jax.block_until_ready(run())  # compile once, then time
-        t0 = time.perf_counter()
-        out = np.asarray(jax.block_until_ready(run()))[0, len(ids):]
-        seconds = time.perf_counter() - t0
-    else:
-        import torch
-        import transformers
-
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-        torch.manual_seed(seed)
-        sample = dict(do_sample=True, temperature=temperature, top_p=top_p) \
-            if temperature > 0 else dict(do_sample=False)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens,
-                                 eos_token_id=tok.eos_id, pad_token_id=tok.pad_id or tok.eos_id,
-                                 **sample)[0, len(ids):].numpy()
-        seconds = time.perf_counter() - t0
-    if tok.eos_id is not None and tok.eos_id in out.tolist():
-        out = out[:out.tolist().index(tok.eos_id)]
-    return tok.decode(out.tolist()), len(out), seconds
-
-
-def _kind(folder) -> str:
-    from pockjax.models import hf
-
-    from pockjax.checkpoint import CheckpointError
-
-    try:
-        config = hf.read_config(folder)
-    except CheckpointError as e:
-        raise FinetuneError(str(e)) from None
-    return "flax" if config.get("model_type") in hf.SUPPORTED_FAMILIES else "torch"

@@ -11,12 +11,14 @@ same sandboxed Jinja environment with the same helpers. The tests compare every 
 `Tokenizer.encode_chat` also says which tokens of a rendered conversation are the
 assistant's, so that training counts only those: it renders the conversation one prefix at
 a time and maps the characters each assistant turn adds to tokens through their offsets.
+
+Reading `tokenizer_config.json` and registering its tokens is in
+`pockjax._tokenizer_config` (with `TokenizerError`, re-exported here); the Jinja sandbox
+and the assistant mask are in `pockjax._chat_template`.
 """
 from __future__ import annotations
 
 import copy
-import datetime
-import functools
 import json
 import os
 from pathlib import Path
@@ -24,20 +26,16 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from pockjax._chat_template import assistant_mask, compile_template, jinja, plain, \
+    template_errors
+from pockjax._tokenizer_config import TokenizerError, config_special_tokens, \
+    config_templates, read_json, register_tokens, token_content
+
 __all__ = ["Tokenizer", "TokenizerError"]
 
-# The named special tokens transformers knows; a config may name model-specific ones too
-# (any other "*_token" string, or a dict under "extra_special_tokens").
-_NAMED = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-          "mask_token")
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONVERT_HINT = ("re-save it once as a fast tokenizer with transformers: "
                  "AutoTokenizer.from_pretrained(folder).save_pretrained(folder)")
-
-
-class TokenizerError(ValueError):
-    """Raised for a tokenizer folder, chat template or conversation pockjax cannot use;
-    the message names the file or message and what to do."""
 
 
 class Tokenizer:
@@ -173,12 +171,12 @@ class Tokenizer:
         config = {}
         config_path = folder / "tokenizer_config.json"
         if config_path.is_file():
-            config = _read_json(config_path)
+            config = read_json(config_path)
             if not isinstance(config, dict):
                 raise TokenizerError(f"'{config_path}' must hold a JSON object, got "
                                      f"{type(config).__name__}")
 
-        templates, template_file = _config_templates(config, config_path)
+        templates, template_file = config_templates(config, config_path)
         jinja_files = {}
         if (folder / "chat_template.jinja").is_file():
             jinja_files["default"] = folder / "chat_template.jinja"
@@ -190,9 +188,9 @@ class Tokenizer:
             templates = {name: p.read_text(encoding="utf-8") for name, p in jinja_files.items()}
             template_file = str(jinja_files.get("default", next(iter(jinja_files.values()))))
 
-        special, extra = _config_special_tokens(config, config_path)
-        _register_tokens(backend, config, special, extra)
-        return cls(backend, special={k: _content(v) for k, v in special.items()},
+        special, extra = config_special_tokens(config, config_path)
+        register_tokens(backend, config, special, extra)
+        return cls(backend, special={k: token_content(v) for k, v in special.items()},
                    templates=templates, config=config, folder=folder,
                    template_file=template_file)
 
@@ -225,8 +223,8 @@ class Tokenizer:
                                                    ("eos_token", eos_token),
                                                    ("pad_token", pad_token)) if value is not None}
         config = {} if chat_template is None else {"chat_template": chat_template}
-        templates, _ = _config_templates(config, "from_tokenizer(chat_template=...)")
-        _register_tokens(backend, {}, special, [])
+        templates, _ = config_templates(config, "from_tokenizer(chat_template=...)")
+        register_tokens(backend, {}, special, [])
         return cls(backend, special=special, templates=templates, config={},
                    template_file="from_tokenizer(chat_template=...)")
 
@@ -346,7 +344,7 @@ class Tokenizer:
         text = self._render_checked(template, messages, False)
         enc = self.backend.encode(text, add_special_tokens=False)
         spans = self._assistant_spans(template, messages, text)
-        return list(enc.ids), _mask(enc.offsets, spans)
+        return list(enc.ids), assistant_mask(enc.offsets, spans)
 
     def _assistant_spans(self, template, messages: list[dict], text: str
                          ) -> list[tuple[int, int]]:
@@ -358,7 +356,7 @@ class Tokenizer:
             try:
                 before = self._render(template, messages[:i], True)
                 through = self._render(template, messages[:i + 1], False)
-            except _template_errors():
+            except template_errors():
                 # A template may refuse a conversation's start (e.g. one that must end
                 # with a user turn); the fallback needs only the whole.
                 before = through = None
@@ -402,7 +400,7 @@ class Tokenizer:
 
     def _compiled_template(self):
         if self.chat_template is not None:
-            return _compile(self.chat_template, self._template_file or self._source)
+            return compile_template(self.chat_template, self._template_file or self._source)
         if self._templates:
             raise TokenizerError(
                 f"{self._source} has {len(self._templates)} named chat templates "
@@ -428,7 +426,7 @@ class Tokenizer:
                     or "content" not in message:
                 raise TokenizerError(f"message {i} must be an object with a string \"role\" "
                                      f"and a \"content\", got {message!r:.80}")
-            message = {k: _plain(v) for k, v in message.items() if v is not None}
+            message = {k: plain(v) for k, v in message.items() if v is not None}
             reasoning = next((message[k] for k in _REASONING_FIELDS if k in message), None)
             if reasoning is not None:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
@@ -445,17 +443,17 @@ class Tokenizer:
                         ) -> str:
         try:
             return self._render(template, messages, add_generation_prompt)
-        except _template_errors() as error:
+        except template_errors() as error:
             raise self._template_error(template, messages, error) from None
 
     def _template_error(self, template, messages, error) -> TokenizerError:
-        _, raised = _jinja()
+        _, raised = jinja()
         # The first conversation start the template rejects names the culprit message.
         culprit = None
         for k in range(1, len(messages) + 1):
             try:
                 self._render(template, messages[:k], False)
-            except _template_errors() as e:
+            except template_errors() as e:
                 culprit, error = k - 1, e
                 break
         where = ("the conversation" if culprit is None else
@@ -485,7 +483,7 @@ class Tokenizer:
         self.backend.save(str(folder / "tokenizer.json"))
         config = copy.deepcopy(self._config)
         for name, value in self._special.items():
-            if _content(config.get(name)) != value:
+            if token_content(config.get(name)) != value:
                 config[name] = value
         config["added_tokens_decoder"] = {
             str(i): {"content": t.content, "lstrip": t.lstrip, "normalized": t.normalized,
@@ -510,233 +508,7 @@ class Tokenizer:
                 stale.unlink()
 
 
-# -------------------------------------------------------------------- config reading
-
-def _read_json(path: Path):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"'{path}' is not valid JSON: {e}; re-save the tokenizer with "
-                             f"transformers or fix the file") from None
-
-
-def _content(token) -> str | None:
-    """The text of a special token given as a string or an AddedToken-like object."""
-    if isinstance(token, dict):
-        return token.get("content")
-    return token
-
-
-def _added_token(token, special: bool | None = None) -> tokenizers.AddedToken:
-    if isinstance(token, dict):
-        flags = {k: token[k] for k in ("single_word", "lstrip", "rstrip", "normalized", "special")
-                 if k in token}
-        if special is not None:
-            flags["special"] = special
-        return tokenizers.AddedToken(token["content"], **flags)
-    # transformers registers special tokens named by a bare string as matched before
-    # normalization.
-    return tokenizers.AddedToken(token, special=True if special is None else special,
-                                 normalized=False)
-
-
-def _config_special_tokens(config: dict, path) -> tuple[dict, list]:
-    """The named special tokens (standard and model-specific) and the unnamed extra ones,
-    as transformers 5 collects them from tokenizer_config.json."""
-    def check(name, value):
-        if not (isinstance(value, str) or (isinstance(value, dict)
-                                           and isinstance(value.get("content"), str))):
-            raise TokenizerError(f"'{path}': \"{name}\" must be a string or an object with "
-                                 f"\"content\", got {value!r:.80}")
-
-    special = {}
-    for name, value in config.items():
-        if value is None:
-            continue
-        if name in _NAMED:
-            check(name, value)
-            special[name] = value
-        elif name.endswith("_token") and (isinstance(value, str) or (
-                isinstance(value, dict) and isinstance(value.get("content"), str))):
-            special[name] = value
-    extra = config.get("extra_special_tokens", config.get("additional_special_tokens")) or []
-    if isinstance(extra, dict):
-        for name, value in extra.items():
-            check(f"extra_special_tokens.{name}", value)
-            special.setdefault(name, value)
-        extra = []
-    if not isinstance(extra, list):
-        raise TokenizerError(f"'{path}': \"extra_special_tokens\" must be a list, got "
-                             f"{extra!r:.80}")
-    for value in extra:
-        check("extra_special_tokens", value)
-    return special, extra
-
-
-def _register_tokens(backend: tokenizers.Tokenizer, config: dict, special: dict,
-                     extra: list) -> None:
-    """Make `backend` encode as transformers' tokenizer built from the same files: the
-    config's added tokens that tokenizer.json lacks and every special token it names are
-    added, and padding and truncation stored in tokenizer.json are off (transformers turns
-    them off for a call that asks for neither)."""
-    present = {t.content for t in backend.get_added_tokens_decoder().values()}
-    missing = [_added_token(t) for t in (config.get("added_tokens_decoder") or {}).values()
-               if isinstance(t, dict) and t.get("content") not in present]
-    if missing:
-        backend.add_tokens(missing)
-    tokens = [_added_token(v, special=True) for v in [*special.values(), *extra]]
-    if tokens:
-        backend.add_special_tokens(tokens)
-    backend.encode_special_tokens = bool(config.get("split_special_tokens", False))
-    backend.no_padding()
-    backend.no_truncation()
-
-
-def _config_templates(config: dict, path) -> tuple[dict[str, str], str | None]:
-    template = config.get("chat_template")
-    if template is None:
-        return {}, None
-    if isinstance(template, str):
-        return {"default": template}, str(path)
-    if isinstance(template, list) and all(
-            isinstance(t, dict) and isinstance(t.get("name"), str)
-            and isinstance(t.get("template"), str) for t in template):
-        return {t["name"]: t["template"] for t in template}, str(path)
-    raise TokenizerError(f"'{path}': \"chat_template\" must be a string or a list of "
-                         f"{{\"name\", \"template\"}} objects, got {template!r:.80}")
-
-
-# -------------------------------------------------------------------- templates
-
 def _str(text) -> str:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     return text
-
-
-def _plain(value):
-    """`value` rebuilt from JSON types: chat templates are untrusted code, and the sandbox
-    does not know which methods of arbitrary objects are harmful."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, np.generic):
-        return _plain(value.item())
-    for kind in (bool, str, int, float):
-        if isinstance(value, kind):
-            return kind(value)
-    if isinstance(value, dict):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return f"<{type(value).__name__}>"
-
-
-@functools.cache
-def _jinja():
-    """jinja2 and the exception `raise_exception` raises; imported on first use, since
-    only chat templates need it."""
-    try:
-        import jinja2
-        import jinja2.ext
-        import jinja2.sandbox
-    except ImportError:
-        raise ImportError("rendering chat templates needs jinja2: pip install 'jinja2>=3.1.6'"
-                          ) from None
-    version = tuple(int(p) for p in jinja2.__version__.split(".")[:3] if p.isdigit())
-    if version < (3, 1, 6):
-        # Older versions have known sandbox escapes, and templates are untrusted code.
-        raise ImportError(f"rendering chat templates needs jinja2>=3.1.6 (found "
-                          f"{jinja2.__version__}): pip install -U jinja2")
-
-    class TemplateRaised(jinja2.TemplateError):
-        pass
-
-    return jinja2, TemplateRaised
-
-
-def _template_errors() -> tuple[type[Exception], ...]:
-    """What a template that is wrong for its input raises: Jinja's errors, and Python's
-    from operations in the template (`'a' + 1`, `messages[9]`)."""
-    return (_jinja()[0].TemplateError, ArithmeticError, LookupError, TypeError, ValueError,
-            AttributeError)
-
-
-@functools.cache
-def _environment():
-    jinja2, raised = _jinja()
-
-    class Generation(jinja2.ext.Extension):
-        # transformers marks assistant text with {% generation %}; rendering keeps the body.
-        tags = {"generation"}
-
-        def parse(self, parser):
-            next(parser.stream)
-            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-    class Namespace(jinja2.utils.Namespace):
-        # Underscore names could reach CPython internals through the namespace.
-        def __init__(*args, **kwargs):
-            self, args = args[0], args[1:]
-            for name in dict(*args, **kwargs):
-                Namespace._check(name)
-            jinja2.utils.Namespace.__init__(self, *args, **kwargs)
-
-        def __setitem__(self, name, value):
-            Namespace._check(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
-
-        @staticmethod
-        def _check(name):
-            if isinstance(name, str) and name.startswith("_"):
-                raise jinja2.exceptions.SecurityError(
-                    f"chat templates cannot store underscore-prefixed attributes on a "
-                    f"namespace, got {name!r}")
-
-    class Dict:
-        # dict itself would hand the template the type object.
-        def __call__(self, *args, **kwargs):
-            return dict(*args, **kwargs)
-
-        def fromkeys(self, *args, **kwargs):
-            return dict.fromkeys(*args, **kwargs)
-
-    def raise_exception(message):
-        raise raised(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # Jinja's own tojson escapes HTML characters, which a prompt must keep.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                          separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(format):
-        return datetime.datetime.now().strftime(format)
-
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now,
-                       dict=Dict(), namespace=Namespace)
-    return env
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(template: str, where: str):
-    jinja2, _ = _jinja()
-    try:
-        return _environment().from_string(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise TokenizerError(f"the chat template in {where} is not valid Jinja: {e.message} "
-                             f"(template line {e.lineno})") from None
-
-
-def _mask(offsets, spans: list[tuple[int, int]]) -> list[bool]:
-    """True for each token whose characters overlap a span (as transformers' assistant
-    mask does); a token of no characters counts where it stands."""
-    mask = []
-    for start, end in offsets:
-        if end > start:
-            mask.append(any(start < b and end > a for a, b in spans))
-        else:
-            mask.append(any(a <= start < b for a, b in spans))
-    return mask

@@ -77,7 +77,8 @@ def _imports(tree: ast.AST) -> list[str]:
 def test_schemes_and_the_search_import_no_flax():
     """Flax stays at the edge: `pockjax.nnx` converts modules (it registers a converter
     with `schemes.register_params_of`); the scheme helpers and the search see pytrees."""
-    for name in ("schemes.py", "scheme_search.py"):
+    search = sorted(p.name for p in PACKAGE.glob("_search_*.py"))
+    for name in ("schemes.py", "scheme_search.py", *search):
         bad = [m for m in _imports(ast.parse((PACKAGE / name).read_text()))
                if m.split(".")[0] == "flax" or m.startswith("pockjax.nnx")]
         assert not bad, f"pockjax/{name} imports {bad}"

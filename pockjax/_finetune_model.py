@@ -1,0 +1,258 @@
+"""The model of a Hugging Face folder as the fine-tuning job uses it: loaded as parameters
+and a pure function of them, its language-model loss, and written back as a folder.
+
+`pockjax.finetuning.finetune` calls `load_model` (a LLaMA-family folder as the Flax
+`Llama` of `pockjax.models.llama`, any other causal LM through `pockjax.torch`), trains
+on `lm_loss` and writes the result with `write_final`; `pockjax.finetuning` re-exports
+`load_model` and `lm_loss`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from pockjax._finetune_base import FRONTENDS, FinetuneError
+
+# LoRA's targets for `--scheme lora:R`: every linear layer of a LLaMA block.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model folder's model as parameters and a pure function of them.
+
+    Attributes:
+      kind: "flax" (`pockjax.models.llama`) or "torch" (`pockjax.torch`).
+      params: the parameter pytree.
+      apply: `apply(params, tokens [B, L]) -> logits [B, L, V]`.
+      vocab_size: the model's vocabulary size.
+      num_layers: its number of blocks.
+      save: `save(params, folder)` writes a Hugging Face model folder (with the
+        tokenizer files).
+      description: a one-line description for logs.
+    """
+
+    kind: str                      # "flax" (pockjax.models.llama) or "torch"
+    params: Any
+    apply: Callable                # apply(params, tokens [B, L]) -> logits [B, L, V]
+    vocab_size: int
+    num_layers: int
+    save: Callable                 # save(params, folder): a Hugging Face model folder
+    description: str
+
+
+def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
+               lora: int | None = None, seed: int = 0) -> LoadedModel:
+    """The model of a Hugging Face folder: LLaMA-family configs (`model_type` in
+    `pockjax.models.hf.SUPPORTED_FAMILIES`) as the Flax `Llama`, any other causal LM
+    through `pockjax.torch` (needs torch and transformers).
+
+    Args:
+      folder: a folder with `config.json` and `model.safetensors` (or shards).
+      frozen_dtype: "float32", or "bfloat16" to keep the weights in bfloat16 (computed
+        in float32); `finetune` then casts the trained ones back to float32 masters. An
+        integer format ("int8", "int4", "int4:GROUP") loads as bfloat16 (Flax models)
+        and `finetune` quantizes the frozen weights (`pockjax.lowbit`).
+      frontend: "auto" (as above), "flax" (LLaMA families only) or "torch" (any causal
+        LM transformers builds, LLaMA's too, through `pockjax.torch`).
+      lora: a rank: LoRA adapters (`pockjax.models.lora`, alpha = 2 x rank, `a` drawn
+        from `seed`) on every linear layer of the blocks (Flax models only); `save`
+        writes the weights with the adapters merged. None (the default): no adapters.
+      seed: the seed of the LoRA adapters' initialisation; default 0.
+
+    Returns:
+      A `LoadedModel`.
+
+    Raises:
+      FinetuneError: the folder is not a model folder; `frozen_dtype` or `frontend` is
+        not one of its values; "flax" is asked for a family it does not load; `lora`
+        is given for a model that runs through `pockjax.torch`; "bfloat16" is asked
+        for a model through `pockjax.torch`; torch or transformers is missing, or
+        transformers cannot build the model.
+    """
+    from pockjax.models import hf
+
+    from pockjax.checkpoint import CheckpointError
+
+    folder = Path(folder)
+    try:
+        config = hf.read_config(folder)
+    except CheckpointError as e:
+        raise FinetuneError(f"{e}; --model takes the folder a model was downloaded or "
+                            f"saved to") from None
+    model_type = config.get("model_type")
+    families = hf.SUPPORTED_FAMILIES
+    _check_frozen_dtype(frozen_dtype)
+    if frontend not in FRONTENDS:
+        raise FinetuneError(f"--frontend {frontend!r}: choose one of {', '.join(FRONTENDS)}")
+    if frontend == "flax" and model_type not in families:
+        raise FinetuneError(f"--frontend flax: '{folder}' is a {model_type!r} model and "
+                            f"pockjax's Flax models load {', '.join(families)}; use "
+                            f"--frontend torch (or auto)")
+    if model_type in families and frontend != "torch":
+        return _flax_model(folder, frozen_dtype, lora, seed)
+    if lora is not None:
+        raise FinetuneError(f"--scheme lora:{lora} is implemented for pockjax's Flax models "
+                            f"({', '.join(families)}); this model runs through pockjax.torch")
+    return _torch_model(folder, model_type, families, frozen_dtype)
+
+
+def _check_frozen_dtype(frozen_dtype: str) -> None:
+    from pockjax import lowbit
+
+    try:
+        lowbit.format_of(frozen_dtype)
+    except lowbit.QuantizeError:
+        raise FinetuneError(f"--frozen-dtype {frozen_dtype!r}: choose float32, bfloat16, int8 "
+                            f"or int4 (int4:GROUP sets the group, e.g. int4:32)") from None
+
+
+def low_bit(frozen_dtype: str) -> bool:
+    """Whether frozen weights are stored as integers (pockjax.lowbit), not a float type."""
+    return frozen_dtype.startswith("int")
+
+
+def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
+                seed: int = 0) -> LoadedModel:
+    import jax.numpy as jnp
+
+    from pockjax import nnx as pj_nnx
+    from pockjax.checkpoint import CheckpointError
+    from pockjax.models.hf import load_llama, save_llama
+
+    try:
+        model = load_llama(folder, dtype=None if frozen_dtype == "float32" else jnp.bfloat16,
+                           compute_dtype=None if frozen_dtype == "float32" else jnp.float32)
+    except CheckpointError as e:
+        raise FinetuneError(str(e)) from None
+    if lora is not None:
+        from flax import nnx
+
+        from pockjax.models.lora import apply_lora, merge_lora
+        try:
+            apply_lora(model, rank=lora, alpha=2.0 * lora, targets=LORA_TARGETS,
+                       rngs=nnx.Rngs(seed))
+        except ValueError as e:
+            raise FinetuneError(f"--scheme lora:{lora}: {e}") from None
+    graphdef, params, rest = pj_nnx.split(model)
+
+    def apply(p, tokens):
+        return pj_nnx.merge(graphdef, p, rest)(tokens)
+
+    def save(p, out):
+        module = pj_nnx.merge(graphdef, p, rest)
+        save_llama(merge_lora(module) if lora is not None else module, out, tokenizer=folder)
+
+    c = model.config
+    return LoadedModel("flax", params, apply, c.vocab_size, c.num_layers, save,
+                       f"{getattr(c, 'model_type', 'llama')} (pockjax.models.llama), "
+                       f"{c.num_layers} layers, width {c.hidden_size}")
+
+
+def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> LoadedModel:
+    supported = ", ".join(families)
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        raise FinetuneError(f"'{folder}' is a {model_type!r} model; pockjax's own models load "
+                            f"{supported}, and other architectures run through pockjax.torch, "
+                            f"which needs torch and transformers: pip install "
+                            f"'pockjax[torch]'") from None
+    if frozen_dtype != "float32" and not low_bit(frozen_dtype):
+        raise FinetuneError(f"--frozen-dtype {frozen_dtype} is implemented for the "
+                            f"{supported} families; '{folder}' is a {model_type!r} model "
+                            f"(through pockjax.torch): use float32")
+    from pockjax import torch as pj_torch
+    from pockjax.models.hf import TOKENIZER_FILES
+
+    try:
+        module = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    except (ValueError, KeyError, OSError) as e:
+        raise FinetuneError(f"'{folder}': transformers cannot build a causal language model "
+                            f"from it ({str(e).splitlines()[0][:200]}); pockjax loads "
+                            f"{supported} itself and other causal LMs that transformers "
+                            f"knows through pockjax.torch") from None
+    module.eval()  # no dropout: steps are reproducible
+    params, fn = pj_torch.functional(module, output=lambda out: out.logits)
+
+    def apply(p, tokens):
+        return fn(p, tokens, use_cache=False)
+
+    def save(p, out):
+        pj_torch.load_state(module, p)
+        out = Path(out)
+        module.save_pretrained(out)
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                shutil.copyfile(folder / name, out / name)
+
+    cfg = module.config
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
+    return LoadedModel("torch", params, apply, int(cfg.vocab_size), int(layers), save,
+                       f"{model_type} (pockjax.torch), {layers} layers")
+
+
+def write_final(loaded: LoadedModel, params, final: Path, frozen_dtype: str) -> None:
+    """The Hugging Face folder, written beside and renamed into place (a crash leaves the
+    previous one or none, never half of one)."""
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if low_bit(frozen_dtype):
+        # Frozen weights dequantized to bfloat16 (what they hold); trained ones as trained.
+        import jax
+        import jax.numpy as jnp
+
+        from pockjax import lowbit
+        params = jax.tree_util.tree_map(
+            lambda x: lowbit.dequantize(x, jnp.bfloat16) if lowbit.is_quantized(x) else x,
+            params, is_leaf=lowbit.is_quantized)
+    loaded.save(params, tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def lm_loss(logits, tokens, mask):
+    """Mean next-token cross-entropy over the positions `mask` marks: `logits[:, t]`
+    predicts `tokens[:, t + 1]`, counted with weight `mask[:, t + 1]`.
+
+    Args:
+      logits: `[B, L, V]` logits (computed in float32).
+      tokens: `[B, L]` integer token ids.
+      mask: `[B, L]` weights (bool or float); 0 leaves a position out.
+
+    Returns:
+      The weighted sum of the negative log-likelihoods divided by the total weight (at
+      least 1), a float32 scalar.
+    """
+    import jax.numpy as jnp
+
+    nll, w = _next_token_nll(logits, tokens, mask)
+    return jnp.sum(nll) / jnp.maximum(jnp.sum(w), 1.0)
+
+
+def nll_sum(logits, tokens, mask):
+    """The summed negative log-likelihood of `lm_loss` and its total weight, to average
+    over many batches."""
+    import jax.numpy as jnp
+
+    nll, w = _next_token_nll(logits, tokens, mask)
+    return jnp.sum(nll), jnp.sum(w)
+
+
+def _next_token_nll(logits, tokens, mask):
+    """Weighted per-position negative log-likelihoods [B, L] and their weights: the
+    labels shift left by one and the last position gets weight 0. Shifting the labels,
+    not slicing `logits[:, :-1]`, keeps XLA from copying the [B, L, vocab] logits
+    forward and padding their gradient backward (on CPU a third of the head's cost)."""
+    import jax.numpy as jnp
+    import optax
+
+    labels = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    w = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1).astype(jnp.float32)
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+    return jnp.where(w != 0, nll * w, 0.0), w
