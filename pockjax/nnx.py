@@ -22,11 +22,14 @@ Examples:
 `Trainer(..., remat="blocks")` checkpoints each block (each module held in a list such
 as LLaMA's `layers` or MobileNetV2's `blocks`; or name them, `remat="layers/*"`): the
 backward pass recomputes a block's activations from its input instead of keeping them.
+
+`split`, `merge`, `param_paths` and `scheme` are defined in `pockjax._nnx_state`,
+`remat_blocks` in `pockjax._nnx_remat`; this module holds the `Trainer`, `search` and
+`frozen_norms_in_inference_mode`.
 """
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import itertools
 from typing import Any, Callable, Iterable, Sequence
 
@@ -36,280 +39,24 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pockjax import scheme_search, schemes
-from pockjax.scheme import (Decision, Frozen, Full, Scheme, SchemeError, DECISION_TYPES,
-                            exact_pattern, glob_to_regex)
+from pockjax._nnx_remat import checkpoint_blocks, remat_blocks
+from pockjax._nnx_state import Filter, merge, module_at, param_paths, scheme, split
+from pockjax.scheme import Frozen, Full, Scheme, SchemeError
 from pockjax.sharding import Layout
-from pockjax.train import History, Remat, SparseTrainer, TrainState, checkpoint_call, fit
+from pockjax.train import History, Remat, SparseTrainer, TrainState, fit
 
 __all__ = ["split", "merge", "param_paths", "scheme", "Trainer", "search",
            "frozen_norms_in_inference_mode", "remat_blocks"]
 
-Filter = Any
-
-
-def split(model: nnx.Module, wrt: Filter = nnx.Param) -> tuple[Any, dict, dict]:
-    """`(graphdef, params, rest)`: the `wrt` variables and all others as nested dicts of arrays.
-
-    Args:
-      model: the module.
-      wrt: an NNX filter of the variables that train (default `nnx.Param`).
-
-    Returns:
-      A tuple `(graphdef, params, rest)`: the module's graph definition, its `wrt`
-        variables and all its other variables (batch statistics, RNG counters), each
-        as a nested dict of arrays keyed by attribute names and list indices.
-    """
-    graphdef, params, rest = nnx.split(model, wrt, ...)
-    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-
-
-def merge(graphdef, params: dict, rest: dict) -> nnx.Module:
-    """The module back from `split`'s parts (a new module; inside a trace, a traced one).
-
-    Args:
-      graphdef: the graph definition from `split`.
-      params: the `wrt` variables as `split` returns them (or trained values of the
-        same structure).
-      rest: the other variables as `split` returns them.
-
-    Returns:
-      A new `nnx.Module`.
-    """
-    return nnx.merge(graphdef, params, rest)
-
+# Examples of the functions defined in the modules above, run with this module's own
+# (tests/test_docs.py: doctest.testmod(pockjax.nnx)).
+__test__ = {"scheme": scheme, "remat_blocks": remat_blocks}
 
 schemes.register_params_of(nnx.Module, lambda model: split(model)[1])
 
-
-def _variables(model: nnx.Module, wrt: Filter):
-    wanted = nnx.filterlib.to_predicate(wrt)
-    for path, node in nnx.graph.iter_graph(model):
-        if isinstance(node, nnx.Variable) and wanted(path, node):
-            yield path, node
-
-
-def param_paths(model: nnx.Module, wrt: Filter = nnx.Param) -> list[str]:
-    """The "/"-joined paths of the module's `wrt` variables, as schemes see them.
-
-    Args:
-      model: the module.
-      wrt: an NNX filter of the variables (default `nnx.Param`).
-
-    Returns:
-      The paths, sorted (`"layers/0/attn/q_proj/kernel"`).
-    """
-    return sorted("/".join(map(str, p)) for p, _ in _variables(model, wrt))
-
-
-def scheme(model: nnx.Module, rules: Filter | Sequence[tuple[Filter, Decision]],
-           *, default: Decision = Frozen(), wrt: Filter = nnx.Param) -> Scheme:
-    """A `Scheme` from NNX filters over `model`'s `wrt` variables.
-
-    `rules` is one filter (its variables train in full) or `(filter, decision)` pairs,
-    first match wins. Filters are anything `nnx` accepts: a variable type
-    (`nnx.LoRAParam`), `nnx.PathContains("attn")`, `nnx.Any(...)`, `nnx.All(...)`,
-    `nnx.Not(...)`, a predicate `(path, variable) -> bool`, or a string tag.
-
-    Args:
-      model: the module.
-      rules: one NNX filter, whose variables train in full, or a sequence of
-        `(filter, decision)` pairs; a variable takes the decision of the first filter
-        that matches it.
-      default: the decision of variables no filter matches (default `Frozen()`).
-      wrt: an NNX filter of the variables the scheme covers (default `nnx.Param`).
-
-    Returns:
-      A `Scheme` with one exact-path rule per matched variable whose decision differs
-        from `default`.
-
-    Raises:
-      SchemeError: a filter matches no `wrt` variable that an earlier filter did not
-        match already.
-
-    Examples:
-      >>> from flax import nnx; import pockjax as pj
-      >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-      >>> pj.nnx.scheme(model, nnx.PathContains("bias"))
-      Scheme({'bias': Full()}, default=Frozen())
-    """
-    if isinstance(rules, (list, tuple)) and rules and all(
-            isinstance(r, tuple) and len(r) == 2 and isinstance(r[1], DECISION_TYPES) for r in rules):
-        pairs = list(rules)
-    else:
-        pairs = [(rules, Full())]
-    predicates = [(nnx.filterlib.to_predicate(f), d, f) for f, d in pairs]
-    found = {id(f): False for _, _, f in predicates}
-    out = []
-    for path, var in _variables(model, wrt):
-        for pred, decision, f in predicates:
-            if pred(path, var):
-                found[id(f)] = True
-                if decision != default:
-                    out.append((exact_pattern("/".join(map(str, path))), decision))
-                break
-    missing = [f for _, _, f in predicates if not found[id(f)]]
-    if missing:
-        raise SchemeError(f"NNX filter {missing[0]!r} matches no {wrt!r} variable of "
-                          f"{type(model).__name__}; its parameters are e.g. "
-                          f"{', '.join(param_paths(model, wrt)[:4])}")
-    return Scheme(out, default=default)
-
-
+# The argument `scheme` of `Trainer` and `frozen_norms_in_inference_mode` hides the
+# function there.
 _filter_scheme = scheme
-
-
-# --------------------------------------------------------------------------- remat
-
-
-def _has_call(cls: type) -> bool:
-    return any("__call__" in vars(k) for k in cls.__mro__ if k is not object)
-
-
-def _callable_submodules(model: nnx.Module) -> dict[str, tuple]:
-    """"/"-joined path -> key path of every submodule with a `__call__` (lists and the
-    root excluded)."""
-    return {"/".join(map(str, path)): tuple(path) for path, node in nnx.graph.iter_graph(model)
-            if path and isinstance(node, nnx.Module) and _has_call(type(node))}
-
-
-def _block_lists(model: nnx.Module) -> dict[str, list[tuple]]:
-    """`{"layers/*": [key paths]}`: the callable modules held in lists (an index ends
-    their path), outermost only (a block's own lists of layers are inside it)."""
-    items = [path for path in _callable_submodules(model).values() if isinstance(path[-1], int)]
-    outer = [p for p in items if not any(q != p and p[:len(q)] == q for q in items)]
-    lists: dict[str, list[tuple]] = {}
-    for p in sorted(outer, key=lambda p: tuple(str(k) for k in p[:-1]) + (p[-1],)):
-        lists.setdefault("/".join(map(str, p[:-1] + ("*",))), []).append(p)
-    return lists
-
-
-def remat_blocks(model: nnx.Module, remat: str | Sequence[str]) -> tuple[list[tuple], str]:
-    """The key paths of the submodules `remat` names, and a description for reports.
-
-    `remat` is `"blocks"` (every module held in a list, outermost: LLaMA's `layers/*`,
-    MobileNetV2's `blocks/*`) or glob patterns over "/"-joined module paths (`"layers/*"`,
-    `["encoder/*", "decoder/*"]`; `*` stays within one path component, `**` spans). A
-    pattern matching no callable submodule is a `ValueError` listing the block lists and
-    submodules there are.
-
-    Args:
-      model: the module.
-      remat: `"blocks"`, a glob pattern over "/"-joined module paths, or a list or tuple
-        of patterns.
-
-    Returns:
-      A pair: the key paths of the chosen submodules (tuples of attribute names and
-        list indices), and a description of the choice for reports.
-
-    Raises:
-      ValueError: `"blocks"` finds no list of submodules, or a pattern matches no
-        callable submodule.
-      TypeError: `remat` is neither a string nor a list or tuple of strings.
-
-    Examples:
-      >>> from flax import nnx; import pockjax as pj
-      >>> from pockjax.models.llama import Llama, LlamaConfig
-      >>> model = Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-      >>> paths, where = pj.nnx.remat_blocks(model, "blocks")
-      >>> paths, where
-      ([('layers', 0), ('layers', 1)], 'blocks = layers/* (2 LlamaBlock)')
-    """
-    name = type(model).__name__
-    lists = _block_lists(model)
-    modules = _callable_submodules(model)
-
-    def describe(lst):
-        kinds = sorted({type(_module_at(model, p)).__name__ for p in lists[lst]})
-        return f"{lst} ({len(lists[lst])} {'/'.join(kinds)})"
-
-    known = ", ".join(describe(k) for k in lists) or "none"
-    if isinstance(remat, str) and remat == "blocks":
-        if not lists:
-            raise ValueError(
-                f"remat='blocks' found no list of submodules in {name} (blocks are the "
-                f"modules of an nnx.List, e.g. self.layers = nnx.List([...])); name the modules "
-                f"to checkpoint with patterns over these paths: "
-                f"{', '.join(sorted(modules)[:8]) or 'none'}")
-        paths = [p for k in lists for p in lists[k]]
-        return paths, "blocks = " + ", ".join(describe(k) for k in lists)
-    patterns = [remat] if isinstance(remat, str) else \
-        list(remat) if isinstance(remat, (list, tuple)) else None
-    if not patterns or not all(isinstance(p, str) for p in patterns):
-        raise TypeError(f"remat must be None, 'blocks', 'full', a module path pattern or a list "
-                        f"of them, got {remat!r}")
-    paths: list[tuple] = []
-    for pattern in patterns:
-        regex = glob_to_regex(pattern)
-        hits = [path for text, path in modules.items() if regex.match(text)]
-        if not hits:
-            near = difflib.get_close_matches(pattern, list(lists) + sorted(modules), n=3)
-            raise ValueError(
-                f"remat pattern {pattern!r} matches no callable submodule of {name}"
-                + (f"; nearest: {', '.join(map(repr, near))}" if near else "")
-                + f". Lists of blocks there: {known}; submodules e.g. "
-                f"{', '.join(sorted(modules, key=lambda t: (t.count('/'), t))[:6])}. Give "
-                f"remat='blocks' (every list of blocks), patterns over these paths such as "
-                f"'layers/*', or 'full' (the whole loss); remat_policy= sets what a block saves"
-                + (" (a policy name goes there, not in remat=)"
-                   if pattern in ("full", "nothing_saveable") or hasattr(
-                       jax.checkpoint_policies, pattern) else ""))
-        paths += [p for p in hits if p not in paths]
-    where = ", ".join(patterns)
-    return paths, f"{where} ({len(paths)} module{'s' if len(paths) != 1 else ''})"
-
-
-_CHECKPOINTED: dict = {}
-
-
-def _checkpointed_class(cls: type, policy: Callable) -> type:
-    """A subclass of `cls` whose `__call__` runs under `jax.checkpoint` (one per class
-    and policy). The trainer gives it to the traced copies of the chosen blocks only."""
-    key = (cls, policy)
-    if key not in _CHECKPOINTED:
-        call = cls.__call__
-
-        def __call__(self, *args, **kwargs):
-            return _checkpoint_module_call(self, call, policy, args, kwargs)
-
-        _CHECKPOINTED[key] = type(cls)(cls.__name__, (cls,), {
-            "__call__": __call__, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-    return _CHECKPOINTED[key]
-
-
-def _checkpoint_module_call(module: nnx.Module, call: Callable, policy: Callable, args, kwargs):
-    """`call(module, *args, **kwargs)` under `jax.checkpoint`, recomputed late: the
-    module's variables and the arrays among the arguments are the inputs; variables the
-    call changes (batch statistics, RNG counters) come out and are written back to
-    `module`."""
-    graphdef, state = nnx.split(module)
-    before, state_def = jax.tree_util.tree_flatten(state)
-    changed: list[int] = []
-
-    def run(state, *args, **kwargs):
-        # Read before the call: the merged module shares `state`'s variables and the
-        # call writes into them.
-        ins = jax.tree_util.tree_leaves(state)
-        inner = nnx.merge(graphdef, state)
-        out = call(inner, *args, **kwargs)
-        after = jax.tree_util.tree_leaves(nnx.state(inner))
-        changed[:] = [i for i, (x, y) in enumerate(zip(ins, after)) if x is not y]
-        return out, [after[i] for i in changed]
-
-    out, new = checkpoint_call(run, policy, state, *args, recompute_after_cotangent=True,
-                               untied=(0,), **kwargs)
-    if changed:
-        leaves = list(before)
-        for i, x in zip(changed, new):
-            leaves[i] = x
-        nnx.update(module, jax.tree_util.tree_unflatten(state_def, leaves))
-    return out
-
-
-def _checkpoint_blocks(model: nnx.Module, paths: Sequence[tuple], policy: Callable) -> None:
-    """Give the modules at `paths` of `model` (a traced copy) checkpointed calls."""
-    for path in paths:
-        block = _module_at(model, path)
-        block.__class__ = _checkpointed_class(type(block), policy)
 
 
 def _module_loss(graphdef, loss_fn: Callable, *, has_aux: bool, has_rest: bool, wrt: Filter,
@@ -324,7 +71,7 @@ def _module_loss(graphdef, loss_fn: Callable, *, has_aux: bool, has_rest: bool, 
         m = nnx.merge(graphdef, params, batch["model_state"]) if has_rest else \
             nnx.merge(graphdef, params)
         if remat_paths:
-            _checkpoint_blocks(m, remat_paths, remat.policy)
+            checkpoint_blocks(m, remat_paths, remat.policy)
         out = loss_fn(m, batch["batch"] if has_rest else batch)
         if not has_rest:
             return out
@@ -784,15 +531,8 @@ def frozen_norms_in_inference_mode(model: nnx.Module, scheme: Scheme | Any, *, f
         if not all(isinstance(scheme.match(f"{prefix}/{n}"), Frozen) for n in names):
             continue
         node.use_running_average = True
-        parent = _module_at(model, path[:-1])
+        parent = module_at(model, path[:-1])
         if hasattr(parent, "fold_norm"):
             parent.fold_norm = fold
         switched.append(prefix)
     return sorted(switched)
-
-
-def _module_at(model: nnx.Module, path) -> Any:
-    node = model
-    for key in path:
-        node = node[key] if isinstance(key, int) else getattr(node, key)
-    return node

@@ -14,13 +14,16 @@ The parameter archive is memory-mapped, never written and never read into the he
 the state is copied from it once into its device buffers, and the frozen weights are
 used from the mapping (or from the packed copies the compiled module makes of them), so
 a session holds the parameters once.
+
+`ToolSession` (IREE's `iree-run-module`, one process per call) lives in
+`pockjax._runtime_tool`; what it and `Session` share (the batch check, evaluation,
+parameters as a pytree, checkpoints) in `pockjax._runtime_base`.
 """
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
 import contextlib
-import json
 import os
 import platform
 import sys
@@ -30,6 +33,9 @@ import weakref
 
 import numpy as np
 
+from pockjax._runtime_base import BaseSession, np_dtype
+from pockjax._runtime_base import named_leaves  # noqa: F401  (re-exported)
+from pockjax._runtime_tool import ToolSession, qemu_arm64
 from pockjax.export.manifest import PARAMS, VMFB, check_hashes, read_manifest
 from pockjax.export.targets import ExportError
 
@@ -148,154 +154,7 @@ def _check_vulkan(path: str, manifest: dict):
     return caps
 
 
-def _np_dtype(name: str):
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-def named_leaves(tree, prefix: str = "") -> list[tuple[str, object]]:
-    """`[(path, leaf)]` of a batch in JAX's flattening order and with its path names
-    (dicts by sorted key, lists and tuples by index, named tuples by field; None is
-    empty), without JAX: the runtime runs where JAX is not installed.
-
-    Args:
-      tree: the batch: nested dicts, lists, tuples and named tuples of arrays.
-      prefix: the path the tree's own leaves are named under (`"a/b"`); empty at the
-        root, where a single leaf is named `""`.
-
-    Returns:
-      `(path, leaf)` pairs, paths joined with `/`.
-    """
-    join = (lambda k: f"{prefix}/{k}") if prefix else str
-    if tree is None:
-        return []
-    if isinstance(tree, dict):
-        return [x for k in sorted(tree) for x in named_leaves(tree[k], join(k))]
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return [x for k in tree._fields for x in named_leaves(getattr(tree, k), join(k))]
-    if isinstance(tree, (list, tuple)):
-        return [x for i, v in enumerate(tree) for x in named_leaves(v, join(i))]
-    return [(prefix, tree)]
-
-
-def _unflatten(paths: list[str], values: dict[str, np.ndarray]):
-    """Nested dicts (lists where every key is an index) from '/'-joined paths."""
-    root: dict = {}
-    for path in paths:
-        node = root
-        parts = path.split("/")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = values[path]
-
-    def listify(node):
-        if not isinstance(node, dict):
-            return node
-        node = {k: listify(v) for k, v in node.items()}
-        if node and all(k.isdigit() for k in node) and sorted(map(int, node)) == list(range(len(node))):
-            return [node[str(i)] for i in range(len(node))]
-        return node
-
-    return listify(root)
-
-
-class _Artifact:
-    """What every way of running an artifact shares: the batch check, parameters as a
-    pytree and checkpoints. Subclasses set `manifest` and `_state_names` and provide
-    `_state_value(i)` (state tensor `i` on the host) and `_frozen_values()`."""
-
-    manifest: dict
-    _state_names: list[str]
-
-    def _state_value(self, i: int) -> np.ndarray:
-        raise NotImplementedError
-
-    def _frozen_values(self) -> list[np.ndarray]:
-        raise NotImplementedError
-
-    def _eval_indices(self) -> list[int]:
-        """The positions in the state of `eval`'s state arguments."""
-        return [self._state_names.index(n) for n in self.manifest["functions"]["eval"]["state"]]
-
-    def _values(self) -> dict[str, np.ndarray]:
-        """Every state tensor and frozen weight by name, on the host."""
-        values = {name: self._state_value(i) for i, name in enumerate(self._state_names)}
-        frozen = self.manifest["functions"]["frozen"]["outputs"]
-        if frozen:
-            values.update(zip(frozen, self._frozen_values()))
-        return values
-
-    # -- batches -----------------------------------------------------------------
-
-    def _batch_args(self, batch, function: str = "train_step") -> list[np.ndarray]:
-        named = named_leaves(batch)
-        got = {(p or "batch"): x for p, x in named}
-        inputs = self.manifest["functions"][function]["inputs"]
-        expected = ", ".join(f"{s['name']}: {s['dtype']}{list(s['shape'])}" for s in inputs)
-        names = [s["name"] for s in inputs]
-        if sorted(got) != sorted(names):
-            raise ExportError(f"batch has inputs {sorted(got)}, the artifact expects {names} "
-                              f"({expected})")
-        args = []
-        for s in inputs:
-            x = np.asarray(got[s["name"]])
-            want = _np_dtype(s["dtype"])
-            if tuple(x.shape) != tuple(s["shape"]):
-                raise ExportError(f"batch input '{s['name']}' is {x.dtype}{list(x.shape)}, the "
-                                  f"artifact expects {s['dtype']}{list(s['shape'])} (signature: "
-                                  f"{expected}); export again for another shape")
-            if x.dtype != want:
-                raise ExportError(f"batch input '{s['name']}' is {x.dtype}{list(x.shape)}, the "
-                                  f"artifact expects {s['dtype']}{list(s['shape'])} (signature: "
-                                  f"{expected}); cast it with "
-                                  f"np.asarray(x).astype(np.{np.dtype(want).name}) (numpy makes "
-                                  f"int64/float64 arrays by default)")
-            args.append(np.ascontiguousarray(x).reshape(x.shape))  # 0-d stays 0-d
-        return args
-
-    def _prefix_inputs(self, batch) -> list[np.ndarray]:
-        if "prefix" not in self.manifest["functions"]:
-            raise ExportError(f"artifact '{self.path}' has no prefix function: it is not a "
-                              "prefix cache's export (pockjax.prefix.PrefixCachedTrainer.export)")
-        return self._batch_args(batch, "prefix")
-
-    def params(self):
-        """The current parameters as a numpy pytree with the original paths.
-
-        Returns:
-          Nested dicts (lists where every key is an index) of numpy arrays, trained
-          and frozen parameters together.
-        """
-        values = {k[len("params/"):]: v for k, v in self._values().items()
-                  if k.startswith("params/")}
-        return _unflatten(self.manifest["params_tree"]["params"], values)
-
-    @property
-    def step_count(self) -> int:
-        """The number of training steps the state has taken (the state's `step`)."""
-        return int(self._state_value(self._state_names.index("step")))
-
-    def save(self, path: str) -> None:
-        """Write a checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`).
-
-        The checkpoint holds every parameter, the optimizer state and the step count,
-        with the scheme in its metadata; it is written to a temporary file and renamed
-        into place.
-
-        Args:
-          path: the checkpoint file to write (`.safetensors`).
-        """
-        from pockjax.checkpoint import encode, write_atomic
-
-        values = self._values()
-        write_atomic(path, encode(values, {"step": str(int(values["step"])),
-                                           "scheme": json.dumps(self.manifest["scheme"])}))
-
-
-
-class Session(_Artifact):
+class Session(BaseSession):
     """A loaded artifact on one IREE device; see `pockjax.runtime.load`.
 
     The trainable parameters and optimizer state stay on the device between calls:
@@ -437,10 +296,11 @@ class Session(_Artifact):
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _first_call(self, function: str) -> None:
+    def _first_call(self, function: str, stacklevel: int = 3) -> None:
         """Say before `function`'s first call on a CPU Vulkan device that it will be slow:
         lavapipe compiles each pipeline with LLVM when it is first used, which for a
-        small LLaMA's step means minutes with nothing else to show for it."""
+        small LLaMA's step means minutes with nothing else to show for it. `stacklevel`
+        points the warning at the user's call (3: the caller of this method's caller)."""
         if function not in self._uncalled:
             return
         self._uncalled.discard(function)
@@ -452,7 +312,7 @@ class Session(_Artifact):
                 f"'{caps.name}' runs on the CPU, and its driver compiles each pipeline to "
                 "machine code on first use (seconds for a small model, minutes for a small "
                 "LLaMA); later calls reuse them. For speed on this machine export for "
-                "host-cpu, or run on a GPU's Vulkan driver", CompilingPipelines, stacklevel=3)
+                "host-cpu, or run on a GPU's Vulkan driver", CompilingPipelines, stacklevel=stacklevel)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -550,23 +410,10 @@ class Session(_Artifact):
         with self._lost_device("the prefix"):
             return [self._host(o) for o in _as_list(self._fn["prefix"](*args))]
 
-    def evaluate(self, batch) -> np.ndarray:
-        """The loss on `batch` with the current parameters (no update).
-
-        Args:
-          batch: one batch with the inputs, shapes and dtypes the artifact was
-            exported for.
-
-        Returns:
-          The loss as a 0-d numpy array.
-
-        Raises:
-          ExportError: the session is closed, or the batch does not match the artifact.
-          DeviceLost: the Vulkan driver lost the device.
-        """
+    def _evaluate(self, batch) -> np.ndarray:
         self._check_open()
         args = self._batch_args(batch)
-        self._first_call("eval")
+        self._first_call("eval", stacklevel=4)  # called by BaseSession.evaluate
         with self._lost_device("an evaluation"):
             out = self._fn["eval"](*(self._state[i] for i in self._eval_indices()), *args)
             return self._host(_as_list(out)[0])
@@ -587,7 +434,7 @@ class Session(_Artifact):
         views = dict(self._views())
         if not all(n in views for n in names):
             return None
-        return [np.frombuffer(views[n], dtype=_np_dtype(spec[n]["dtype"]))
+        return [np.frombuffer(views[n], dtype=np_dtype(spec[n]["dtype"]))
                 .reshape(spec[n]["shape"]) for n in names]
 
     def _initial_state(self) -> list:
@@ -643,171 +490,6 @@ def _release(buffers) -> None:
         start = x.ctypes.data
         lo, hi = start - start % page, -(-(start + x.nbytes) // page) * page
         madvise(lo, hi - lo, MADV_DONTNEED)  # advisory: a failure only leaves pages resident
-
-
-class ToolSession(_Artifact):
-    """An artifact run by IREE's `iree-run-module` tool, one process per call.
-
-    This is how an artifact runs where no Python is: on a phone over `adb shell`, or
-    here under `qemu-aarch64` with the aarch64 build of the tool (see `qemu_arm64`).
-    The state lives in `.npy` files in `workdir` between calls: `train_step` reads the
-    current state and writes the next one. Constructing the session checks the
-    artifact's files and runs its `init` function once.
-
-    Args:
-      path: the artifact directory.
-      command: the tool and anything that must precede it (an emulator and its
-        options), as a list of words or one string naming the tool.
-      device: the tool's `--device` (default `"local-task"`).
-      workdir: the directory for the state and batch files, created if missing;
-        None: a new temporary directory.
-
-    Raises:
-      ExportError: a missing or damaged artifact file, a tool that cannot be started,
-        or a call that fails (its command line and the end of its output are shown).
-    """
-
-    def __init__(self, path: str, command=("iree-run-module",), device: str = "local-task",
-                 workdir: str | None = None):
-        import tempfile
-
-        self.path = os.fspath(path)
-        self.manifest = read_manifest(self.path)
-        self.command = [str(c) for c in ([command] if isinstance(command, str) else command)]
-        self.device_name = device
-        self.workdir = workdir or tempfile.mkdtemp(prefix="pockjax-run-")
-        os.makedirs(self.workdir, exist_ok=True)
-        fns = self.manifest["functions"]
-        self._state_names = fns["train_step"]["state"]
-        self._state_files = self._call("init", [], len(self._state_names), "state0")
-
-    def __repr__(self) -> str:
-        return f"ToolSession({self.path!r}, command={self.command!r})"
-
-    def _call(self, function: str, inputs: list[str], n_out: int, tag: str) -> list[str]:
-        import subprocess
-
-        outs = [os.path.join(self.workdir, f"{tag}_{i}.npy") for i in range(n_out)]
-        cmd = [*self.command, f"--device={self.device_name}",
-               f"--module={os.path.join(self.path, VMFB)}",
-               f"--parameters={self.manifest['parameter_scope']}={os.path.join(self.path, PARAMS)}",
-               f"--function={function}", *[f"--input=@{f}" for f in inputs],
-               *[f"--output=@{f}" for f in outs]]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as e:
-            raise ExportError(f"cannot start {self.command[0]!r}: {e}") from None
-        if done.returncode != 0:
-            tail = "\n  ".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-            raise ExportError(f"{function} failed (exit {done.returncode}):\n  {' '.join(cmd)}\n"
-                              f"  {tail}")
-        return outs
-
-    def _write_batch(self, batch) -> list[str]:
-        files = []
-        for i, x in enumerate(self._batch_args(batch)):
-            files.append(os.path.join(self.workdir, f"batch_{i}.npy"))
-            np.save(files[-1], x)
-        return files
-
-    def step(self, batch) -> dict[str, np.ndarray]:
-        """One training step in a new process; returns the metrics.
-
-        Args:
-          batch: one batch with the inputs, shapes and dtypes the artifact was
-            exported for.
-
-        Returns:
-          The step's outputs by name: `"loss"` and any `"aux/<path>"`.
-
-        Raises:
-          ExportError: the batch does not match the artifact, or the tool failed.
-        """
-        fn = self.manifest["functions"]["train_step"]
-        # Read one set of state files, write the other.
-        tag = "state1" if self._state_files[0].endswith("state0_0.npy") else "state0"
-        outs = self._call("train_step", self._state_files + self._write_batch(batch),
-                          len(self._state_names) + len(fn["outputs"]), tag)
-        self._state_files = outs[:len(self._state_names)]
-        return {name: np.load(f) for name, f in zip(fn["outputs"], outs[len(self._state_names):])}
-
-    def prefix(self, batch) -> list[np.ndarray]:
-        """The cut values of `batch` (see `Session.prefix`), in a new process.
-
-        Args:
-          batch: the original batch, without `"cut"`.
-
-        Returns:
-          The cut values, one numpy array each.
-
-        Raises:
-          ExportError: the artifact has no prefix function, the batch does not match
-            it, or the tool failed.
-        """
-        files = []
-        for i, x in enumerate(self._prefix_inputs(batch)):
-            files.append(os.path.join(self.workdir, f"prefix_in_{i}.npy"))
-            np.save(files[-1], x)
-        n = len(self.manifest["functions"]["prefix"]["outputs"])
-        return [np.load(f) for f in self._call("prefix", files, n, "prefix")]
-
-    def evaluate(self, batch) -> np.ndarray:
-        """The loss on `batch` with the current parameters (no update), in a new process.
-
-        Args:
-          batch: one batch with the inputs, shapes and dtypes the artifact was
-            exported for.
-
-        Returns:
-          The loss as a 0-d numpy array.
-
-        Raises:
-          ExportError: the batch does not match the artifact, or the tool failed.
-        """
-        state = [self._state_files[i] for i in self._eval_indices()]
-        out, = self._call("eval", state + self._write_batch(batch), 1, "eval")
-        return np.load(out)
-
-    def _state_value(self, i):
-        return np.load(self._state_files[i])
-
-    def _frozen_values(self):
-        n = len(self.manifest["functions"]["frozen"]["outputs"])
-        return [np.load(f) for f in self._call("frozen", [], n, "frozen")]
-
-
-def qemu_arm64(runtime_dir: str, sysroot: str = "/usr/aarch64-linux-gnu") -> list[str]:
-    """The command that runs the aarch64 `iree-run-module` under `qemu-aarch64`.
-
-    `runtime_dir` is the unpacked aarch64 wheel of `iree-base-runtime` (same version as
-    the compiler), e.g. from `make arm64-runtime`; `sysroot` holds the aarch64 C and C++
-    libraries (Debian: libc6-arm64-cross, libstdc++6-arm64-cross). IREE's CPU kernels are
-    self-contained ELF files, so an artifact for the Android triple runs on this glibc
-    build of the tool.
-
-    Args:
-      runtime_dir: the unpacked aarch64 `iree-base-runtime` wheel.
-      sysroot: the aarch64 sysroot for `qemu-aarch64 -L` (default Debian's
-        cross-compilation one).
-
-    Returns:
-      The command as a list of words, for `ToolSession(path, command)`.
-
-    Raises:
-      ExportError: `runtime_dir` has no `iree/_runtime_libs/iree-run-module`, or
-        `sysroot` is not a directory.
-    """
-    tool = os.path.join(runtime_dir, "iree", "_runtime_libs", "iree-run-module")
-    if not os.path.isfile(tool):
-        raise ExportError(f"no aarch64 iree-run-module under '{runtime_dir}' (expected {tool}); "
-                          "unpack the manylinux aarch64 wheel of iree-base-runtime there "
-                          "(make arm64-runtime)")
-    if not os.path.isdir(sysroot):
-        raise ExportError(f"aarch64 sysroot '{sysroot}' is missing; install "
-                          "libc6-arm64-cross and libstdc++6-arm64-cross")
-    libs = os.path.join(runtime_dir, "iree_base_runtime.libs")
-    return ["qemu-aarch64", "-L", sysroot, "-E", f"LD_LIBRARY_PATH={libs}", tool]
-
 
 def _as_list(outs) -> list:
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]

@@ -603,8 +603,8 @@ def test_upstream_torchax_import_dimname_still_needs_workaround(raw_torchax_impo
     `Dimname` overload (`aten.prod.dim_Dimname`) torch no longer has."""
     error = raw_torchax_import["error"]
     assert error is not None and "Dimname" in error, (
-        "torchax now imports with this torch: _named_overloads_tolerated in "
-        "pockjax/torch.py can go")
+        "torchax now imports with this torch: named_overloads_tolerated in "
+        "pockjax/_torch_env.py can go")
 
 
 @torchax_installed
@@ -615,7 +615,7 @@ def test_upstream_torchax_import_sets_env_var_still_needs_workaround(raw_torchax
     (seen through the Dimname placeholders alone, without `import_torchax`'s clean-up)."""
     assert raw_torchax_import["telemetry"] == "1", (
         "torchax no longer sets ENABLE_RUNTIME_UPTIME_TELEMETRY: the environment clean-up "
-        "of import_torchax in pockjax/torch.py can go")
+        "of import_torchax in pockjax/_torch_env.py can go")
 
 
 @torchax_installed
@@ -639,7 +639,7 @@ def test_upstream_torchax_batch_norm_still_needs_workaround(torchax_env):
     assert np.array_equal(np.asarray(after["running_mean"]), np.zeros(3)) and \
         np.array_equal(np.asarray(after["running_var"]), np.ones(3)), (
             "torchax now updates batch norm's running statistics: review _batch_norm in "
-            "pockjax/torch.py (torch's unbiased running variance too)")
+            "pockjax/_torch_env.py (torch's unbiased running variance too)")
 
 
 @torchax_installed

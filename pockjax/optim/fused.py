@@ -341,11 +341,9 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
       state: the optimizer state (a tree).
       view_def: the treedef of the trainable view.
       n_head: the number of leading outputs that are not gradients.
-      ties: `"data"` (the default) or `"barrier"`.
-      reads: the values the program reads in place of `param_leaves`; None (the
-        default): `param_leaves`.
-      grad_shardings: a sharding (or None) per trainable gradient; None (the default):
-        no constraint.
+      ties: `"data"` (the default) or `"barrier"`, as for `fused_step`.
+      reads: as for `fused_step` (default None: `param_leaves`).
+      grad_shardings: as for `fused_step` (default None: no constraint).
       skip_nonfinite: keep everything as it was when an output or gradient is not
         finite (default False).
 

@@ -1,0 +1,181 @@
+"""What every way of running an exported artifact shares (`BaseSession`): the batch
+checked against the manifest's signature, evaluation, the parameters as a numpy pytree
+and checkpoints in `pockjax.save`'s format. `pockjax.runtime.Session` (IREE's Python
+runtime) and `pockjax.runtime.ToolSession` (`iree-run-module`, one process per call)
+subclass it; like `pockjax.runtime`, this module needs numpy only, not JAX.
+"""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from pockjax.export.targets import ExportError
+
+
+def np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def named_leaves(tree, prefix: str = "") -> list[tuple[str, object]]:
+    """`[(path, leaf)]` of a batch in JAX's flattening order and with its path names
+    (dicts by sorted key, lists and tuples by index, named tuples by field; None is
+    empty), without JAX: the runtime runs where JAX is not installed.
+
+    Args:
+      tree: the batch: nested dicts, lists, tuples and named tuples of arrays.
+      prefix: the path the tree's own leaves are named under (`"a/b"`); empty at the
+        root, where a single leaf is named `""`.
+
+    Returns:
+      `(path, leaf)` pairs, paths joined with `/`.
+    """
+    join = (lambda k: f"{prefix}/{k}") if prefix else str
+    if tree is None:
+        return []
+    if isinstance(tree, dict):
+        return [x for k in sorted(tree) for x in named_leaves(tree[k], join(k))]
+    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
+        return [x for k in tree._fields for x in named_leaves(getattr(tree, k), join(k))]
+    if isinstance(tree, (list, tuple)):
+        return [x for i, v in enumerate(tree) for x in named_leaves(v, join(i))]
+    return [(prefix, tree)]
+
+
+def _unflatten(paths: list[str], values: dict[str, np.ndarray]):
+    """Nested dicts (lists where every key is an index) from '/'-joined paths."""
+    root: dict = {}
+    for path in paths:
+        node = root
+        parts = path.split("/")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = values[path]
+
+    def listify(node):
+        if not isinstance(node, dict):
+            return node
+        node = {k: listify(v) for k, v in node.items()}
+        if node and all(k.isdigit() for k in node) and sorted(map(int, node)) == list(range(len(node))):
+            return [node[str(i)] for i in range(len(node))]
+        return node
+
+    return listify(root)
+
+
+class BaseSession:
+    """What every way of running an artifact shares: the batch check, evaluation,
+    parameters as a pytree and checkpoints. Subclasses set `manifest` and `_state_names`
+    and provide `_state_value(i)` (state tensor `i` on the host), `_frozen_values()` and
+    `_evaluate(batch)` (the loss, for `evaluate`)."""
+
+    manifest: dict
+    _state_names: list[str]
+
+    def _state_value(self, i: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def _frozen_values(self) -> list[np.ndarray]:
+        raise NotImplementedError
+
+    def _evaluate(self, batch) -> np.ndarray:
+        raise NotImplementedError
+
+    def _eval_indices(self) -> list[int]:
+        """The positions in the state of `eval`'s state arguments."""
+        return [self._state_names.index(n) for n in self.manifest["functions"]["eval"]["state"]]
+
+    def _values(self) -> dict[str, np.ndarray]:
+        """Every state tensor and frozen weight by name, on the host."""
+        values = {name: self._state_value(i) for i, name in enumerate(self._state_names)}
+        frozen = self.manifest["functions"]["frozen"]["outputs"]
+        if frozen:
+            values.update(zip(frozen, self._frozen_values()))
+        return values
+
+    # -- batches -----------------------------------------------------------------
+
+    def _batch_args(self, batch, function: str = "train_step") -> list[np.ndarray]:
+        named = named_leaves(batch)
+        got = {(p or "batch"): x for p, x in named}
+        inputs = self.manifest["functions"][function]["inputs"]
+        expected = ", ".join(f"{s['name']}: {s['dtype']}{list(s['shape'])}" for s in inputs)
+        names = [s["name"] for s in inputs]
+        if sorted(got) != sorted(names):
+            raise ExportError(f"batch has inputs {sorted(got)}, the artifact expects {names} "
+                              f"({expected})")
+        args = []
+        for s in inputs:
+            x = np.asarray(got[s["name"]])
+            want = np_dtype(s["dtype"])
+            if tuple(x.shape) != tuple(s["shape"]):
+                raise ExportError(f"batch input '{s['name']}' is {x.dtype}{list(x.shape)}, the "
+                                  f"artifact expects {s['dtype']}{list(s['shape'])} (signature: "
+                                  f"{expected}); export again for another shape")
+            if x.dtype != want:
+                raise ExportError(f"batch input '{s['name']}' is {x.dtype}{list(x.shape)}, the "
+                                  f"artifact expects {s['dtype']}{list(s['shape'])} (signature: "
+                                  f"{expected}); cast it with "
+                                  f"np.asarray(x).astype(np.{np.dtype(want).name}) (numpy makes "
+                                  f"int64/float64 arrays by default)")
+            args.append(np.ascontiguousarray(x).reshape(x.shape))  # 0-d stays 0-d
+        return args
+
+    def _prefix_inputs(self, batch) -> list[np.ndarray]:
+        if "prefix" not in self.manifest["functions"]:
+            raise ExportError(f"artifact '{self.path}' has no prefix function: it is not a "
+                              "prefix cache's export (pockjax.prefix.PrefixCachedTrainer.export)")
+        return self._batch_args(batch, "prefix")
+
+    def evaluate(self, batch) -> np.ndarray:
+        """The loss on `batch` with the current parameters (no update): on the device
+        (`Session`), or in a new process (`ToolSession`).
+
+        Args:
+          batch: one batch with the inputs, shapes and dtypes the artifact was
+            exported for.
+
+        Returns:
+          The loss as a 0-d numpy array.
+
+        Raises:
+          ExportError: a `Session` is closed, the batch does not match the artifact, or
+            a `ToolSession`'s tool failed.
+          DeviceLost: a `Session`'s Vulkan driver lost the device.
+        """
+        return self._evaluate(batch)
+
+    def params(self):
+        """The current parameters as a numpy pytree with the original paths.
+
+        Returns:
+          Nested dicts (lists where every key is an index) of numpy arrays, trained
+          and frozen parameters together.
+        """
+        values = {k[len("params/"):]: v for k, v in self._values().items()
+                  if k.startswith("params/")}
+        return _unflatten(self.manifest["params_tree"]["params"], values)
+
+    @property
+    def step_count(self) -> int:
+        """The number of training steps the state has taken (the state's `step`)."""
+        return int(self._state_value(self._state_names.index("step")))
+
+    def save(self, path: str) -> None:
+        """Write a checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`).
+
+        The checkpoint holds every parameter, the optimizer state and the step count,
+        with the scheme in its metadata; it is written to a temporary file and renamed
+        into place.
+
+        Args:
+          path: the checkpoint file to write (`.safetensors`).
+        """
+        from pockjax.checkpoint import encode, write_atomic
+
+        values = self._values()
+        write_atomic(path, encode(values, {"step": str(int(values["step"])),
+                                           "scheme": json.dumps(self.manifest["scheme"])}))
