@@ -14,7 +14,7 @@ import math
 import jax
 import numpy as np
 
-from pockjax._report import format_bytes
+from pockjax.measure import format_bytes
 from pockjax._search_measure import References, compiled_peak
 from pockjax._search_report import CandidateResult, scheme_of
 from pockjax.flops import count_flops

@@ -20,7 +20,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from pockjax._report import compiled_memory, format_bytes, tree_bytes
+from pockjax.measure import compiled_memory, format_bytes, tree_bytes
 from pockjax._search_candidates import Candidate
 from pockjax._search_report import CandidateResult
 from pockjax.checkpoint import write_atomic

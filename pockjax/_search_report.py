@@ -11,7 +11,7 @@ import json
 import os
 from typing import Iterable
 
-from pockjax._report import format_bytes
+from pockjax.measure import format_bytes
 from pockjax._search_candidates import Candidate
 from pockjax.checkpoint import write_atomic
 from pockjax.scheme import Frozen, Scheme, decision_from_json, exact_pattern

@@ -15,7 +15,7 @@ import optax
 
 from pockjax import lowbit
 from pockjax._jaxpr import is_var
-from pockjax._report import format_bytes, format_flops, tree_bytes
+from pockjax.measure import format_bytes, format_flops, tree_bytes
 from pockjax._state import abstract_arrays, with_shardings
 from pockjax.scheme import Frozen, Full
 from pockjax.transforms.sparse_grad import TransformInfo, is_dynamic

@@ -168,7 +168,7 @@ def cmd_inspect(args) -> int:
     """`pockjax inspect`: print the manifest of artifact `args.dir` (target, signature,
     memory, parameters, files); returns exit status 0."""
     # Not pockjax.export.artifact, which imports JAX: inspect runs in the runtime-only install.
-    from pockjax._report import format_bytes
+    from pockjax.measure import format_bytes
     from pockjax.export.manifest import read_manifest
 
     m = read_manifest(args.dir)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from pockjax._report import format_bytes
+from pockjax.measure import format_bytes
 from pockjax._search_candidates import Candidate, find_candidates
 from pockjax._search_choose import SearchState, Selection, fill, solve, worth_choosing
 from pockjax._search_measure import ResultCache, cache_fingerprint, measure, parse_budget, \

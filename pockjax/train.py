@@ -36,7 +36,7 @@ from pockjax import sharding as _sharding
 from pockjax._fit import History, NonFiniteLoss, fit, peak_rss_gib
 # checkpoint_call: re-exported for pockjax.nnx and pockjax.models.llama.
 from pockjax._remat import Remat, checkpoint_block, checkpoint_call, checkpointed  # noqa: F401
-from pockjax._report import compiled_memory, tree_bytes
+from pockjax.measure import compiled_memory, tree_bytes
 from pockjax._state import (TrainState, abstract_arrays, check_not_donated, decisions_tree,
                             distinct_buffers, is_abstract, with_shardings)
 from pockjax._train_report import TrainReport, full_training_traced, memory_breakdown
