@@ -15,7 +15,8 @@ import numpy as np
 
 from pockjax._jaxpr import as_source, avals, bind, describe_source, inline_calls, is_var
 from pockjax.scheme import Frozen, Scheme
-from pockjax.transforms.sparse_grad import is_dynamic, resolved_decisions
+from pockjax.transforms.sparse_grad import is_dynamic
+from pockjax.view import resolved_decisions
 
 # What a value depends on, as bits: examples of the batch, other batch inputs (read
 # whole by every example), trained parameters.

@@ -13,7 +13,8 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from pockjax._ties import tie_zero
 
 
 # The policies of `jax.checkpoint_policies` a string may name; the others there are
@@ -294,7 +295,7 @@ def _late(f: Callable, untied: list[bool]) -> Callable:
 
     def bwd(vjp_fn, g):
         leaves, tree = jax.tree_util.tree_flatten(vjp_fn)
-        anchor = _anchor(g)
+        anchor = tie_zero([x for x in jax.tree_util.tree_leaves(g) if _floating(x)])
         if anchor is not None:
             leaves = [r if k or not _floating(r) else r * (1 + anchor).astype(r.dtype)
                       for r, k in zip(leaves, kept)]
@@ -306,14 +307,3 @@ def _late(f: Callable, untied: list[bool]) -> Callable:
 
 def _floating(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def _anchor(tree):
-    """A scalar 0 computed from the first element of every floating leaf of `tree`:
-    the sum of `0 * first` (with 0 for a first element that is not finite, so an inf or
-    NaN there goes nowhere). XLA keeps `0 * x` for floats, so the dependency stays."""
-    zeros = [0 * jnp.where(jnp.isfinite(v), v, 0) for v in (
-        jax.lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(()).astype(jnp.float32)
-        for x in jax.tree_util.tree_leaves(tree) if _floating(x) and np.size(x))]
-    return sum(zeros[1:], zeros[0]) if zeros else None
-

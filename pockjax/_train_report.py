@@ -17,8 +17,9 @@ from pockjax import lowbit
 from pockjax._jaxpr import is_var
 from pockjax.measure import format_bytes, format_flops, tree_bytes
 from pockjax._state import abstract_arrays, with_shardings
-from pockjax.scheme import Frozen, Full
+from pockjax.scheme import Full
 from pockjax.transforms.sparse_grad import TransformInfo, is_dynamic
+from pockjax.view import trained_indices
 
 
 def memory_breakdown(loss_fn, has_aux: bool, state, batch, decisions,
@@ -40,7 +41,7 @@ def memory_breakdown(loss_fn, has_aux: bool, state, batch, decisions,
       Bytes by kind, in the order `TrainReport` shows them.
     """
     leaves = jax.tree_util.tree_leaves(state.params)
-    trained = [i for i, d in enumerate(decisions) if not isinstance(d, Frozen)]
+    trained = trained_indices(decisions)
     dynamic = [x for x in jax.tree_util.tree_leaves(batch) if is_dynamic(x)]
     kept = residual_bytes(loss_fn, has_aux, state.params, batch, trained)
     return {"frozen weights": tree_bytes([x for i, x in enumerate(leaves) if i not in set(trained)]),

@@ -44,7 +44,8 @@ import numpy as np
 from pockjax._prefix_cache import PrefixCache, example_keys, whole_digest
 from pockjax._prefix_cut import CutValue, PrefixCacheError, PrefixSplit, find_cut
 from pockjax.scheme import Frozen
-from pockjax.transforms.sparse_grad import is_dynamic, resolved_decisions
+from pockjax.transforms.sparse_grad import is_dynamic
+from pockjax.view import resolved_decisions
 
 __all__ = ["find_cut", "PrefixSplit", "PrefixCache", "PrefixCachedTrainer", "PrefixCacheError",
            "PrefixReport", "default_budget", "example_keys"]

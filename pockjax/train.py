@@ -43,8 +43,8 @@ from pockjax._train_report import TrainReport, full_training_traced, memory_brea
 from pockjax.flops import count_flops
 from pockjax.optim import fused, perleaf
 from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
-from pockjax.transforms.sparse_grad import (SparseGradFn, TransformInfo, is_dynamic,
-                                            resolved_decisions, trainable)
+from pockjax.transforms.sparse_grad import SparseGradFn, TransformInfo, is_dynamic
+from pockjax.view import resolved_decisions, trainable_view
 
 __all__ = ["TrainState", "SparseTrainer", "sparse_train", "fit", "History", "TrainReport",
            "Remat", "checkpoint_block", "NonFiniteLoss", "peak_rss_gib"]
@@ -154,7 +154,7 @@ class SparseTrainer:
         """
         scheme, optimizer = self.scheme, self.optimizer
         scheme.resolve(params)  # scheme errors surface here, outside any trace
-        init = lambda p: optimizer.init(trainable(p, scheme))
+        init = lambda p: optimizer.init(trainable_view(p, scheme))
         if self.frozen_dtype is not None:
             quantize = lambda p: lowbit.quantize(p, scheme, self.frozen_dtype)
             params = (jax.eval_shape(quantize, params) if is_abstract(params, "params")
@@ -180,7 +180,7 @@ class SparseTrainer:
         """Where each array of the state lives on the mesh (a TrainState of shardings)."""
         layout = self.layout
         decisions = resolved_decisions(params, self.scheme) if decisions is None else decisions
-        view = jax.eval_shape(lambda p: trainable(p, decisions_tree(p, decisions)), abstract_arrays(params))
+        view = jax.eval_shape(lambda p: trainable_view(p, decisions_tree(p, decisions)), abstract_arrays(params))
         view_shardings = layout.view_shardings(params, decisions)
         return TrainState(
             layout.replicated, layout.param_shardings(params, decisions),
@@ -254,7 +254,7 @@ class SparseTrainer:
         _, info, aux_def, decisions, _ = self._grad.trace(state.params, batch)
         param_leaves = jax.tree_util.tree_leaves(state.params)
         other = [x for x in jax.tree_util.tree_leaves(([None, batch], {})) if is_dynamic(x)]
-        view = trainable(state.params, decisions_tree(state.params, decisions))
+        view = trainable_view(state.params, decisions_tree(state.params, decisions))
         plan = self._plan(view, state.opt_state)
         n_head = 1 + aux_def.num_leaves
         state_leaves, state_def = jax.tree_util.tree_flatten(state.opt_state)
@@ -394,7 +394,7 @@ class SparseTrainer:
           `(mode, reason)`: "fused" (each leaf updated right after its gradient) or
           "global" (after the whole backward pass), and the reason in words.
         """
-        view = jax.eval_shape(lambda p: trainable(p, self.scheme), abstract_arrays(state.params))
+        view = jax.eval_shape(lambda p: trainable_view(p, self.scheme), abstract_arrays(state.params))
         return self._mode(self._plan(view, state.opt_state))
 
     def _mode(self, plan: perleaf.UpdatePlan) -> tuple[str, str]:

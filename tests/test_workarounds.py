@@ -433,7 +433,7 @@ def test_upstream_xla_cpu_barrier_copy_insertion_still_needs_workaround():
     A donated weight whose kept channels are updated after the backward read of its old
     value (`dh1 = d2 @ w2.T`): ordered by an optimization barrier, XLA still copies the
     donated buffer (twice); ordered by data (a start index computed from `dh1`, as
-    pockjax's `_tied_start` does), it updates in place."""
+    pockjax's `tied_start` does), it updates in place."""
     d, k = 256, 32
 
     def step(w1, w2, x, order):

@@ -38,9 +38,11 @@ from pockjax import lowbit
 from pockjax._jaxpr import avals, bind, interpret, is_var
 from pockjax.export.manifest import SCOPE
 from pockjax.export.targets import ExportError
+from pockjax._ties import tie_zero
 from pockjax.optim import fused
 from pockjax.scheme import Frozen, leaves_with_paths
 from pockjax.transforms.legalize import legalize_for_iree
+from pockjax.view import trained_indices
 
 if TYPE_CHECKING:  # the trainer is passed in; export does not import train at run time
     from pockjax.train import SparseTrainer, TrainState
@@ -174,7 +176,7 @@ def tie_weight_reads(closed: jex.ClosedJaxpr, weights) -> jex.ClosedJaxpr:
     also through `pockjax.optim.fused.VIEWS`, e.g. a Channels slice or a transpose) is
     tied by data to the matmul's other operand: the weight plus an exact zero (-0.0, so
     `-0.0` weights stay as they are) computed from one element of it
-    (`pockjax.optim.fused.tie_zero`). Matmuls inside loop, cond and remat bodies, and
+    (`pockjax._ties.tie_zero`). Matmuls inside loop, cond and remat bodies, and
     matmuls of two trained weights, are left as they are.
 
     With data tiling (the CPU targets) IREE packs a matmul's weight operand into its tile
@@ -207,7 +209,7 @@ def tie_weight_reads(closed: jex.ClosedJaxpr, weights) -> jex.ClosedJaxpr:
     def tied(w, other):
         if not jnp.issubdtype(w.dtype, jnp.inexact) or not np.size(other):
             return w
-        return w + fused.tie_zero([other]).astype(w.dtype)
+        return w + tie_zero([other]).astype(w.dtype)
 
     def override(e, ins, read):
         if e.primitive is not P.dot_general_p:
@@ -290,7 +292,7 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
     named_opt, opt_def = leaves_with_paths(state.opt_state)
     named_batch, batch_def = leaves_with_paths(batch)
     frozen_idx = [i for i, d in enumerate(decisions) if isinstance(d, Frozen)]
-    train_idx = [i for i, d in enumerate(decisions) if not isinstance(d, Frozen)]
+    train_idx = trained_indices(decisions)
 
     mutable: list[tuple[Slot, Any]] = [(Slot("step", (), "int32", "step"), state.step)]
     mutable += [(Slot(f"params/{named_params[i][0]}", tuple(np.shape(named_params[i][1])),

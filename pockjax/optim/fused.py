@@ -25,9 +25,11 @@ from jax import lax
 
 from pockjax._jaxpr import dependencies, interpret, is_var, producers
 from pockjax.optim.perleaf import UpdatePlan
-from pockjax.scheme import Channels, Full
+from pockjax._ties import tie_zero, tied_start, token
+from pockjax.scheme import Channels
+from pockjax.view import kept, trained_indices, write_back
 
-__all__ = ["Placement", "place_updates", "fused_step", "global_step", "tie_zero", "VIEWS"]
+__all__ = ["Placement", "place_updates", "fused_step", "global_step", "VIEWS"]
 
 # Primitives whose output is its first input's elements moved, selected or converted:
 # reading their output reads that input (here and in `pockjax.export.lowering`).
@@ -117,92 +119,12 @@ def place_updates(jaxpr: jex.Jaxpr, params: Sequence[Any], grads: Sequence[Any])
     return placements
 
 
-def _kept_view(x, d):
-    if isinstance(d, Channels):
-        axis, start, stop = d.bounds(np.shape(x))
-        return lax.slice_in_dim(x, start, stop, axis=axis)
-    return x
-
-
-def _token(ties):
-    """A boolean scalar computed from the last readers' outputs (None if there are none).
-
-    Its value never matters: it picks between two start indices of the in-place slice
-    update that clip to the same slice (`_tied_start`), which makes the write
-    data-dependent on the reads. XLA drops optimization barriers before its copy insertion, and without a
-    data dependency it copies the donated parameter twice (measured: 33.8 -> 17.6 MiB
-    temporaries on a 6x1024 MLP with Channels(1/8) kernels). Whole-tensor updates are
-    elementwise and need no token; adding one there costs memory instead.
-    """
-    preds = [jnp.ravel(t)[0] == 0 for t in ties if np.size(t)]
-    if not preds:
-        return None
-    tok = preds[0]
-    for p in preds[1:]:
-        tok = tok | p
-    return tok
-
-
-def tie_zero(ties, barrier: bool = False):
-    """A scalar 0 that depends on one element of each of `ties` (None if none).
-
-    With `barrier` the elements pass through an optimization barrier, which keeps IREE
-    from fusing their extraction into the update: when a reader's output also goes into or
-    comes out of a loop (scan, while), that fusion makes IREE 3.13's stream partitioning
-    fail ("circular dependency"; e.g. for the layer before a scanned stack). The
-    barrier is on scalars, but it splits the step into more submissions, which allocate
-    more memory, so it is used only there.
-    Finite values are clipped to [-1, 1] and multiplied by 0, NaN and infinities
-    map to 0 first (a complex element contributes its real part), so the zero is exact
-    whatever the readers produced. It is always -0.0: `x + -0.0` is `x` bit for bit,
-    a -0.0 in `x` included (`x + +0.0` would turn that into +0.0). A float
-    multiplication by zero cannot be folded (it is not 0 for NaN or infinity), so the
-    dependency reaches the program.
-
-    Args:
-      ties: the arrays to depend on (the last readers' outputs); empty ones are skipped.
-      barrier: pass the elements through an optimization barrier (default False).
-
-    Returns:
-      A float32 scalar -0.0, or None when `ties` has no non-empty array.
-    """
-    elems = [jnp.ravel(t)[0] for t in ties if np.size(t)]
-    if not elems:
-        return None
-    total = jnp.float32(0)
-    for e in lax.optimization_barrier(elems) if barrier else elems:
-        e = jnp.real(e) if jnp.iscomplexobj(e) else e
-        e = jnp.nan_to_num(e.astype(jnp.float32), nan=0.0, posinf=0.0, neginf=0.0)
-        total = total + jnp.clip(e, -1, 1)
-    return -(jnp.abs(total) * 0.0)
-
-
 def _write_back(x, d, new_view, tok=None):
-    new_view = new_view.astype(x.dtype)
-    if isinstance(d, Channels):
-        axis, start, stop = d.bounds(np.shape(x))
-        idx = [0] * np.ndim(x)
-        idx[axis] = start if tok is None else _tied_start(tok, start, np.shape(x)[axis] - (stop - start))
-        return lax.dynamic_update_slice(x, new_view, idx)
-    return new_view
-
-
-def _tied_start(tok, start: int, last: int):
-    """`start` (the kept range's first index, `0 <= start <= last`), computed from `tok`.
-
-    The token picks between `start` and an index just outside `[0, last]` on
-    `start`'s side, and the result is clipped back into `[0, last]`: both choices give
-    `start`, but the write now depends on the reads (see `_token`). The clip is explicit
-    because `lax.dynamic_update_slice` wraps a negative start from the end (like
-    Python indexing) before clamping: a start of `-1` writes the *last* channels.
-    """
-    if start == 0:
-        outside = -1
-    elif start == last:
-        outside = last + 1
-    else:  # a range strictly inside the axis has no outside index that clips to it
-        return start
-    return jnp.clip(jnp.where(tok, outside, start), 0, last)
+    """`write_back`, at a start index tied to the reads by `tok` (barrier mode)."""
+    if tok is None or not isinstance(d, Channels):
+        return write_back(x, d, new_view)
+    axis, start, stop = d.bounds(np.shape(x))
+    return write_back(x, d, new_view, tied_start(tok, start, np.shape(x)[axis] - (stop - start)))
 
 
 def _value(read, atom):
@@ -230,7 +152,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
       weight once per step (more temporaries, slower steps);
     - "barrier": an optimization barrier over the gradient, the parameter and the
       readers' outputs, and for partial (Channels) writes a data-dependent start index
-      (see `_token`); kept for comparison.
+      (see `pockjax._ties.token`); kept for comparison.
 
     On a mesh, `reads` are the values the forward and backward read in place of the
     parameters (FSDP: the gathered weights), and `grad_shardings` lays out each
@@ -258,7 +180,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
         state leaves, as lists.
     """
     jaxpr = grad_jaxpr.jaxpr
-    train_idx = [k for k, d in enumerate(decisions) if isinstance(d, (Full, Channels))]
+    train_idx = trained_indices(decisions)
     n = len(train_idx)
     m = len(state_leaves)
     param_vars = [jaxpr.invars[k] for k in train_idx]
@@ -282,10 +204,10 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
         p, tok, zero = param_leaves[k], None, None
         if ties == "barrier":
             g, p, *tied = lax.optimization_barrier((g, p, *tied))
-            tok = _token(tied)
+            tok = token(tied)
         else:
             zero = _data_tie(placements[j], read, loop_values)
-        view = _kept_view(p, d)
+        view = kept(p, d)
         leaf = plan.leaves[j]
         ins = []
         for i in leaf.inputs:
@@ -354,7 +276,7 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
     """
     jaxpr = grad_jaxpr.jaxpr
     inputs = [*(param_leaves if reads is None else reads), *other_leaves]
-    train_idx = [k for k, d in enumerate(decisions) if isinstance(d, (Full, Channels))]
+    train_idx = trained_indices(decisions)
     trained = [param_leaves[k] for k in train_idx]
     zeros: list = [None] * len(train_idx)
     if ties == "barrier":
@@ -374,7 +296,7 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
         outs = interpret(jaxpr, grad_jaxpr.consts, inputs, after=after)
         grads = [_shard(g, grad_shardings, j) for j, g in enumerate(outs[n_head:])]
     head = outs[:n_head]
-    views = [_kept_view(p, decisions[k]) for k, p in zip(train_idx, trained)]
+    views = [kept(p, decisions[k]) for k, p in zip(train_idx, trained)]
     g_tree = jax.tree_util.tree_unflatten(view_def, grads)
     p_tree = jax.tree_util.tree_unflatten(view_def, views)
     updates, new_state = optimizer.update(g_tree, state, p_tree)

@@ -30,122 +30,14 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
+from pockjax.view import (apply_sparse_updates, resolved_decisions,  # noqa: F401
+                          trainable_view)
 from pockjax.transforms._kept_grad import kept_value_and_grad, make_jaxpr_with_aux, push_down
 
-__all__ = ["sparse_grad", "sparse_value_and_grad", "trainable", "apply_updates", "TransformInfo",
-           "TracedValueError"]
-
-
-# --------------------------------------------------------------------------- views
-
-
-def resolved_decisions(params, scheme: Scheme | Any):
-    """The decision of each leaf of `params`, in flattening order.
-
-    Args:
-      params: the parameter pytree.
-      scheme: a `Scheme`, or the tree `scheme.resolve(params)` returns.
-
-    Returns:
-      A list with one `Full`, `Frozen` or `Channels` per leaf of `params`.
-
-    Raises:
-      SchemeError: `scheme` is neither a `Scheme` nor a tree of one decision per leaf
-        of `params`.
-    """
-    if isinstance(scheme, Scheme):
-        return jax.tree_util.tree_leaves(scheme.resolve(params))
-    leaves = jax.tree_util.tree_leaves(scheme)
-    n = len(jax.tree_util.tree_leaves(params))
-    if len(leaves) != n or not all(isinstance(d, (Full, Frozen, Channels)) for d in leaves):
-        raise SchemeError("expected a pockjax.Scheme or the result of scheme.resolve(params) "
-                          f"({n} decisions); got {type(scheme).__name__}")
-    return leaves
-
-
-def _kept(x, d: Channels):
-    axis, start, stop = d.bounds(np.shape(x))
-    return lax.slice_in_dim(x, start, stop, axis=axis)
-
-
-def trainable(params, scheme):
-    """The trainable view of `params`: the tree `sparse_grad` returns gradients in.
-
-    Frozen leaves are `None`, Channels leaves hold the kept slice, Full leaves are whole.
-
-    Args:
-      params: the parameter pytree.
-      scheme: a `Scheme`, or the decision tree `scheme.resolve(params)` returns.
-
-    Returns:
-      A tree with the structure of `params`: `None` for each Frozen leaf, the kept
-        slice of each Channels leaf, each Full leaf as it is.
-
-    Raises:
-      SchemeError: `scheme` is neither a `Scheme` nor a tree of one decision per leaf
-        of `params`, or it does not resolve against `params`.
-    """
-    named, treedef = leaves_with_paths(params)
-    decisions = resolved_decisions(params, scheme)
-    view = [None if isinstance(d, Frozen) else _kept(x, d) if isinstance(d, Channels) else x
-            for (_, x), d in zip(named, decisions)]
-    return jax.tree_util.tree_unflatten(treedef, view)
-
-
-def apply_updates(params, updates, scheme):
-    """`params` plus `updates` given in the trainable view (like `optax.apply_updates`).
-
-    Channels leaves get the update added to their kept slice, written back with
-    `lax.dynamic_update_slice` (in place when the caller jits the update and donates
-    `params`); Full leaves get the whole update added; Frozen leaves are returned as
-    they are. Each result keeps its parameter's dtype.
-
-    Args:
-      params: the parameter pytree.
-      updates: the updates in the trainable view (`trainable(params, scheme)`'s
-        structure): the kept slice's shape for a Channels leaf, the parameter's shape
-        for a Full leaf; the entry of a Frozen leaf is ignored (`None` there).
-      scheme: a `Scheme`, or the decision tree `scheme.resolve(params)` returns.
-
-    Returns:
-      The updated parameters, with the structure and dtypes of `params`.
-
-    Raises:
-      SchemeError: `updates` has a different number of leaves than `params`, a trained
-        leaf's update is `None`, or an update's shape is not the kept slice's (or the
-        parameter's); also when `scheme` does not resolve against `params`.
-    """
-    named, treedef = leaves_with_paths(params)
-    decisions = resolved_decisions(params, scheme)
-    upd = jax.tree_util.tree_leaves(updates, is_leaf=lambda x: x is None)
-    if len(upd) != len(named):
-        raise SchemeError(f"updates have {len(upd)} leaves but the parameters have {len(named)}; "
-                          "pass updates in the trainable view (pockjax.trainable(params, scheme))")
-    out = []
-    for (path, x), d, u in zip(named, decisions, upd):
-        if isinstance(d, Frozen):
-            out.append(x)
-            continue
-        if u is None:
-            raise SchemeError(f"parameter '{path}' trains ({d!r}) but its update is None")
-        if isinstance(d, Channels):
-            axis, start, stop = d.bounds(np.shape(x))
-            want = tuple(stop - start if i == axis else n for i, n in enumerate(np.shape(x)))
-            if tuple(np.shape(u)) != want:
-                raise SchemeError(f"update for '{path}' has shape {np.shape(u)}, expected the kept "
-                                  f"slice's shape {want}")
-            cur = _kept(x, d)
-            idx = [0] * np.ndim(x)
-            idx[axis] = start
-            out.append(lax.dynamic_update_slice(x, (cur + u).astype(x.dtype), idx))
-        else:
-            if tuple(np.shape(u)) != tuple(np.shape(x)):
-                raise SchemeError(f"update for '{path}' has shape {np.shape(u)}, expected {np.shape(x)}")
-            out.append((x + u).astype(x.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+__all__ = ["sparse_grad", "sparse_value_and_grad", "trainable_view", "apply_sparse_updates",
+           "TransformInfo", "TracedValueError"]
 
 
 # --------------------------------------------------------------------------- the transform
