@@ -1,6 +1,6 @@
 """A searched scheme against bias-only and last-k-blocks at the same memory budget.
 
-`pockjax.nnx.search` measures the contribution of every candidate on the task. Each
+`pockjax.nnx.search_scheme` measures the contribution of every candidate on the task. Each
 candidate is one weight (Full, or 1/8, 1/4, 1/2 of its input channels), or the
 biases (for the LLaMA, the norm scales) of the last k blocks, trained alone from the
 same starting point. The search then picks the best set whose compiled step fits in
@@ -149,7 +149,7 @@ def main(argv=None):
     # Each candidate's short run has the fine-tuning's schedule, over its own steps.
     search_opt = optax.adam(optax.warmup_cosine_decay_schedule(
         0.0, lr["partial"], max(args.search_steps // 10, 1), args.search_steps, lr["partial"] / 10))
-    scheme, report = pj.nnx.search(
+    scheme, report = pj.nnx.search_scheme(
         task["fresh"](), task["loss_fn"], optimizer=search_opt,
         data=(task["train"], task["val"]), budget=args.budget, steps=args.search_steps,
         cache=os.path.join(args.out, "cache"), cache_key=f"adam warmup-cosine {lr['partial']}",

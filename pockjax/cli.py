@@ -13,7 +13,7 @@ and optionally `output` (see `pockjax.torch.trainer`). `--scheme FILE.json` (fro
 `pockjax search MODULE:ATTR --budget 40% --out scheme.json` reads ATTR the same
 way. It must give `(trainer_factory, params, data)`, as `pockjax.search_scheme` takes them,
 or a dict with `model` (an `nnx.Module`), `loss_fn`, `optimizer` and `data`, as
-`pockjax.nnx.search` takes them. `data` is `(train_batches, heldout_batches)`.
+`pockjax.nnx.search_scheme` takes them. `data` is `(train_batches, heldout_batches)`.
 """
 from __future__ import annotations
 
@@ -337,8 +337,9 @@ def _search(args, written: list[str]) -> int:
                 raise SystemExit(f"pockjax search: {args.spec} gave a dict without {sorted(missing)}; "
                                  "it needs model, loss_fn, optimizer and data")
             extra = {k: v for k, v in obj.items() if k not in ("model", "loss_fn", "optimizer", "data")}
-            scheme, report = pj.nnx.search(obj["model"], obj["loss_fn"], optimizer=obj["optimizer"],
-                                           data=obj["data"], **extra, **common)
+            scheme, report = pj.nnx.search_scheme(obj["model"], obj["loss_fn"],
+                                                  optimizer=obj["optimizer"], data=obj["data"],
+                                                  **extra, **common)
         elif isinstance(obj, tuple) and len(obj) == 3:
             factory, params, data = obj
             scheme, report = pj.search_scheme(factory, params, data, **common)

@@ -498,7 +498,7 @@ def _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, 
         return pj.sparse_train(loss_fn, optimizer=optax.adamw(lr), scheme=scheme)
 
     try:
-        scheme, report = pj.search(factory, loaded.params, (train_batches, heldout),
+        scheme, report = pj.search_scheme(factory, loaded.params, (train_batches, heldout),
                                    budget=budget, steps=steps, cache=str(cache),
                                    progress=progress)
     except ValueError as e:

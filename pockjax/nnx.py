@@ -24,13 +24,14 @@ as LLaMA's `layers` or MobileNetV2's `blocks`; or name them, `remat="layers/*"`)
 backward pass recomputes a block's activations from its input instead of keeping them.
 
 `split`, `merge`, `param_paths` and `scheme` are defined in `pockjax._nnx_state`,
-`remat_blocks` in `pockjax._nnx_remat`; this module holds the `Trainer`, `search` and
+`remat_blocks` in `pockjax._nnx_remat`; this module holds the `Trainer`, `search_scheme` and
 `frozen_norms_in_inference_mode`.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -45,7 +46,7 @@ from pockjax.scheme import Frozen, Full, Scheme, SchemeError
 from pockjax.sharding import Layout
 from pockjax.train import History, Remat, SparseTrainer, TrainState, fit
 
-__all__ = ["split", "merge", "param_paths", "scheme", "Trainer", "search",
+__all__ = ["split", "merge", "param_paths", "scheme", "Trainer", "search_scheme",
            "frozen_norms_in_inference_mode", "remat_blocks"]
 
 # Examples of the functions defined in the modules above, run with this module's own
@@ -430,11 +431,11 @@ def _keep_if(skipped, old, new):
     return jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
 
 
-def search(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%",
-           has_aux: bool = False, wrt: Filter = nnx.Param, **kwargs):
-    """`pockjax.search` for an NNX module: which of its parameters to train under a
+def search_scheme(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%",
+                  has_aux: bool = False, wrt: Filter = nnx.Param, **kwargs):
+    """`pockjax.search_scheme` for an NNX module: which of its parameters to train under a
     memory budget. `loss_fn(model, batch)` and `data = (train_batches, heldout_batches)`
-    as for `Trainer`; other keyword arguments go to `pockjax.search`. Returns the
+    as for `Trainer`; other keyword arguments go to `pockjax.search_scheme`. Returns the
     `Scheme` (exact parameter paths; `Trainer(..., scheme=scheme)` takes it) and the
     `SearchReport`. The module is not changed: every candidate trains a copy.
 
@@ -447,18 +448,18 @@ def search(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%
       budget: the memory budget (default `"40%"`; see `pockjax.scheme_search.parse_budget`).
       has_aux: whether `loss_fn` returns `(loss, aux)` (default False).
       wrt: an NNX filter of the variables that can train (default `nnx.Param`).
-      **kwargs: other arguments of `pockjax.search` (`steps`, `candidates`, `cache`, ...,
+      **kwargs: other arguments of `pockjax.search_scheme` (`steps`, `candidates`, `cache`, ...,
         and `find_candidates` options).
 
     Returns:
       A pair: the chosen `Scheme` and the `SearchReport`.
 
     Raises:
-      TypeError: `model` is not an `nnx.Module` (and as `pockjax.search` raises).
+      TypeError: `model` is not an `nnx.Module` (and as `pockjax.search_scheme` raises).
     """
     if not isinstance(model, nnx.Module):
-        raise TypeError(f"pockjax.nnx.search needs an nnx.Module, got {type(model).__name__}; "
-                        "for parameter trees use pockjax.search")
+        raise TypeError(f"pockjax.nnx.search_scheme needs an nnx.Module, got {type(model).__name__}; "
+                        "for parameter trees use pockjax.search_scheme")
     graphdef, params, rest = split(model, wrt)
     pure = _module_loss(graphdef, loss_fn, has_aux=has_aux, has_rest=bool(rest), wrt=wrt)
     with_state = lambda b: {"batch": b, "model_state": rest} if rest else b
@@ -466,9 +467,16 @@ def search(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%
     steps = kwargs.get("steps", 20)
     train = [with_state(b) for b, _ in zip(train, range(steps))]
     heldout = [with_state(b) for b in heldout]
-    return scheme_search.search(
+    return scheme_search.search_scheme(
         lambda s: SparseTrainer(pure, optimizer, s, has_aux=has_aux or bool(rest)),
         params, (train, heldout), budget, **kwargs)
+
+
+def search(*args, **kwargs):
+    """Deprecated: renamed `search_scheme` (same arguments)."""
+    warnings.warn("pockjax.nnx.search is renamed search_scheme (same arguments); the old name "
+                  "will be removed", DeprecationWarning, stacklevel=2)
+    return search_scheme(*args, **kwargs)
 
 
 def frozen_norms_in_inference_mode(model: nnx.Module, scheme: Scheme | Any, *, fold: bool = True,

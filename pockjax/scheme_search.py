@@ -29,7 +29,7 @@ model contributes on the task and picks the best set that fits a memory budget:
      over-count measured (up to `calibrate` rounds), keeping the best set that fits;
    - then the best remaining candidates are tried, each compiled, while they fit.
 
-    scheme, report = pj.search(lambda s: pj.sparse_train(loss, optimizer=opt, scheme=s),
+    scheme, report = pj.search_scheme(lambda s: pj.sparse_train(loss, optimizer=opt, scheme=s),
                                params, (train_batches, heldout_batches), budget="40%")
     print(report); report.plot("search.png"); open("scheme.json", "w").write(scheme.to_json())
 
@@ -42,6 +42,8 @@ This module holds `search`, which runs the steps; each step has its own module:
 `SearchReport`). Their public names are re-exported here.
 """
 from __future__ import annotations
+
+import warnings
 
 from typing import Callable, Sequence
 
@@ -58,16 +60,16 @@ from pockjax.train import SparseTrainer
 from pockjax._search_candidates import RATIOS  # noqa: F401
 from pockjax._search_choose import knapsack as _knapsack  # noqa: F401
 
-__all__ = ["Candidate", "CandidateResult", "SearchReport", "find_candidates", "search",
+__all__ = ["Candidate", "CandidateResult", "SearchReport", "find_candidates", "search_scheme",
            "parse_budget"]
 
 
-def search(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, budget="40%", *,
-           steps: int = 20, candidates: Sequence[Candidate] | None = None,
-           flop_budget: float | None = None, cache: str | None = None, cache_key: str = "",
-           progress: bool = True, calibrate: int = 4, max_fill: int = 6,
-           min_contribution: float = 0.02,
-           **candidate_options) -> tuple[Scheme, SearchReport]:
+def search_scheme(trainer_factory: Callable[[Scheme], SparseTrainer], params, data, budget="40%", *,
+                  steps: int = 20, candidates: Sequence[Candidate] | None = None,
+                  flop_budget: float | None = None, cache: str | None = None, cache_key: str = "",
+                  progress: bool = True, calibrate: int = 4, max_fill: int = 6,
+                  min_contribution: float = 0.02,
+                  **candidate_options) -> tuple[Scheme, SearchReport]:
     """Contribution analysis and the budgeted search (see the module docstring).
 
     `trainer_factory(scheme)` makes the trainer (`pockjax.sparse_train(...)`) for a
@@ -170,3 +172,10 @@ def _split_data(data, steps: int):
     if not heldout:
         raise ValueError("data has no held-out batches; contributions are measured on them")
     return train, heldout
+
+
+def search(*args, **kwargs):
+    """Deprecated: renamed `search_scheme` (same arguments)."""
+    warnings.warn("pockjax.scheme_search.search is renamed search_scheme (same arguments); the "
+                  "old name will be removed", DeprecationWarning, stacklevel=2)
+    return search_scheme(*args, **kwargs)

@@ -369,7 +369,7 @@ def test_chat_data_with_bfloat16_frozen_weights_and_the_paper_scheme(folders, da
 
 def test_search_scheme_is_pockjax_search_under_the_budget(folders, data, tmp_path, monkeypatch):
     # The wiring only (the search itself is tested in tests/test_search.py): the budget,
-    # training and held-out batches of the run's shape reach pj.search, and the scheme it
+    # training and held-out batches of the run's shape reach pj.search_scheme, and the scheme it
     # returns is the one trained.
     import pockjax.scheme_search as scheme_search
 
@@ -383,8 +383,8 @@ def test_search_scheme_is_pockjax_search_under_the_budget(folders, data, tmp_pat
 
     # pockjax's own name first: reading it loads the real function, which monkeypatch
     # puts back afterwards (read after the module's, it would be the stub, kept for good)
-    monkeypatch.setattr(pj, "search", search)
-    monkeypatch.setattr(scheme_search, "search", search)
+    monkeypatch.setattr(pj, "search_scheme", search)
+    monkeypatch.setattr(scheme_search, "search_scheme", search)
     result = pj.finetune(folders["llama"], data["train"], tmp_path / "run", valid=data["valid"],
                          scheme="search:40%", steps=2, batch=4, seq=32, progress=False)
     assert seen["budget"] == "40%" and seen["train"][0]["tokens"].shape == (4, 32)

@@ -131,8 +131,8 @@ def test_nnx_trainer_errors():
     with pytest.raises(pj.SchemeError, match="matches no"):
         pj.nnx.Trainer(Net(nnx.Rngs(0)), xent, optimizer=optax.sgd(0.1),
                        scheme=nnx.PathContains("nope"))
-    with pytest.raises(TypeError, match="nnx.search needs an nnx.Module"):
-        pj.nnx.search({"w": jnp.ones(2)}, xent, optimizer=optax.sgd(0.1), data=([], []))
+    with pytest.raises(TypeError, match="nnx.search_scheme needs an nnx.Module"):
+        pj.nnx.search_scheme({"w": jnp.ones(2)}, xent, optimizer=optax.sgd(0.1), data=([], []))
 
 
 

@@ -279,7 +279,7 @@ def test_nnx_search_and_trainer(tmp_path):
     y = np.asarray(jax.random.randint(ky, (64,), 0, 3))
     train = [(x[i:i + 16], y[i:i + 16]) for i in range(0, 48, 16)] * 2
     heldout = [(x[48:], y[48:])]
-    scheme, report = pj.nnx.search(Net(nnx.Rngs(0)), xent, optimizer=optax.adam(1e-2),
+    scheme, report = pj.nnx.search_scheme(Net(nnx.Rngs(0)), xent, optimizer=optax.adam(1e-2),
                                    data=(train, heldout), budget="80%", steps=6,
                                    include=["blocks/**", "head/**"], progress=False)
     assert report.measured_bytes <= report.budget_bytes and report.chosen
