@@ -46,7 +46,7 @@ from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.transforms.sparse_grad import SparseGradFn, TransformInfo, is_dynamic
 from pockjax.view import resolved_decisions, trainable_view
 
-__all__ = ["TrainState", "SparseTrainer", "sparse_train", "fit", "History", "TrainReport",
+__all__ = ["TrainState", "SparseTrainer", "sparse_train", "step_variant", "fit", "History", "TrainReport",
            "Remat", "checkpoint_block", "NonFiniteLoss", "peak_rss_gib"]
 
 # The docstring examples of the names defined beside this module, run with this
@@ -232,25 +232,27 @@ class SparseTrainer:
                             f"it takes {sorted(settings)}")
         return SparseTrainer(**{**settings, **changes})
 
-    def step(self, state: TrainState, batch, *, placement: str | None = None,
-             ties: str = "data"):
+    def step(self, state: TrainState, batch):
         """The training step as a function to trace (`trainer(state, batch)` runs it
         jitted, with the state donated).
 
         Args:
           state: the `TrainState`.
           batch: the step's batch.
-          placement: None (the default) uses the update mode `update_mode` gives;
-            "fused" forces the per-leaf update interleaved with the backward pass, any
-            other value the single-barrier update after it (the simple alternative, for
-            comparisons).
-          ties: how each in-place write is ordered after the parameter's last reads:
-            "data" (the default) or "barrier"; see `pockjax.optim.fused.fused_step`.
 
         Returns:
           `(new state, metrics)`: `metrics` has `"loss"`, `"aux"` with `has_aux`, and
           `"skipped"` (a bool) with `skip_nonfinite`.
         """
+        return self._traced_step(state, batch)
+
+    def _traced_step(self, state: TrainState, batch, placement: str | None = None,
+                     ties: str = "data"):
+        # `step`, and the alternatives export's memory comparison and the tests build
+        # (`step_variant`): `placement` None uses the mode `update_mode` gives, "fused"
+        # forces the per-leaf update interleaved with the backward pass, any other value
+        # the single update after it; `ties` "data" or "barrier" orders each in-place
+        # write after the parameter's last reads (`pockjax.optim.fused.fused_step`).
         _, info, aux_def, decisions, _ = self._grad.trace(state.params, batch)
         param_leaves = jax.tree_util.tree_leaves(state.params)
         other = [x for x in jax.tree_util.tree_leaves(([None, batch], {})) if is_dynamic(x)]
@@ -608,3 +610,25 @@ def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransf
         return ScheduledTrainer(trainer, schedule) if schedule else trainer
 
     return wrap if fun is None else wrap(fun)
+
+
+def step_variant(trainer: SparseTrainer, state: TrainState, batch, *,
+                 placement: str | None = None, ties: str = "data"):
+    """`trainer.step` with its update placed or ordered another way, for comparisons:
+    export measures the in-place step against them, the tests check each.
+
+    Args:
+      trainer: the `SparseTrainer`.
+      state: the `TrainState`.
+      batch: the step's batch.
+      placement: None (the default) uses the update mode `update_mode` gives; "fused"
+        forces the per-leaf update interleaved with the backward pass, any other value
+        the single update after the whole backward pass.
+      ties: how each in-place write is ordered after the parameter's last reads: "data"
+        (the default) or "barrier" (an optimization barrier; see
+        `pockjax.optim.fused.fused_step`).
+
+    Returns:
+      `(new state, metrics)`, as `trainer.step`.
+    """
+    return trainer._traced_step(state, batch, placement, ties)

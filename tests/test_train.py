@@ -203,7 +203,7 @@ def test_updates_are_interleaved_with_the_backward_pass(ties):
     trainer = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1), scheme=pj.Scheme(
         {"*/w": pj.Full()}, default=pj.Frozen()))
     state, batch = trainer.init(_mlp_params()), _batches(1)[0]
-    step = functools.partial(trainer.step, ties=ties)
+    step = functools.partial(pj.train.step_variant, trainer, ties=ties)
     closed = jax.make_jaxpr(step)(state, batch)
     jaxpr = inline_calls(closed.jaxpr, closed.consts).jaxpr
     in_paths = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path((state, batch))[0]]

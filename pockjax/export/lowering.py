@@ -36,9 +36,9 @@ from jax.extend.core import primitives as P
 
 from pockjax import lowbit
 from pockjax._jaxpr import avals, bind, interpret, is_var
+from pockjax._ties import tie_zero
 from pockjax.export.manifest import SCOPE
 from pockjax.export.targets import ExportError
-from pockjax._ties import tie_zero
 from pockjax.optim import fused
 from pockjax.scheme import Frozen, leaves_with_paths
 from pockjax.transforms.legalize import legalize_for_iree
@@ -314,12 +314,14 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
 
     aux_paths: list[str] = []
 
+    from pockjax.train import step_variant  # at use: export does not import train otherwise
+
     def flat_step(mut, frz, batch_leaves):
         step, train, opt = mut[0], mut[1:1 + n_train], mut[1 + n_train:]
         st = state.replace(step=step, params=params_from(train, frz),
                            opt_state=jax.tree_util.tree_unflatten(opt_def, opt))
-        new, metrics = trainer.step(st, jax.tree_util.tree_unflatten(batch_def, batch_leaves),
-                                     placement=placement, ties=ties)
+        new, metrics = step_variant(trainer, st, jax.tree_util.tree_unflatten(batch_def, batch_leaves),
+                                    placement=placement, ties=ties)
         new_params = jax.tree_util.tree_leaves(new.params)
         aux = leaves_with_paths(metrics.get("aux"))[0] if "aux" in metrics else []
         aux_paths[:] = [f"aux/{p}" if p else "aux" for p, _ in aux]
