@@ -188,11 +188,11 @@ def analyze_flops(program, *args, **kwargs) -> FlopCount:
 Rule = Callable[[jex.JaxprEqn], tuple]          # first order: eqn -> (flops, transcendentals)
 HigherRule = Callable[[jex.JaxprEqn, list], FlopCount]  # eqn, known input values -> count
 
-RULES: dict[jex.Primitive, Rule] = {}
-HIGHER_ORDER: dict[jex.Primitive, HigherRule] = {}
+FLOP_RULES: dict[jex.Primitive, Rule] = {}
+FLOP_HIGHER_ORDER: dict[jex.Primitive, HigherRule] = {}
 # Primitives that are not exported by `jax.extend` are matched by name.
-RULES_BY_NAME: dict[str, Rule] = {}
-HIGHER_ORDER_BY_NAME: dict[str, HigherRule] = {}
+FLOP_RULES_BY_NAME: dict[str, Rule] = {}
+FLOP_HIGHER_ORDER_BY_NAME: dict[str, HigherRule] = {}
 
 
 def _count(jaxpr: jex.Jaxpr, known: dict | None = None) -> FlopCount:
@@ -209,11 +209,11 @@ def _count(jaxpr: jex.Jaxpr, known: dict | None = None) -> FlopCount:
 
     for eqn in jaxpr.eqns:
         prim, name = eqn.primitive, eqn.primitive.name
-        higher = HIGHER_ORDER.get(prim) or HIGHER_ORDER_BY_NAME.get(name)
+        higher = FLOP_HIGHER_ORDER.get(prim) or FLOP_HIGHER_ORDER_BY_NAME.get(name)
         if higher is not None:
             total = total + higher(eqn, [value(v) for v in eqn.invars])
             continue
-        rule = RULES.get(prim) or RULES_BY_NAME.get(name)
+        rule = FLOP_RULES.get(prim) or FLOP_RULES_BY_NAME.get(name)
         if rule is None:
             subs = list(jex.jaxprs_in_params(eqn.params))
             unknown.add(name)
@@ -259,10 +259,10 @@ for _p in (P.reshape_p, P.broadcast_in_dim_p, P.transpose_p, P.squeeze_p, P.slic
            P.bitcast_convert_type_p, P.stop_gradient_p, P.create_token_p, P.after_all_p,
            P.axis_index_p, P.psum_p, P.pmax_p, P.pmin_p, P.all_gather_p, P.all_to_all_p,
            P.ppermute_p, P.name_p, P.empty2_p, P.real_p, P.imag_p, P.complex_p):
-    RULES[_p] = _free
+    FLOP_RULES[_p] = _free
 for _n in ("optimization_barrier", "split", "mesh_cast", "reshard", "pvary", "pbroadcast",
            "platform_index", "random_wrap", "random_unwrap"):
-    RULES_BY_NAME[_n] = _free
+    FLOP_RULES_BY_NAME[_n] = _free
 # Collectives move data; their reductions are not counted (their cost is the bytes).
 
 
@@ -275,7 +275,7 @@ for _p in (P.add_p, P.add_jaxvals_p, P.sub_p, P.mul_p, P.div_p, P.rem_p, P.max_p
            P.eq_p, P.ne_p, P.lt_p, P.le_p, P.gt_p, P.ge_p, P.and_p, P.or_p, P.not_p, P.xor_p,
            P.select_n_p, P.clamp_p, P.square_p, P.conj_p, P.shift_left_p, P.shift_right_logical_p,
            P.shift_right_arithmetic_p, P.population_count_p, P.clz_p, P.reduce_precision_p):
-    RULES[_p] = _elementwise
+    FLOP_RULES[_p] = _elementwise
 
 
 def _convert(eqn):
@@ -284,7 +284,7 @@ def _convert(eqn):
     return (0.0 if same else float(_size(eqn.outvars[0]))), 0.0
 
 
-RULES[P.convert_element_type_p] = _convert
+FLOP_RULES[P.convert_element_type_p] = _convert
 
 
 def _transcendental(eqn):
@@ -295,7 +295,7 @@ for _p in (P.exp_p, P.exp2_p, P.log_p, P.log1p_p, P.expm1_p, P.tanh_p, P.sin_p, 
            P.asin_p, P.acos_p, P.atan_p, P.sinh_p, P.cosh_p, P.asinh_p, P.acosh_p, P.atanh_p,
            P.atan2_p, P.sqrt_p, P.rsqrt_p, P.cbrt_p, P.pow_p, P.erf_p, P.erfc_p, P.erf_inv_p,
            P.lgamma_p, P.digamma_p):
-    RULES[_p] = _transcendental
+    FLOP_RULES[_p] = _transcendental
 
 
 def _logistic(eqn):
@@ -303,7 +303,7 @@ def _logistic(eqn):
     return 3 * n, n  # 1 / (1 + exp(-x))
 
 
-RULES[P.logistic_p] = _logistic
+FLOP_RULES[P.logistic_p] = _logistic
 
 
 def _integer_pow(eqn):
@@ -313,7 +313,7 @@ def _integer_pow(eqn):
     return float(_size(eqn.outvars[0])) * (muls + (y < 0)), 0.0
 
 
-RULES[P.integer_pow_p] = _integer_pow
+FLOP_RULES[P.integer_pow_p] = _integer_pow
 
 
 def _reduction(eqn):
@@ -322,7 +322,7 @@ def _reduction(eqn):
 
 for _p in (P.reduce_sum_p, P.reduce_max_p, P.reduce_min_p, P.reduce_prod_p, P.reduce_and_p,
            P.reduce_or_p, P.reduce_xor_p, P.argmax_p, P.argmin_p):
-    RULES[_p] = _reduction
+    FLOP_RULES[_p] = _reduction
 
 
 def _reduce(eqn):
@@ -333,7 +333,7 @@ def _reduce(eqn):
     return per.flops * n, per.transcendentals * n
 
 
-RULES[P.reduce_p] = _reduce
+FLOP_RULES[P.reduce_p] = _reduce
 
 
 def _cumulative(eqn):
@@ -341,7 +341,7 @@ def _cumulative(eqn):
 
 
 for _p in (P.cumsum_p, P.cumprod_p, P.cummax_p, P.cummin_p, P.cumlogsumexp_p):
-    RULES[_p] = _cumulative
+    FLOP_RULES[_p] = _cumulative
 
 
 def _reduce_window(eqn):
@@ -351,7 +351,7 @@ def _reduce_window(eqn):
 
 for _p in (P.reduce_window_sum_p, P.reduce_window_max_p, P.reduce_window_min_p, P.reduce_window_p,
            P.select_and_gather_add_p):
-    RULES[_p] = _reduce_window
+    FLOP_RULES[_p] = _reduce_window
 
 
 def _select_and_scatter(eqn):
@@ -361,7 +361,7 @@ def _select_and_scatter(eqn):
 
 
 for _p in (P.select_and_scatter_add_p, P.select_and_scatter_p):
-    RULES[_p] = _select_and_scatter
+    FLOP_RULES[_p] = _select_and_scatter
 
 
 def _scatter_combine(eqn):
@@ -369,7 +369,7 @@ def _scatter_combine(eqn):
 
 
 for _p in (P.scatter_add_p, P.scatter_mul_p, P.scatter_min_p, P.scatter_max_p):
-    RULES[_p] = _scatter_combine
+    FLOP_RULES[_p] = _scatter_combine
 
 
 def _sort(eqn):
@@ -377,7 +377,7 @@ def _sort(eqn):
     return float(_size(eqn.invars[0])) * max(math.ceil(math.log2(max(n, 1))), 1), 0.0
 
 
-RULES[P.sort_p] = _sort
+FLOP_RULES[P.sort_p] = _sort
 
 
 def _dot_general(eqn):
@@ -386,7 +386,7 @@ def _dot_general(eqn):
     return 2.0 * _size(eqn.outvars[0]) * k, 0.0
 
 
-RULES[P.dot_general_p] = _dot_general
+FLOP_RULES[P.dot_general_p] = _dot_general
 
 
 def _conv(eqn):
@@ -414,7 +414,7 @@ def _conv(eqn):
     return 2.0 * valid * in_features * rhs[rhs_spec[0]] * batch, 0.0
 
 
-RULES[P.conv_general_dilated_p] = _conv
+FLOP_RULES[P.conv_general_dilated_p] = _conv
 
 
 # -- higher-order rules ------------------------------------------------------------
@@ -434,8 +434,8 @@ def _call(param: str) -> HigherRule:
 for _p, _param in ((P.jit_p, "jaxpr"), (P.closed_call_p, "call_jaxpr"), (P.call_p, "call_jaxpr"),
                    (P.remat_p, "jaxpr"), (P.custom_jvp_call_p, "call_jaxpr"),
                    (P.custom_vjp_call_p, "call_jaxpr")):
-    HIGHER_ORDER[_p] = _call(_param)
-HIGHER_ORDER_BY_NAME["core_call"] = _call("call_jaxpr")
+    FLOP_HIGHER_ORDER[_p] = _call(_param)
+FLOP_HIGHER_ORDER_BY_NAME["core_call"] = _call("call_jaxpr")
 
 
 def _closed_count(closed) -> FlopCount:
@@ -448,7 +448,7 @@ def _scan(eqn, known_in):
     return _closed_count(eqn.params["jaxpr"]).times(eqn.params["length"])
 
 
-HIGHER_ORDER[P.scan_p] = _scan
+FLOP_HIGHER_ORDER[P.scan_p] = _scan
 
 
 def _cond(eqn, known_in):
@@ -456,7 +456,7 @@ def _cond(eqn, known_in):
     return max((_closed_count(b) for b in eqn.params["branches"]), key=lambda c: c.flops)
 
 
-HIGHER_ORDER[P.cond_p] = _cond
+FLOP_HIGHER_ORDER[P.cond_p] = _cond
 
 
 def _while(eqn, known_in):
@@ -468,7 +468,7 @@ def _while(eqn, known_in):
     return body.times(trips) + cond.times(trips + 1)
 
 
-HIGHER_ORDER[P.while_p] = _while
+FLOP_HIGHER_ORDER[P.while_p] = _while
 
 
 def _trip_count(eqn, known_in) -> int | None:
@@ -521,4 +521,4 @@ def _shard_map(eqn, known_in):
     return _closed_count(eqn.params["jaxpr"]).times(shards)
 
 
-HIGHER_ORDER_BY_NAME["shard_map"] = _shard_map
+FLOP_HIGHER_ORDER_BY_NAME["shard_map"] = _shard_map
