@@ -446,7 +446,7 @@ def lora_budget_bytes(cfg: dict, rank: int = 8) -> int:
 
 
 def search_scheme(cfg: dict, budget: str, task: str) -> str:
-    """`pockjax.search` under `budget` ("lora-r8": LoRA r8's step memory; else a
+    """`pockjax.search_scheme` under `budget` ("lora-r8": LoRA r8's step memory; else a
     finetune budget such as "50%"), run once per task as `pockjax.finetune`'s
     search:BUDGET runs it (the first training batches, scored on the validation data),
     over the preset's candidates (the weights of the last `last_blocks` blocks matching

@@ -223,7 +223,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         "blockwise:K" / "blockwise:K:N" (the blocks take turns, N at a time, K steps
         each: `pockjax.schemes.blockwise`), "lora:R" (LoRA of rank R on every linear
         layer of the blocks, merged into the weights in `final/`), "search:BUDGET"
-        (`pockjax.search` under a budget such as "40%" or "4GiB"), or a scheme JSON file
+        (`pockjax.search_scheme` under a budget such as "40%" or "4GiB"), or a scheme JSON file
         (`Scheme.to_json`). Default "paper"; see `scheme_from_spec`.
       steps: the run's total training steps, a positive whole number; give this or
         `epochs`, not both.
@@ -481,7 +481,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
 
 def _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr, cache,
                    progress):
-    """`pockjax.search` over the model's candidates under `budget`, on the first batches
+    """`pockjax.search_scheme` over the model's candidates under `budget`, on the first batches
     of the training data (scored on the validation data, or on training batches the
     search does not train on)."""
     import optax

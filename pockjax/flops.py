@@ -50,7 +50,7 @@ from jax.interpreters import partial_eval as pe
 from pockjax._jaxpr import consts_to_invars
 from pockjax.transforms.sparse_grad import GradProgram
 
-__all__ = ["FlopCount", "analyze_flops", "count_flops", "flops_of"]
+__all__ = ["FlopCount", "analyze_flops", "count_flops"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,7 +36,7 @@ _PARAMS_OF: dict[type, Callable[[Any], Any]] = {}
 
 
 def register_params_of(cls: type, fn: Callable[[Any], Any]) -> None:
-    """Let the helpers here (and `pockjax.search`'s candidates) take instances of `cls`
+    """Let the helpers here (and `pockjax.search_scheme`'s candidates) take instances of `cls`
     (and its subclasses). `pockjax.nnx` registers `nnx.Module`.
 
     Args:
