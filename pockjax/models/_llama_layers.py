@@ -15,10 +15,10 @@ import numpy as np
 from flax import nnx
 
 from pockjax.models._llama_config import LlamaConfig
-from pockjax.models._llama_precision import _project
+from pockjax.models._llama_precision import project
 
 # Hugging Face's `initializer_range` default for LLaMA.
-_INIT = nnx.initializers.normal(stddev=0.02)
+HF_INIT = nnx.initializers.normal(stddev=0.02)
 
 
 class RMSNorm(nnx.Module):
@@ -85,7 +85,7 @@ class Linear(nnx.Linear):
           The outputs, `[..., out_features]`, in `dtype` (None: `x`'s and the kernel's
           promoted dtype).
         """
-        y = _project(x, self.kernel[...], self.dtype, narrow=self.narrow)
+        y = project(x, self.kernel[...], self.dtype, narrow=self.narrow)
         if self.bias is None:
             return y
         # An explicit broadcast: sparse_grad narrows `broadcast_in_dim`, not the
@@ -93,10 +93,11 @@ class Linear(nnx.Linear):
         return y + jnp.broadcast_to(self.bias[...].astype(y.dtype), y.shape)
 
 
-def _linear(d_in: int, d_out: int, config: LlamaConfig, rngs: nnx.Rngs,
-            bias: bool = False) -> Linear:
+def make_linear(d_in: int, d_out: int, config: LlamaConfig, rngs: nnx.Rngs,
+                bias: bool = False) -> Linear:
+    """A `Linear` of `config`'s dtypes and `narrow_matmul`, initialised as Hugging Face's."""
     return Linear(d_in, d_out, use_bias=bias, param_dtype=config.param_dtype,
-                  dtype=config.dtype, narrow=config.narrow_matmul, kernel_init=_INIT, rngs=rngs)
+                  dtype=config.dtype, narrow=config.narrow_matmul, kernel_init=HF_INIT, rngs=rngs)
 
 
 def rope_tables(length: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -146,10 +147,10 @@ class Attention(nnx.Module):
         d, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, hd
         biased = config.biased
-        self.q_proj = _linear(d, config.num_heads * hd, config, rngs, "q_proj" in biased)
-        self.k_proj = _linear(d, config.num_kv_heads * hd, config, rngs, "k_proj" in biased)
-        self.v_proj = _linear(d, config.num_kv_heads * hd, config, rngs, "v_proj" in biased)
-        self.o_proj = _linear(config.num_heads * hd, d, config, rngs, "o_proj" in biased)
+        self.q_proj = make_linear(d, config.num_heads * hd, config, rngs, "q_proj" in biased)
+        self.k_proj = make_linear(d, config.num_kv_heads * hd, config, rngs, "k_proj" in biased)
+        self.v_proj = make_linear(d, config.num_kv_heads * hd, config, rngs, "v_proj" in biased)
+        self.o_proj = make_linear(config.num_heads * hd, d, config, rngs, "o_proj" in biased)
 
     def __call__(self, x: jax.Array, cos, sin, mask) -> jax.Array:
         """Attention of `x` over itself.
@@ -225,9 +226,9 @@ class MLP(nnx.Module):
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         d, f, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = _linear(d, f, config, rngs, bias)
-        self.up_proj = _linear(d, f, config, rngs, bias)
-        self.down_proj = _linear(f, d, config, rngs, bias)
+        self.gate_proj = make_linear(d, f, config, rngs, bias)
+        self.up_proj = make_linear(d, f, config, rngs, bias)
+        self.down_proj = make_linear(f, d, config, rngs, bias)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """The MLP of `x`.

@@ -1,6 +1,6 @@
 """Mixed precision for the LLaMA-family decoder: products with weights stored narrower
 than the compute dtype (`upcast_matmul`, which upcasts each weight at its use only;
-`narrow_matmul`, which multiplies it as it is, autocast's numerics), the `_project` the
+`narrow_matmul`, which multiplies it as it is, autocast's numerics), the `project` the
 layers call, and `cast_frozen`, the parameter layout that stores frozen weights narrow.
 `pockjax.models.llama` re-exports the public names; `LlamaConfig.narrow_matmul` picks an
 entry of `NARROW_MATMUL`.
@@ -122,8 +122,8 @@ def _narrower(a, b) -> bool:
     return jnp.finfo(a).bits < jnp.finfo(b).bits
 
 
-def _project(x: jax.Array, w: jax.Array, dtype, transposed: bool = False,
-             narrow: str = "upcast") -> jax.Array:
+def project(x: jax.Array, w: jax.Array, dtype, transposed: bool = False,
+            narrow: str = "upcast") -> jax.Array:
     """`x @ w` (or `x @ w.T`) computed in `dtype` (None: x's and w's promoted dtype); a
     narrower `w` goes through `NARROW_MATMUL[narrow]`."""
     dtype = jnp.result_type(x, w) if dtype is None else dtype

@@ -39,10 +39,11 @@ from pockjax.data import check_token_ids
 # `REMAT`, `NARROW_MATMUL` and `apply_rope` are only re-exported: names of this module.
 from pockjax.models._llama_config import REMAT, SUPPORTED_FAMILIES, LlamaConfig  # noqa: F401
 from pockjax.models._llama_generate import generate
-from pockjax.models._llama_layers import (_INIT, MLP, Attention, KVCache, Linear,  # noqa: F401
-                                          LlamaBlock, RMSNorm, _linear, apply_rope, rope_tables)
-from pockjax.models._llama_precision import (NARROW_MATMUL, _project, cast_frozen,  # noqa: F401
-                                             narrow_matmul, upcast_matmul)
+from pockjax.models._llama_layers import (HF_INIT, MLP, Attention, KVCache, Linear,  # noqa: F401
+                                          LlamaBlock, RMSNorm, apply_rope, make_linear,
+                                          rope_tables)
+from pockjax.models._llama_precision import (NARROW_MATMUL, cast_frozen,  # noqa: F401
+                                             narrow_matmul, project, upcast_matmul)
 
 __all__ = ["LlamaConfig", "Llama", "LlamaBlock", "Attention", "MLP", "RMSNorm", "Linear",
            "KVCache", "upcast_matmul", "narrow_matmul", "cast_frozen", "generate", "num_params",
@@ -65,12 +66,12 @@ class Llama(nnx.Module):
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs):
         self.config = config
         self.embed = nnx.Embed(config.vocab_size, config.hidden_size,
-                               param_dtype=config.param_dtype, embedding_init=_INIT, rngs=rngs)
+                               param_dtype=config.param_dtype, embedding_init=HF_INIT, rngs=rngs)
         self.layers = nnx.List([LlamaBlock(config, rngs=rngs) for _ in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps,
                             param_dtype=config.param_dtype)
         if not config.tie_embeddings:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size, config, rngs)
+            self.lm_head = make_linear(config.hidden_size, config.vocab_size, config, rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """The logits of every position of `tokens`.
@@ -213,8 +214,8 @@ class Llama(nnx.Module):
     def _head(self, h: jax.Array) -> jax.Array:
         cfg = self.config
         h = self.norm(h)
-        logits = (_project(h, self.embed.embedding[...], cfg.dtype, transposed=True,
-                           narrow=cfg.narrow_matmul)
+        logits = (project(h, self.embed.embedding[...], cfg.dtype, transposed=True,
+                          narrow=cfg.narrow_matmul)
                   if cfg.tie_embeddings else self.lm_head(h))
         return _unfused(logits.astype(jnp.float32))
 
