@@ -275,16 +275,9 @@ class LlamaBlock(nnx.Module):
 
     def decode(self, x: jax.Array, cos, sin, mask, cache: KVCache, layer: int,
                position) -> tuple[jax.Array, KVCache]:
-        """`__call__` reading and extending the key/value cache (see `Attention.decode`).
-
-        Args:
-          x: the hidden states, `[B, T, D]`.
-          cos: the rotary table's cosines for the T positions, `[T, head_dim]`.
-          sin: its sines, `[T, head_dim]`.
-          mask: `[T, cache length]` booleans: which cache entries each query reads.
-          cache: the key/value cache.
-          layer: this block's index in the cache.
-          position: the position of `x`'s first token.
+        """`__call__` reading and extending the key/value cache: the arguments of
+        `Attention.decode`, with `x` the block's input hidden states `[B, T, D]` (not
+        normalised) and `layer` this block's index in the cache.
 
         Returns:
           `(hidden states [B, T, D], cache)`, the cache holding the new keys and values.

@@ -78,15 +78,7 @@ def narrow_matmul(x: jax.Array, w: jax.Array, transposed: bool = False) -> jax.A
     gradient in `w`'s dtype. No weight is converted at all. On CPUs with bfloat16 matrix
     instructions (AVX512-BF16, AMX) XLA runs these products several times faster than
     float32 ones; the price is activations rounded to bfloat16 on their way into frozen
-    layers.
-
-    Args:
-      x: the activations; the product contracts their last axis.
-      w: the weight, `[in, out]` (`[out, in]` when `transposed`).
-      transposed: compute `x @ w.T` instead.
-
-    Returns:
-      The product, in `x`'s dtype.
+    layers. Arguments and result as `upcast_matmul`'s.
     """
     return _narrow_dot(x.astype(w.dtype), w, (x.ndim - 1,), (1 if transposed else 0,), x.dtype)
 
