@@ -39,6 +39,7 @@ from typing import Callable
 
 import numpy as np
 
+from pockjax._home import claim
 from pockjax._finetune_base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
 from pockjax._finetune_model import lm_loss, load_model, low_bit, nll_sum, write_final
 from pockjax._finetune_run import FINAL, RunFolder, close_prefix_cache, fingerprint, \
@@ -505,3 +506,6 @@ def _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, 
         raise FinetuneError(f"--scheme search:{budget}: {e}") from None
     _say(progress, f"search under {budget}: trains {', '.join(report.chosen)}")
     return scheme
+
+
+claim(globals())  # public names defined in the private modules above live here

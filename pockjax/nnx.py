@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from pockjax._home import claim
 from pockjax import scheme_search, schemes
 from pockjax._nnx_remat import checkpoint_blocks, remat_blocks
 from pockjax._nnx_state import Filter, merge, module_at, param_paths, scheme, split
@@ -544,3 +545,6 @@ def frozen_norms_in_inference_mode(model: nnx.Module, scheme: Scheme | Any, *, f
             parent.fold_norm = fold
         switched.append(prefix)
     return sorted(switched)
+
+
+claim(globals())  # public names defined in the private modules above live here

@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from pockjax._home import claim
 from pockjax._prefix_cache import PrefixCache, example_keys, whole_digest
 from pockjax._prefix_cut import CutValue, PrefixCacheError, PrefixSplit, find_cut
 from pockjax.scheme import Frozen
@@ -408,3 +409,6 @@ def _check_per_example(split: PrefixSplit, prefix, params, batch) -> None:
                 "values read across examples), so it cannot be cached per example. Use "
                 "batch norm in inference mode below the trained layers, or train without "
                 "the prefix cache")
+
+
+claim(globals())  # public names defined in the private modules above live here

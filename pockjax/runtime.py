@@ -33,6 +33,7 @@ import weakref
 
 import numpy as np
 
+from pockjax._home import claim
 from pockjax._runtime_base import BaseSession, np_dtype
 from pockjax._runtime_base import named_leaves  # noqa: F401  (re-exported)
 from pockjax._runtime_tool import ToolSession, qemu_arm64
@@ -526,3 +527,6 @@ def load(path: str, device: str = "local-task") -> Session:
                       RuntimeWarning, stacklevel=2)
     # Outside the handler: the failed session, referenced from the traceback, is freed.
     return Session(path, device)
+
+
+claim(globals())  # public names defined in the private modules above live here

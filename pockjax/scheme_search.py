@@ -47,6 +47,7 @@ import warnings
 
 from typing import Callable, Sequence
 
+from pockjax._home import claim
 from pockjax.measure import format_bytes
 from pockjax._search_candidates import Candidate, find_candidates
 from pockjax._search_choose import SearchState, Selection, fill, solve, worth_choosing
@@ -179,3 +180,6 @@ def search(*args, **kwargs):
     warnings.warn("pockjax.scheme_search.search is renamed search_scheme (same arguments); the "
                   "old name will be removed", DeprecationWarning, stacklevel=2)
     return search_scheme(*args, **kwargs)
+
+
+claim(globals())  # public names defined in the private modules above live here

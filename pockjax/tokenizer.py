@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import tokenizers
 
+from pockjax._home import claim
 from pockjax._chat_template import assistant_mask, compile_template, jinja, plain, \
     template_errors
 from pockjax._tokenizer_config import TokenizerError, config_special_tokens, \
@@ -512,3 +513,6 @@ def _str(text) -> str:
     if not isinstance(text, str):
         raise TypeError(f"text must be a str, got {type(text).__name__}")
     return text
+
+
+claim(globals())  # public names defined in the private modules above live here

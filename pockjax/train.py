@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from pockjax._home import claim
 from pockjax import lowbit
 from pockjax import sharding as _sharding
 from pockjax._fit import History, NonFiniteLoss, fit, peak_rss_gib
@@ -632,3 +633,6 @@ def step_variant(trainer: SparseTrainer, state: TrainState, batch, *,
       `(new state, metrics)`, as `trainer.step`.
     """
     return trainer._traced_step(state, batch, placement, ties)
+
+
+claim(globals())  # public names defined in the private modules above live here

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pockjax._home import claim
 from pockjax.data import check_token_ids
 # `REMAT`, `NARROW_MATMUL` and `apply_rope` are only re-exported: names of this module.
 from pockjax.models._llama_config import REMAT, SUPPORTED_FAMILIES, LlamaConfig  # noqa: F401
@@ -269,3 +270,6 @@ def num_params(config: LlamaConfig) -> int:
 # The examples of the public names defined in the modules above, run by
 # `doctest.testmod` of this module with its names in scope (tests/test_docs.py).
 __test__ = {"generate": generate, "cast_frozen": cast_frozen}
+
+
+claim(globals())  # public names defined in the private modules above live here

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 # Re-exported: the kernels are public names of this module.
+from pockjax._home import claim
 from pockjax.models._mobilenetv2_kernels import (batch_norm, batch_statistics,  # noqa: F401
                                                  depthwise_conv, normalized, pointwise_conv)
 from pockjax.models._mobilenetv2_layers import ConvBN, DepthwiseConv, InvertedResidual
@@ -278,3 +279,6 @@ class MobileNetV2(nnx.Module):
         """
         return blocks_with_expansion()
 
+
+
+claim(globals())  # public names defined in the private modules above live here

@@ -48,6 +48,7 @@ from typing import Sequence
 import jax
 import jax.extend.core as jex
 
+from pockjax._home import claim
 from pockjax._jaxpr import as_source, avals, inline_calls, is_var, var_shape
 # Each rules module registers its rules into `RULES` when it is imported.
 from pockjax.transforms import (_control_flow, _rules_contraction, _rules_elementwise,
@@ -200,3 +201,6 @@ def count_eqns(jaxpr) -> int:
         for sub in jex.jaxprs_in_params(e.params):
             n += count_eqns(sub)
     return n
+
+
+claim(globals())  # public names defined in the private modules above live here
