@@ -14,12 +14,14 @@ import numpy as np
 import optax
 
 from pockjax import lowbit
+from pockjax import sharding as _sharding
 from pockjax._jaxpr import is_var
-from pockjax.measure import format_bytes, format_flops, tree_bytes
-from pockjax._state import abstract_arrays, with_shardings
+from pockjax._state import TrainState, abstract_arrays, with_shardings
+from pockjax.flops import count_flops
+from pockjax.measure import compiled_memory, format_bytes, format_flops, tree_bytes
 from pockjax.scheme import Full
 from pockjax.transforms.sparse_grad import TransformInfo, is_dynamic
-from pockjax.view import trained_indices
+from pockjax.view import resolved_decisions, trained_indices
 
 
 def memory_breakdown(loss_fn, has_aux: bool, state, batch, decisions,
@@ -254,3 +256,35 @@ class TrainReport:
                   f"activation checkpointing: {self.remat}", f"backend: {self.backend}",
                   *str(self.transform).splitlines()[1:]]
         return "\n".join(lines)
+
+
+def build_report(trainer, state, batch) -> "TrainReport":
+    """`SparseTrainer.report` (the state already checked): both steps compiled, not run."""
+    # FLOPs from the traced programs: XLA's cost_analysis() counts a loop body once.
+    sparse_traced, full_traced = trainer.trace(state, batch), trainer._full_traced(state, batch)
+    sparse, full = sparse_traced.lower().compile(), full_traced.lower().compile()
+    mode, reason = trainer.update_mode(state, batch)
+    info = trainer.explain(state, batch)
+    full_state = jax.eval_shape(trainer.optimizer.init, abstract_arrays(state.params))
+    memory, memory_full = compiled_memory(sparse), compiled_memory(full)
+    breakdown = breakdown_full = None
+    if trainer.layout is None:  # on a mesh the per-device split is the layout's
+        decisions = resolved_decisions(state.params, trainer.scheme)
+        breakdown = memory_breakdown(trainer._loss, trainer.has_aux, state, batch, decisions,
+                                     memory["temp"])
+        everything = TrainState(state.step, state.params, full_state, None)
+        breakdown_full = memory_breakdown(trainer._loss, trainer.has_aux, everything, batch,
+                                          [Full()] * len(decisions), memory_full["temp"])
+    return TrainReport(
+        trainable_params=info.trainable_params, total_params=info.total_params,
+        mode=mode, mode_reason=reason,
+        flops=count_flops(sparse_traced), flops_full=count_flops(full_traced),
+        memory=memory, memory_full=memory_full,
+        opt_state_bytes=tree_bytes(state.opt_state), opt_state_bytes_full=tree_bytes(full_state),
+        transform=info,
+        devices=1 if trainer.layout is None else trainer.layout.mesh.devices.size,
+        layout=None if trainer.layout is None else trainer.layout.describe(),
+        collectives=_sharding.collectives(sparse) if trainer.layout is not None else [],
+        collectives_full=_sharding.collectives(full) if trainer.layout is not None else [],
+        breakdown=breakdown, breakdown_full=breakdown_full,
+        remat="none" if trainer.remat is None else str(trainer.remat))

@@ -37,11 +37,9 @@ from pockjax import sharding as _sharding
 from pockjax._fit import History, NonFiniteLoss, fit, peak_rss_gib
 # checkpoint_call: re-exported for pockjax.nnx and pockjax.models.llama.
 from pockjax._remat import Remat, checkpoint_block, checkpoint_call, checkpointed  # noqa: F401
-from pockjax.measure import compiled_memory, tree_bytes
 from pockjax._state import (TrainState, abstract_arrays, check_not_donated, decisions_tree,
                             distinct_buffers, is_abstract, with_shardings)
-from pockjax._train_report import TrainReport, full_training_traced, memory_breakdown
-from pockjax.flops import count_flops
+from pockjax._train_report import TrainReport, build_report, full_training_traced
 from pockjax.optim import fused, perleaf
 from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.transforms.sparse_grad import SparseGradFn, TransformInfo, is_dynamic
@@ -469,34 +467,7 @@ class SparseTrainer:
           SchemeError: `state` was made for another scheme.
         """
         self._check_state(state)
-        # FLOPs from the traced programs: XLA's cost_analysis() counts a loop body once.
-        sparse_traced, full_traced = self.trace(state, batch), self._full_traced(state, batch)
-        sparse, full = sparse_traced.lower().compile(), full_traced.lower().compile()
-        mode, reason = self.update_mode(state, batch)
-        info = self.explain(state, batch)
-        full_state = jax.eval_shape(self.optimizer.init, abstract_arrays(state.params))
-        memory, memory_full = compiled_memory(sparse), compiled_memory(full)
-        breakdown = breakdown_full = None
-        if self.layout is None:  # on a mesh the per-device split is the layout's
-            decisions = resolved_decisions(state.params, self.scheme)
-            breakdown = memory_breakdown(self._loss, self.has_aux, state, batch, decisions,
-                                         memory["temp"])
-            everything = TrainState(state.step, state.params, full_state, None)
-            breakdown_full = memory_breakdown(self._loss, self.has_aux, everything, batch,
-                                              [Full()] * len(decisions), memory_full["temp"])
-        return TrainReport(
-            trainable_params=info.trainable_params, total_params=info.total_params,
-            mode=mode, mode_reason=reason,
-            flops=count_flops(sparse_traced), flops_full=count_flops(full_traced),
-            memory=memory, memory_full=memory_full,
-            opt_state_bytes=tree_bytes(state.opt_state), opt_state_bytes_full=tree_bytes(full_state),
-            transform=info,
-            devices=1 if self.layout is None else self.layout.mesh.devices.size,
-            layout=None if self.layout is None else self.layout.describe(),
-            collectives=_sharding.collectives(sparse) if self.layout is not None else [],
-            collectives_full=_sharding.collectives(full) if self.layout is not None else [],
-            breakdown=breakdown, breakdown_full=breakdown_full,
-            remat="none" if self.remat is None else str(self.remat))
+        return build_report(self, state, batch)
 
 
 def sparse_train(fun: Callable | None = None, *, optimizer: optax.GradientTransformation | None = None,
