@@ -43,6 +43,7 @@ are imported here, so the table is complete before the pass first reads it.
 from __future__ import annotations
 
 import collections
+import importlib
 from typing import Sequence
 
 import jax
@@ -50,9 +51,6 @@ import jax.extend.core as jex
 
 from pockjax._home import claim
 from pockjax._jaxpr import as_source, avals, inline_calls, is_var, var_shape
-# Each rules module registers its rules into `RULES` when it is imported.
-from pockjax.transforms import (_control_flow, _rules_contraction, _rules_elementwise,
-                                _rules_layout, _rules_slicing)
 from pockjax.transforms._boxes import Box, box_shape, full_box, is_full, slice_to_box
 from pockjax.transforms._control_flow import BodyRewrite
 from pockjax.transforms._plans import Alias, Decline, Narrowed, Plan, Whole
@@ -64,9 +62,9 @@ __all__ = ["Box", "full_box", "is_full", "box_shape", "slice_to_box", "Stats", "
            "Narrowed", "Whole", "Alias", "Plan", "Analysis", "Rule", "compute_whole", "BoxRule",
            "RULES", "register", "ELEMENTWISE", "rewrite", "BodyRewrite", "count_eqns"]
 
-# The modules whose rules fill `RULES`, each imported above.
-_RULE_MODULES = (_rules_elementwise, _rules_layout, _rules_slicing, _rules_contraction,
-                 _control_flow)
+# The modules whose rules fill `RULES`: each registers its rules when it is imported.
+_RULE_MODULES = tuple(importlib.import_module(f"pockjax.transforms.{name}") for name in (
+    "_rules_elementwise", "_rules_layout", "_rules_slicing", "_rules_contraction", "_control_flow"))
 
 
 # --------------------------------------------------------------------------- the pass
