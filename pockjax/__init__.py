@@ -16,7 +16,7 @@ _WHERE = {
     "Scheme": "scheme", "SchemeError": "scheme", "Full": "scheme", "Frozen": "scheme",
     "Channels": "scheme",
     "sparse_grad": "transforms", "sparse_value_and_grad": "transforms",
-    "trainable_view": "transforms", "apply_sparse_updates": "transforms",
+    "trainable_view": "view", "apply_sparse_updates": "view",
     "TransformInfo": "transforms",
     "TracedValueError": "transforms",
     "sparse_train": "train", "SparseTrainer": "train", "TrainState": "train",
@@ -86,5 +86,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from pockjax.train import (History, SparseTrainer, TrainReport, TrainState,  # noqa: F401
                                checkpoint_block, fit, sparse_train)
     from pockjax.transforms import (TracedValueError, TransformInfo,  # noqa: F401
-                                    apply_sparse_updates, sparse_grad,
-                                    sparse_value_and_grad, trainable_view)
+                                    sparse_grad, sparse_value_and_grad)
+    from pockjax.view import apply_sparse_updates, trainable_view  # noqa: F401
