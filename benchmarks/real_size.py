@@ -21,7 +21,7 @@ Random weights (uniform, std 0.02; norm scales 1), random tokens, batch 1, seque
   (float32 arithmetic, `narrow_matmul="upcast"`) or multiplied in bfloat16 with float32
   accumulation (`narrow_matmul="native"`, autocast's numerics); `... bf16-matmul remat`
   also recomputes each trained block's activations in the backward pass
-  (`LlamaConfig(remat="block")`).
+  (`LlamaConfig(remat="blocks")`).
 - `pockjax paper last-2 bf16-frozen ...`: PockEngine's transformer scheme (attention and
   the first MLP linears of the last 2 blocks) with bfloat16 frozen weights.
 - `pockjax paper last-2 int4-frozen`, `... int8-frozen`, `pockjax sparse last-k
@@ -291,7 +291,7 @@ def jax_row(row: str, s: dict, limit_gib: float):
     graphdef, abstract, scheme, arrays = build_params(
         s, scheme_for(row, s), jnp.bfloat16 if bf16 else None, jnp.float32 if bf16 else None,
         narrow="native" if "bf16-matmul" in row else "upcast",
-        remat="block" if row.endswith(" remat") else None, low_bit=low_bit)
+        remat="blocks" if row.endswith(" remat") else None, low_bit=low_bit)
     opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
     tokens = jnp.asarray(make_batch("llama", s))
     trained_params = sum(int(np.prod(x.shape)) for x in

@@ -14,8 +14,9 @@ import numpy as np
 
 from pockjax.models._llama_precision import NARROW_MATMUL
 
-# LlamaConfig.remat choices.
-REMAT = (None, "block")
+# LlamaConfig.remat choices: "blocks", the word `pockjax.nnx.Trainer(remat=...)` uses for
+# the same thing ("block" is read as "blocks").
+REMAT = (None, "blocks", "block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,11 +111,11 @@ class LlamaConfig:
     them to the weight's dtype and accumulating in `dtype` (autocast's numerics; much
     faster where the CPU has bfloat16 matrix instructions).
 
-    `remat="block"` recomputes each block's activations in the backward pass
+    `remat="blocks"` recomputes each block's activations in the backward pass
     (`jax.checkpoint` around the block, nothing saved inside it) instead of keeping
     them: less memory for the trained blocks, one more forward pass through them.
     Frozen blocks ahead of every trained one are not differentiated, so they keep
-    nothing either way. `pockjax.nnx.Trainer(model, ..., remat="layers/*")` does the
+    nothing either way. `pockjax.nnx.Trainer(model, ..., remat="blocks")` does the
     same for a model built without it (and for any NNX model with a list of blocks).
 
     `model_type` is the Hugging Face family (`SUPPORTED_FAMILIES`) the model is saved
@@ -145,8 +146,8 @@ class LlamaConfig:
         dtypes as they promote.
       narrow_matmul: how a weight stored narrower than `dtype` multiplies: `"upcast"`
         (default, `upcast_matmul`) or `"native"` (`narrow_matmul`).
-      remat: `"block"` recomputes each block in the backward pass; None (default)
-        keeps the activations.
+      remat: `"blocks"` (or `"block"`) recomputes each block in the backward pass;
+        None (default) keeps the activations.
       model_type: the Hugging Face family, one of `SUPPORTED_FAMILIES` (default
         `"llama"`).
       attention_bias: biases on all four attention projections (llama only).
@@ -239,6 +240,8 @@ class LlamaConfig:
         if self.remat not in REMAT:
             raise ValueError(f"LlamaConfig.remat={self.remat!r}: choose one of "
                              f"{', '.join(map(repr, REMAT))}")
+        if self.remat == "block":
+            object.__setattr__(self, "remat", "blocks")
         self._check_family()
 
     def _check_family(self):

@@ -102,7 +102,7 @@ class Llama(nnx.Module):
         mask = self._mask(positions, positions)
         h = self._embed(tokens)
         for layer in self.layers:
-            h = _remat_block(layer, h, cos, sin, mask) if cfg.remat == "block" else \
+            h = _remat_block(layer, h, cos, sin, mask) if cfg.remat == "blocks" else \
                 layer(h, cos, sin, mask)
         return self._head(h)
 

@@ -555,3 +555,11 @@ def test_sparse_grad_matches_dense(tie, head, fallbacks):
     assert dict(info.fallbacks) == fallbacks, str(info)
     assert len(info.channels) == 3 and info.rules["dot_general"] >= 4
     assert "layers/0/attn/q_proj/kernel" in info.frozen
+
+
+def test_remat_speaks_the_trainers_word():
+    """`LlamaConfig(remat="blocks")` is what `pj.nnx.Trainer(remat="blocks")` calls the
+    same thing; the older "block" reads as it, anything else names the choices."""
+    assert LlamaConfig.tiny(remat="blocks").remat == LlamaConfig.tiny(remat="block").remat == "blocks"
+    with pytest.raises(ValueError, match="'blocks'"):
+        LlamaConfig.tiny(remat="layers")
