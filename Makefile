@@ -50,9 +50,10 @@ RUN_ENV = mkdir -p $${XDG_RUNTIME_DIR:=/tmp/pockjax-xdg} && export XDG_RUNTIME_D
 # the workers and the processes the tests start (examples, benchmarks), so a program
 # several tests build (the same model's step) is compiled once.
 test: venv arm64-runtime
-	$(RUN_ENV) export JAX_COMPILATION_CACHE_DIR=$$(mktemp -d /tmp/pockjax-test-jax-cache.XXXXXX) \
-	  JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 && \
-	  $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests
+	$(RUN_ENV) cache=$$(mktemp -d /tmp/pockjax-test-jax-cache.XXXXXX) && \
+	  JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 \
+	  $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests; \
+	  status=$$?; rm -rf $$cache; exit $$status
 
 # The tiny LLaMA shipped in examples/checkpoints (pretrained on generated text), sparse instruction
 # tuning, export for android-vulkan and host-cpu, and more steps in the artifacts.
