@@ -11,11 +11,12 @@ settings.load_profile("pockjax")
 
 # The files that take longest, longest first (worker-seconds in a full `make test` on a
 # 2-core host, 2026-11-27; test_prefix, test_lowbit and test_workarounds placed by their
-# times run alone). `make test` hands whole files to the workers in collection
+# times run alone, test_docs by its guides' programs, about 6 minutes). `make test` hands whole files to the workers in collection
 # order (`--dist loadfile --no-loadscope-reorder`); starting the long ones first keeps
 # one worker from running a long file alone at the end.
 LONGEST_FIRST = (
-    "tests/test_examples.py", "tests/test_quality.py", "tests/export/test_targets.py",
+    "tests/test_examples.py", "tests/test_quality.py", "tests/test_docs.py",
+    "tests/export/test_targets.py",
     "tests/test_differential.py", "tests/test_torch.py", "tests/test_finetune.py",
     "tests/test_remat.py", "tests/models/test_mobilenetv2.py",
     "tests/models/test_mobilenetv2_kernels.py", "tests/transforms/test_sparse_grad.py",
