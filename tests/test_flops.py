@@ -252,5 +252,7 @@ def test_wrong_argument_says_what_to_pass():
 
 def test_flops_of_is_a_deprecated_count_flops():
     x = jnp.ones((4, 6))
+    with pytest.warns(DeprecationWarning, match=r"renamed pockjax.count_flops"):
+        assert pj.flops_of(lambda x: jnp.sum(x, 0), x) == 18
     with pytest.warns(DeprecationWarning, match=r"count_flops\(fn, \*args\)"):
-        assert pj.flops_of(lambda x: jnp.sum(x, 0), x) == pf.count_flops(lambda x: jnp.sum(x, 0), x) == 18
+        assert pf.flops_of(lambda x: jnp.sum(x, 0), x) == pf.count_flops(lambda x: jnp.sum(x, 0), x) == 18
