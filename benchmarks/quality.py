@@ -119,7 +119,7 @@ METHODS = [
     Method("pockjax bias+norms", "pockjax", "@bias-norms", rates=FEW_RATES, quick=False),
     Method("pockjax channels in 1/4", "pockjax", "@channels-in", rates=FEW_RATES, quick=False),
     Method("pockjax channels out 1/4", "pockjax", "@channels-out", rates=FEW_RATES, quick=False),
-    Method("pockjax search:LoRA-r8", "pockjax", "@search:lora-r8", rates=FEW_RATES),
+    Method("pockjax search:LoRA-r8", "pockjax", "@search:lora-r8", rates=FEW_RATES, quick=False),
     Method("pockjax search:50%", "pockjax", "@search:50%", rates=FEW_RATES, quick=False),
     Method("pockjax LoRA r8", "pockjax", "lora:8", rank=8, rates=FEW_RATES, quick=False),
     # One block at a time, each for `every` steps, from the last block back (the preset's
