@@ -160,3 +160,34 @@ def test_renamed_names_still_work_and_say_the_new_name():
         with pytest.warns(DeprecationWarning, match="renamed search_scheme"), \
                 pytest.raises(TypeError):
             fn()  # the new function's own error for missing arguments
+
+
+def test_public_names_report_a_module_a_user_can_import():
+    """Classes and functions defined in private modules name their public facade as
+    their module (`_home.claim`), so tracebacks and reprs show an importable path."""
+    import importlib
+    import inspect
+
+    import pockjax.nnx
+    import pockjax.prefix
+    import pockjax.runtime
+    import pockjax.scheme_search
+    import pockjax.tokenizer
+    import pockjax.train
+    import pockjax.transforms
+    from pockjax.models import llama, mobilenetv2
+
+    assert pockjax.FinetuneError.__module__ == "pockjax.finetuning"
+    private = []
+    for module in (pockjax.train, pockjax.prefix, pockjax.nnx, pockjax.runtime,
+                   pockjax.scheme_search, pockjax.tokenizer, pockjax.transforms, llama,
+                   mobilenetv2):
+        for name in module.__all__:
+            obj = getattr(module, name)
+            if inspect.isclass(obj) or inspect.isfunction(obj):
+                home = obj.__module__
+                if any(p.startswith("_") for p in home.split(".")[1:]):
+                    private.append(f"{module.__name__}.{name}: {home}")
+                else:
+                    assert getattr(importlib.import_module(home), name) is obj, (home, name)
+    assert not private, private
