@@ -72,15 +72,21 @@ def test_docs_site_builds_with_warnings_as_errors(tmp_path):
     assert (tmp_path / "api" / "index.html").is_file()
 
 
+def _run_program(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`code` run by this interpreter in a fresh process in `cwd`, this checkout first on
+    the path, plots written without a display."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True,
+                          text=True, timeout=600, env=env)
+
+
 def test_readme_quickstart_runs_as_written(tmp_path):
     """The README's Python quickstart is a whole program: it runs, its loss falls, and
     it prints the report and writes its checkpoint."""
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     assert len(blocks) == 1, f"the README has {len(blocks)} Python blocks; the test runs one"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    run = subprocess.run([sys.executable, "-c", blocks[0]], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600, env=env)
+    run = _run_program(blocks[0], tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     first, last = map(float, re.search(r"loss (\S+) -> (\S+)", run.stdout).groups())
     assert last < 0.5 * first, run.stdout
@@ -97,7 +103,5 @@ def test_guide_code_blocks_run(page, tmp_path):
     blocks = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
     program = ('import jax\njax.config.update("jax_num_cpu_devices", 4)\n'
                + "\n".join(blocks))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
-    run = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=600, env=env)
+    run = _run_program(program, tmp_path)
     assert run.returncode == 0, f"{page.name}:\n{run.stderr[-4000:]}"
