@@ -203,9 +203,9 @@ def test_checkpoint_loads_for_mixed_precision(tmp_path):
 
     save_llama(Llama(LlamaConfig.tiny(num_layers=3), rngs=nnx.Rngs(0)), tmp_path)
     model = load_llama(tmp_path, dtype=jnp.bfloat16, compute_dtype=jnp.float32,
-                       narrow_matmul="native", remat="block")
+                       narrow_matmul="native", remat="block")  # the old spelling, read as "blocks"
     assert (model.config.param_dtype, model.config.dtype) == (jnp.bfloat16, jnp.float32)
-    assert (model.config.narrow_matmul, model.config.remat) == ("native", "block")
+    assert (model.config.narrow_matmul, model.config.remat) == ("native", "blocks")
     graphdef, params, _ = pj.nnx.split(model)
     scheme = pj.schemes.last_blocks(params, 1)
     mixed = cast_frozen(params, scheme)
