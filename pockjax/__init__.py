@@ -35,6 +35,7 @@ _WHERE = {
     "data": None,  # JSONL fine-tuning data: formats, prompt masking, batches
     "lowbit": None,  # frozen weights in int8 / int4, dequantized where they are used
     "torch": None,  # PyTorch modules in through torchax (torch imported on first use)
+    "optim": None,  # AdamW with 8- or 16-bit moments; the per-leaf fused update
     "backend": None,  # host training on XLA or IREE's CPU backend, or the faster of the two
 }
 
@@ -71,7 +72,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on first use
-    from pockjax import (backend, export, lowbit, models, nnx, prefix, runtime,  # noqa: F401
+    from pockjax import (backend, export, lowbit, models, nnx, optim, prefix, runtime,  # noqa: F401
                          schedule, schemes)
     from pockjax.measure import compiled_memory, format_bytes, format_flops, tree_bytes  # noqa: F401
     from pockjax.checkpoint import CheckpointError, load, save  # noqa: F401

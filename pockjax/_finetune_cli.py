@@ -53,6 +53,10 @@ def add_arguments(p) -> None:
                         "inputs; int4:GROUP sets the group), dequantized where each is used "
                         "(pockjax.lowbit); the fine-tuned model is written with frozen "
                         "weights in bfloat16 and trained ones in float32")
+    p.add_argument("--moments", default="float32", choices=("float32", "bfloat16", "int8"),
+                   help="storage of AdamW's two moments: float32 (8 bytes a trained value), "
+                        "bfloat16 (4) or int8 (2, block-wise; pockjax.optim.adamw); the "
+                        "trained weights stay float32")
     p.add_argument("--frontend", default="auto", choices=FRONTENDS, help="the model code: "
                    "auto (pockjax's Flax LLaMA for LLaMA families, pockjax.torch for other "
                    "causal LMs), flax, or torch (transformers' own module for any family)")
@@ -77,7 +81,8 @@ def main(args) -> int:
                           weight_decay=args.weight_decay, eval_every=args.eval_every,
                           save_every=args.save_every, keep=args.keep, resume=args.resume,
                           overwrite=args.overwrite, seed=args.seed,
-                          frozen_dtype=args.frozen_dtype, skip_nonfinite=args.skip_nonfinite,
+                          frozen_dtype=args.frozen_dtype, moments=args.moments,
+                          skip_nonfinite=args.skip_nonfinite,
                           frontend=args.frontend, plot=args.plot,
                           prefix_cache=args.prefix_cache)
     except Interrupted as e:

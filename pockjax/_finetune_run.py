@@ -21,12 +21,13 @@ FINAL = "final"
 # Options that change what a run computes: a resumed run must have the same ones.
 RESULT_OPTIONS = ("model", "data", "scheme", "total_steps", "batch", "seq", "lr", "warmup",
                   "schedule", "seed", "frozen_dtype", "skip_nonfinite", "weight_decay",
-                  "frontend")
+                  "frontend", "moments")
+_DEFAULTS = {"frontend": "auto", "moments": "float32"}  # what a run.json without them used
 
 
 def options_of(**kw) -> dict:
     """The options `run.json` records, out of the keyword arguments."""
-    return {k: kw[k] for k in RESULT_OPTIONS}
+    return {k: kw.get(k, _DEFAULTS.get(k)) for k in RESULT_OPTIONS}
 
 
 def fingerprint(path) -> str:
@@ -74,7 +75,7 @@ class RunFolder:
     @staticmethod
     def _check_same(before: dict, now: dict) -> None:
         for k in RESULT_OPTIONS:
-            if before.get(k, "auto" if k == "frontend" else None) != now.get(k):
+            if before.get(k, _DEFAULTS.get(k)) != now.get(k):
                 raise FinetuneError(f"cannot resume: this run used {k}={before.get(k)!r}, now "
                                     f"{k}={now.get(k)!r}; resume with the same options, or "
                                     f"pass --overwrite to start again")

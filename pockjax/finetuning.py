@@ -204,8 +204,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
              warmup: int = 0, schedule: str = "cosine", weight_decay: float = 0.0,
              eval_every: int | None = None, save_every: int | None = None, keep: int = 3,
              resume: bool = False, overwrite: bool = False, seed: int = 0,
-             frozen_dtype: str = "float32", skip_nonfinite: bool = False,
-             frontend: str = "auto", plot: bool = True, prefix_cache: str = "auto",
+             frozen_dtype: str = "float32", moments: str = "float32",
+             skip_nonfinite: bool = False, frontend: str = "auto", plot: bool = True, prefix_cache: str = "auto",
              progress: bool = True) -> FinetuneResult:
     """Fine-tune the model in folder `model` on the JSONL file `data`; the run goes in
     folder `out` (see the module docstring for what it holds).
@@ -251,6 +251,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         "bfloat16" (LLaMA families through the Flax frontend), or "int8" / "int4" /
         "int4:GROUP" (`pockjax.lowbit`, any model); not with "lora:R" or "blockwise"
         schemes.
+      moments: the storage of AdamW's two moments: "float32" (the default), "bfloat16"
+        or "int8" (`pockjax.optim.adamw`; the trained weights stay float32).
       frontend: "auto" (the default), "flax" or "torch": which model code runs
         (`load_model`).
       skip_nonfinite: skip a step whose loss or gradient is not finite (counted) instead
@@ -301,6 +303,9 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         raise FinetuneError("give --resume or --overwrite, not both")
     if prefix_cache not in ("auto", "on", "off"):
         raise FinetuneError(f"--prefix-cache must be auto, on or off, got {prefix_cache!r}")
+    if moments not in pj.optim.moments.MOMENTS:
+        raise FinetuneError(f"--moments must be one of {', '.join(pj.optim.moments.MOMENTS)}, "
+                            f"got {moments!r}")
 
     lora = _count(str(scheme), "lora:R") if str(scheme).startswith("lora:") else None
     if lora is not None and frozen_dtype != "float32":
@@ -357,10 +362,11 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                           total_steps=total, batch=batch, seq=seq,
                           lr=lr, warmup=warmup, schedule=schedule, seed=seed,
                           frozen_dtype=frozen_dtype, skip_nonfinite=skip_nonfinite,
-                          weight_decay=weight_decay, frontend=frontend)
+                          weight_decay=weight_decay, frontend=frontend, moments=moments)
     run = RunFolder(Path(out), options, resume=resume, overwrite=overwrite)
 
-    optimizer = optax.adamw(_schedule(lr, warmup, total, schedule), weight_decay=weight_decay)
+    optimizer = pj.optim.adamw(_schedule(lr, warmup, total, schedule),
+                               weight_decay=weight_decay, moments=moments)
     trainer = pj.sparse_train(loss_fn, optimizer=optimizer, scheme=chosen,
                               skip_nonfinite=skip_nonfinite)
     state = trainer.init(params, copy=False)
