@@ -8,9 +8,9 @@ and stores the moments in 2 bytes a value; `moments="bfloat16"` in 4.
 - `"int8"`: block-wise, like 8-bit optimizers: each moment leaf is flattened and cut into
   blocks of `block` values (256), each with a float32 scale (its largest magnitude). Codes
   are logarithmic, so small moments keep their relative precision: the first moment as a
-  sign and a 7-bit code over magnitudes from 2^-16 to 1 of the block's scale (a step of
-  9% between codes), the second moment as the square root of its value, an 8-bit code over
-  the same range (4.5% steps). Rounding is to the nearest code. A block that decays as a
+  sign and a 7-bit code over magnitudes from 2^-24 to 1 of the block's scale (a step of
+  14% between codes), the second moment as the square root of its value, an 8-bit code
+  over the same range (7% steps). Values below the range round to zero. Rounding is to the nearest code. A block that decays as a
   whole is tracked exactly by its scale. Where quantization broke Adam's bound
   |m| <= sqrt(v) (a second moment rounded to zero), the update divides by |m| instead,
   so no value moves by more than the learning rate.
@@ -48,7 +48,7 @@ __all__ = ["MOMENTS", "Blockwise", "LowPrecisionAdamState", "scale_by_adam", "ad
            "state_bytes"]
 
 MOMENTS = ("float32", "bfloat16", "int8")
-_RANGE = 16.0          # int8 codes span magnitudes 2^-16 .. 1 of the block's scale
+_RANGE = 24.0          # int8 codes span magnitudes 2^-24 .. 1 of the block's scale
 
 
 class Blockwise(NamedTuple):
