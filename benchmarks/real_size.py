@@ -28,6 +28,8 @@ Random weights (uniform, std 0.02; norm scales 1), random tokens, batch 1, seque
   int4-frozen`: frozen weights in 4 or 8 bits (`pockjax.lowbit`: int4 with a bfloat16
   scale per 64 inputs, int8 with a scale per output channel), each quantized as it is
   made and dequantized where it is used; trained weights and the arithmetic in float32.
+- `... int8-moments`, `... bf16-moments`: the same with AdamW's moments stored in int8
+  (block-wise) or bfloat16 (`pockjax.optim.adamw(moments=)`), float32 masters kept.
 - `pockjax full f32`: every parameter, pockjax's fused step.
 - `pockjax sparse last-k iree host-cpu`: the `pockjax sparse last-k f32` step exported
   with `pj.export(..., target="host-cpu")` and run by `pockjax.runtime` (IREE
@@ -107,7 +109,8 @@ ROWS = ["pockjax sparse last-k f32", "pockjax sparse last-k bf16-frozen upcast",
         "pockjax sparse last-k bf16-frozen upcast iree host-cpu",
         "pockjax paper last-2 bf16-frozen upcast iree host-cpu",
         "pockjax paper last-2 int4-frozen", "pockjax paper last-2 int8-frozen",
-        "pockjax sparse last-k int4-frozen"]
+        "pockjax sparse last-k int4-frozen", "pockjax paper last-2 int4-frozen int8-moments",
+        "pockjax paper last-2 int4-frozen bf16-moments"]
 # Each IREE row and the JAX row whose step it exports.
 IREE_ROWS = {"pockjax sparse last-k iree host-cpu": "pockjax sparse last-k f32",
              "pockjax sparse last-k bf16-frozen upcast iree host-cpu":
@@ -292,7 +295,10 @@ def jax_row(row: str, s: dict, limit_gib: float):
         s, scheme_for(row, s), jnp.bfloat16 if bf16 else None, jnp.float32 if bf16 else None,
         narrow="native" if "bf16-matmul" in row else "upcast",
         remat="blocks" if row.endswith(" remat") else None, low_bit=low_bit)
-    opt = optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+    moments = next((m for m in ("int8", "bf16") if f"{m}-moments" in row), None)
+    opt = (pj.optim.adamw(LR, weight_decay=WEIGHT_DECAY,
+                          moments={"bf16": "bfloat16"}.get(moments, moments))
+           if moments else optax.adamw(LR, weight_decay=WEIGHT_DECAY))
     tokens = jnp.asarray(make_batch("llama", s))
     trained_params = sum(int(np.prod(x.shape)) for x in
                          jax.tree.leaves(pj.trainable_view(abstract, scheme)))
