@@ -49,6 +49,7 @@ __all__ = ["MOMENTS", "Blockwise", "LowPrecisionAdamState", "scale_by_adam", "ad
 
 MOMENTS = ("float32", "bfloat16", "int8")
 _RANGE = 24.0          # int8 codes span magnitudes 2^-24 .. 1 of the block's scale
+_PIECE = 1 << 20       # values updated at a time in a large leaf (bounds the temporaries)
 
 
 class Blockwise(NamedTuple):
@@ -107,8 +108,7 @@ def _blocks(x, block: int):
     return jnp.pad(flat, (0, n * b - flat.size)).reshape(n, b)
 
 
-def _store_int8(x, block: int, signed: bool) -> Blockwise:
-    rows = _blocks(x, block)
+def _quantize_rows(rows, signed: bool) -> Blockwise:
     scale = jnp.max(jnp.abs(rows), axis=1)
     rel = jnp.abs(rows) / jnp.where(scale > 0, scale, 1.0)[:, None]
     k = _encode(rel, signed)
@@ -117,10 +117,18 @@ def _store_int8(x, block: int, signed: bool) -> Blockwise:
     return Blockwise(k.astype(jnp.uint8), scale)
 
 
-def _load_int8(m: Blockwise, like, signed: bool):
+def _dequantize_rows(m: Blockwise, signed: bool):
     codes = m.codes.astype(jnp.int32)
     mag = _decode(jnp.abs(codes), signed) * m.scale[:, None]
-    value = jnp.where(codes < 0, -mag, mag) if signed else mag
+    return jnp.where(codes < 0, -mag, mag) if signed else mag
+
+
+def _store_int8(x, block: int, signed: bool) -> Blockwise:
+    return _quantize_rows(_blocks(x, block), signed)
+
+
+def _load_int8(m: Blockwise, like, signed: bool):
+    value = _dequantize_rows(m, signed)
     return value.reshape(-1)[:like.size].reshape(like.shape)
 
 
@@ -131,6 +139,31 @@ def _round_stochastic(x, key):
     noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
     kept = (bits + noise) & jnp.uint32(0xFFFF0000)
     return lax.bitcast_convert_type(kept, jnp.float32).astype(jnp.bfloat16)
+
+
+def _in_pieces(fn, arrays, per: int):
+    """`fn(i, *rows)` over pieces of `per` rows of `arrays` (each with the same number of
+    rows): a loop that reads each piece and writes its results over it in place, so a
+    large leaf's update needs temporaries of one piece, not of the whole leaf. `fn`'s
+    results have the inputs' structure (row for row: the first input's rows become the
+    first result's)."""
+    n = jax.tree.leaves(arrays[0])[0].shape[0]
+    if n <= per:
+        return fn(0, *arrays)
+    take = lambda tree, start, size: jax.tree.map(
+        lambda x: lax.dynamic_slice_in_dim(x, start, size), tree)
+    put = lambda tree, new, start: jax.tree.map(
+        lambda x, y: lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), start, 0), tree, new)
+    whole = n // per
+
+    def body(i, bufs):
+        return put(bufs, fn(i, *take(bufs, i * per, per)), i * per)
+
+    bufs = lax.fori_loop(0, whole, body, tuple(arrays))
+    if n % per:                              # the rows after the last whole piece
+        start = whole * per
+        bufs = put(bufs, fn(whole, *take(bufs, start, n - start)), start)
+    return bufs
 
 
 def _zeros(p, fmt: str, block: int, signed: bool):
@@ -166,6 +199,45 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         zeros = lambda signed: jax.tree.map(lambda p: _zeros(p, fmt, block, signed), params)
         return LowPrecisionAdamState(jnp.zeros([], jnp.int32), zeros(True), zeros(False))
 
+    def piece(g, m, v, c1, c2, key):
+        """Adam on rows of a leaf: `g` `[r, b]`, its moments' rows (bfloat16 `[r, b]` or
+        `Blockwise`); the update's rows and the new moments' rows."""
+        if fmt == "int8":
+            m_old, v_old = _dequantize_rows(m, True), jnp.square(_dequantize_rows(v, False))
+        else:
+            m_old, v_old = m.astype(jnp.float32), v.astype(jnp.float32)
+        m32 = b1 * m_old + (1 - b1) * g
+        v32 = b2 * v_old + (1 - b2) * jnp.square(g)
+        m_hat = m32 / c1
+        root = jnp.sqrt(v32 / c2)
+        if fmt == "int8":
+            root = jnp.maximum(root, jnp.abs(m_hat))
+            new_m, new_v = _quantize_rows(m32, True), _quantize_rows(jnp.sqrt(v32), False)
+        else:
+            new_m, new_v = m32.astype(jnp.bfloat16), _round_stochastic(v32, key)
+        return m_hat / (root + eps), new_m, new_v
+
+    def leaf(g, m, v, c1, c2, key):
+        b = max(1, min(block, g.size))
+        if g.size % b:                      # a partial last block: padded, in one piece
+            rows = _blocks(g, b)
+            if fmt == "bfloat16":
+                m, v = (jnp.pad(x.reshape(-1), (0, rows.size - g.size)).reshape(rows.shape)
+                        for x in (m, v))
+            u, m, v = piece(rows, m, v, c1, c2, key)
+            if fmt == "bfloat16":
+                m, v = (x.reshape(-1)[:g.size].reshape(g.shape) for x in (m, v))
+            return u.reshape(-1)[:g.size].reshape(g.shape), m, v
+        shape = g.shape
+        g = g.astype(jnp.float32).reshape(-1, b)
+        if fmt == "bfloat16":
+            m, v = m.reshape(-1, b), v.reshape(-1, b)
+        u, m, v = _in_pieces(lambda i, *rows: piece(*rows, c1, c2, jax.random.fold_in(key, i)),
+                             (g, m, v), max(1, _PIECE // b))
+        if fmt == "bfloat16":
+            m, v = m.reshape(shape), v.reshape(shape)
+        return u.reshape(shape), m, v
+
     def update(updates, state, params=None):
         del params
         count = optax.safe_increment(state.count)
@@ -173,27 +245,14 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         mus = treedef.flatten_up_to(state.mu)
         nus = treedef.flatten_up_to(state.nu)
         key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
-        c1 = 1 - b1 ** count
-        c2 = 1 - b2 ** count
+        c1 = (1 - b1 ** count).astype(jnp.float32)
+        c2 = (1 - b2 ** count).astype(jnp.float32)
         out, new_mu, new_nu = [], [], []
         for i, (g, m, v) in enumerate(zip(leaves, mus, nus)):
-            g32 = g.astype(jnp.float32)
-            if fmt == "int8":
-                m_old, v_old = _load_int8(m, g, True), jnp.square(_load_int8(v, g, False))
-            else:
-                m_old, v_old = m.astype(jnp.float32), v.astype(jnp.float32)
-            m32 = b1 * m_old + (1 - b1) * g32
-            v32 = b2 * v_old + (1 - b2) * jnp.square(g32)
-            m_hat = m32 / c1.astype(jnp.float32)
-            root = jnp.sqrt(v32 / c2.astype(jnp.float32))
-            if fmt == "int8":
-                root = jnp.maximum(root, jnp.abs(m_hat))
-                new_mu.append(_store_int8(m32, block, True))
-                new_nu.append(_store_int8(jnp.sqrt(v32), block, False))
-            else:
-                new_mu.append(m32.astype(jnp.bfloat16))
-                new_nu.append(_round_stochastic(v32, jax.random.fold_in(key, i)))
-            out.append((m_hat / (root + eps)).astype(g.dtype))
+            u, m, v = leaf(g, m, v, c1, c2, jax.random.fold_in(key, i))
+            out.append(u.astype(g.dtype))
+            new_mu.append(m)
+            new_nu.append(v)
         return (treedef.unflatten(out),
                 LowPrecisionAdamState(count, treedef.unflatten(new_mu), treedef.unflatten(new_nu)))
 
