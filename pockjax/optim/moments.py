@@ -10,19 +10,24 @@ and stores the moments in 2 bytes a value; `moments="bfloat16"` in 4.
   are logarithmic, so small moments keep their relative precision: the first moment as a
   sign and a 7-bit code over magnitudes from 2^-24 to 1 of the block's scale (a step of
   14% between codes), the second moment as the square root of its value, an 8-bit code
-  over the same range (7% steps). Values below the range round to zero. Rounding is to the nearest code. A block that decays as a
-  whole is tracked exactly by its scale. Where quantization broke Adam's bound
-  |m| <= sqrt(v) (a second moment rounded to zero), the update divides by |m| instead,
-  so no value moves by more than the learning rate.
+  over the same range (7% steps). Rounding is to the nearest code; values below the
+  range round to zero. A block that decays as a whole is tracked exactly by its scale.
+  Where quantization broke Adam's bound |m| <= sqrt(v) (a second moment rounded to
+  zero), the update divides by |m| instead, so no value moves by more than the learning
+  rate.
 - `"bfloat16"`: both moments in bfloat16. The second moment changes by 0.1% a step
   (`b2 = 0.999`), below bfloat16's resolution, so rounding to nearest would freeze it;
-  it is rounded stochastically instead (unbiased; the random bits come from `seed` and
-  the step count). The first moment is rounded to nearest.
+  it is rounded stochastically instead (unbiased; the random bits hash `seed`, the step
+  count, the leaf and the value's index). The first moment is rounded to nearest.
 - `"float32"`: `optax.scale_by_adam` itself.
 
-Each step dequantizes a leaf's moments, applies Adam's update in float32 and stores them
-again, one leaf at a time, so the fused trainer (`pockjax.sparse_train`) still updates
-each parameter as soon as its gradient exists and no float32 copy of all moments exists.
+Each leaf's moments are dequantized, moved by the gradient in float32 and stored again
+(int8: written over the old codes 2^20 values at a time); the update is then computed
+from the moments as stored, elementwise, so XLA computes it where the parameter is
+written and no float32 copy of a leaf's moments or update is kept. The chain stays
+per-leaf: the fused trainer (`pockjax.sparse_train`) still updates each parameter as soon
+as its gradient exists. At LLaMA-2-7B's shape (PockEngine's scheme, 314M trained values)
+the int8 step's temporaries equal the float32 step's.
 
 >>> import jax.numpy as jnp, optax
 >>> from pockjax import optim
@@ -132,38 +137,58 @@ def _load_int8(m: Blockwise, like, signed: bool):
     return value.reshape(-1)[:like.size].reshape(like.shape)
 
 
+def _mix(x):
+    """A 32-bit integer hash (MurmurHash3's finalizer): each output bit depends on every
+    input bit."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = x * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
 def _round_stochastic(x, key):
     """float32 -> bfloat16, rounding up with probability equal to the remainder: the
-    16 bits bfloat16 drops get a uniform random number added before truncation."""
+    16 bits bfloat16 drops get a uniform random number added before truncation. The
+    random numbers hash each value's index with `key` (a uint32 scalar): cheaper than a
+    `jax.random` generator, and as uniform in their low 16 bits for this use."""
     bits = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    noise = jax.random.bits(key, x.shape, jnp.uint32) & jnp.uint32(0xFFFF)
+    index = lax.iota(jnp.uint32, x.size).reshape(x.shape)
+    noise = _mix(index ^ _mix(jnp.asarray(key, jnp.uint32))) & jnp.uint32(0xFFFF)
     kept = (bits + noise) & jnp.uint32(0xFFFF0000)
     return lax.bitcast_convert_type(kept, jnp.float32).astype(jnp.bfloat16)
 
 
+def _key(*words):
+    """A uint32 from small integers (seed, step, leaf, piece), each word hashed in."""
+    k = jnp.uint32(0x9E3779B9)
+    for w in words:
+        k = _mix(k ^ jnp.asarray(w).astype(jnp.uint32))
+    return k
+
+
 def _in_pieces(fn, arrays, per: int):
-    """`fn(i, *rows)` over pieces of `per` rows of `arrays` (each with the same number of
-    rows): a loop that reads each piece and writes its results over it in place, so a
-    large leaf's update needs temporaries of one piece, not of the whole leaf. `fn`'s
-    results have the inputs' structure (row for row: the first input's rows become the
-    first result's)."""
+    """`fn(*rows)` over pieces of about `per` rows of `arrays` (each with the same number
+    of rows), one piece after the other: `fn` returns new rows for `arrays[1:]` (arrays
+    or `Blockwise` nodes), written over them in place (a `fori_loop` carrying only
+    those; `arrays[0]` is read from outside it). A large leaf's moments then need
+    temporaries of one piece. Without a divisor of the row count near `per`, one piece."""
     n = jax.tree.leaves(arrays[0])[0].shape[0]
     if n <= per:
-        return fn(0, *arrays)
-    take = lambda tree, start, size: jax.tree.map(
-        lambda x: lax.dynamic_slice_in_dim(x, start, size), tree)
-    put = lambda tree, new, start: jax.tree.map(
-        lambda x, y: lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), start, 0), tree, new)
-    whole = n // per
+        return fn(*arrays)
+    pieces = next(k for k in range(-(-n // per), n + 1) if n % k == 0)
+    if n // pieces < per // 8:              # no divisor near: one piece (more memory)
+        return fn(*arrays)
+    size = n // pieces
+    first, rest = arrays[0], tuple(arrays[1:])
+    cut = lambda tree, i: jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, i * size, size), tree)
 
     def body(i, bufs):
-        return put(bufs, fn(i, *take(bufs, i * per, per)), i * per)
+        new = fn(cut(first, i), *cut(bufs, i))
+        return jax.tree.map(lambda o, x: lax.dynamic_update_slice_in_dim(o, x, i * size, 0),
+                            bufs, tuple(new))
 
-    bufs = lax.fori_loop(0, whole, body, tuple(arrays))
-    if n % per:                              # the rows after the last whole piece
-        start = whole * per
-        bufs = put(bufs, fn(whole, *take(bufs, start, n - start)), start)
-    return bufs
+    return lax.fori_loop(0, pieces, body, rest)
 
 
 def _zeros(p, fmt: str, block: int, signed: bool):
@@ -199,44 +224,42 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         zeros = lambda signed: jax.tree.map(lambda p: _zeros(p, fmt, block, signed), params)
         return LowPrecisionAdamState(jnp.zeros([], jnp.int32), zeros(True), zeros(False))
 
-    def piece(g, m, v, c1, c2, key):
-        """Adam on rows of a leaf: `g` `[r, b]`, its moments' rows (bfloat16 `[r, b]` or
-        `Blockwise`); the update's rows and the new moments' rows."""
+    def new_moments(g, m, v, key):
+        """The moments after gradient `g`, as stored (bfloat16: the whole leaf; int8: rows
+        `[r, b]` of blocks and their `Blockwise` moments)."""
         if fmt == "int8":
             m_old, v_old = _dequantize_rows(m, True), jnp.square(_dequantize_rows(v, False))
         else:
             m_old, v_old = m.astype(jnp.float32), v.astype(jnp.float32)
         m32 = b1 * m_old + (1 - b1) * g
         v32 = b2 * v_old + (1 - b2) * jnp.square(g)
-        m_hat = m32 / c1
-        root = jnp.sqrt(v32 / c2)
         if fmt == "int8":
-            root = jnp.maximum(root, jnp.abs(m_hat))
-            new_m, new_v = _quantize_rows(m32, True), _quantize_rows(jnp.sqrt(v32), False)
+            return _quantize_rows(m32, True), _quantize_rows(jnp.sqrt(v32), False)
+        return m32.astype(jnp.bfloat16), _round_stochastic(v32, key)
+
+    def scaled(m, v, c1, c2):
+        """Adam's update from the moments as stored: elementwise, so XLA computes it
+        where the parameter is updated, with no float32 copy of the moments."""
+        if fmt == "int8":
+            m_hat = _dequantize_rows(m, True) / c1
+            root = jnp.maximum(_dequantize_rows(v, False) / jnp.sqrt(c2), jnp.abs(m_hat))
         else:
-            new_m, new_v = m32.astype(jnp.bfloat16), _round_stochastic(v32, key)
-        return m_hat / (root + eps), new_m, new_v
+            m_hat = m.astype(jnp.float32) / c1
+            root = jnp.sqrt(v.astype(jnp.float32) / c2)
+        return m_hat / (root + eps)
 
     def leaf(g, m, v, c1, c2, key):
+        if fmt == "bfloat16":
+            m, v = new_moments(g.astype(jnp.float32), m, v, key)
+            return scaled(m, v, c1, c2), m, v
         b = max(1, min(block, g.size))
-        if g.size % b:                      # a partial last block: padded, in one piece
-            rows = _blocks(g, b)
-            if fmt == "bfloat16":
-                m, v = (jnp.pad(x.reshape(-1), (0, rows.size - g.size)).reshape(rows.shape)
-                        for x in (m, v))
-            u, m, v = piece(rows, m, v, c1, c2, key)
-            if fmt == "bfloat16":
-                m, v = (x.reshape(-1)[:g.size].reshape(g.shape) for x in (m, v))
-            return u.reshape(-1)[:g.size].reshape(g.shape), m, v
-        shape = g.shape
-        g = g.astype(jnp.float32).reshape(-1, b)
-        if fmt == "bfloat16":
-            m, v = m.reshape(-1, b), v.reshape(-1, b)
-        u, m, v = _in_pieces(lambda i, *rows: piece(*rows, c1, c2, jax.random.fold_in(key, i)),
-                             (g, m, v), max(1, _PIECE // b))
-        if fmt == "bfloat16":
-            m, v = m.reshape(shape), v.reshape(shape)
-        return u.reshape(shape), m, v
+        rows = _blocks(g, b)                # a partial last block is padded with zeros
+        if g.size % b == 0:                 # a large leaf: its blocks a piece at a time
+            m, v = _in_pieces(lambda *r: new_moments(*r, None), (rows, m, v),
+                              max(1, _PIECE // b))
+        else:
+            m, v = new_moments(rows, m, v, None)
+        return scaled(m, v, c1, c2).reshape(-1)[:g.size].reshape(g.shape), m, v
 
     def update(updates, state, params=None):
         del params
@@ -244,12 +267,11 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
         leaves, treedef = jax.tree.flatten(updates)
         mus = treedef.flatten_up_to(state.mu)
         nus = treedef.flatten_up_to(state.nu)
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), count)
         c1 = (1 - b1 ** count).astype(jnp.float32)
         c2 = (1 - b2 ** count).astype(jnp.float32)
         out, new_mu, new_nu = [], [], []
         for i, (g, m, v) in enumerate(zip(leaves, mus, nus)):
-            u, m, v = leaf(g, m, v, c1, c2, jax.random.fold_in(key, i))
+            u, m, v = leaf(g, m, v, c1, c2, _key(seed, count, i))
             out.append(u.astype(g.dtype))
             new_mu.append(m)
             new_nu.append(v)

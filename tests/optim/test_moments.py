@@ -105,7 +105,7 @@ def test_int8_round_trip_and_block_edges():
 
 def test_stochastic_rounding_is_unbiased():
     x = jnp.full((20_000,), 1.0 + 2.0 ** -10)          # a quarter of bfloat16's step above 1
-    y = _round_stochastic(x, jax.random.PRNGKey(3)).astype(jnp.float32)
+    y = _round_stochastic(x, 3).astype(jnp.float32)
     assert set(np.unique(np.asarray(y))) == {1.0, 1.0 + 2.0 ** -7}
     assert float(jnp.mean(y)) == pytest.approx(float(x[0]), abs=3e-5)
 
@@ -159,7 +159,8 @@ def test_fused_trainer_trains_as_the_reference():
     ref_loss = float(loss(merged(trained), (x, y)))
     start = float(loss(params, (x, y)))
     start_trained = {"b1": params["l1"]["b"], "l2": params["l2"]}
-    for moments, close in (("float32", 1e-4), ("bfloat16", 0.01), ("int8", 0.2)):
+    for moments, loss_close, close in (("float32", 1e-5, 1e-4), ("bfloat16", 0.0025, 0.01),
+                                       ("int8", 0.05, 0.3)):
         trainer = pj.sparse_train(loss, scheme=scheme,
                                   optimizer=optim.adamw(3e-3, weight_decay=1e-3, moments=moments))
         state = trainer.init(params)
@@ -169,7 +170,7 @@ def test_fused_trainer_trains_as_the_reference():
         got = {"b1": state.params["l1"]["b"], "l2": state.params["l2"]}
         final = float(loss(state.params, (x, y)))
         assert final < start / 2
-        assert final == pytest.approx(ref_loss, rel=close / 4), moments
+        assert final == pytest.approx(ref_loss, rel=loss_close), (moments, final, ref_loss)
         for a, b, a0 in zip(*map(jax.tree.leaves, (got, trained, start_trained))):
             # how far each leaf moved, against how far the reference moved it
             assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b - a0)) < close, moments
