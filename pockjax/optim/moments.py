@@ -58,8 +58,8 @@ _PIECE = 1 << 20       # values updated at a time in a large leaf (bounds the te
 
 
 class Blockwise(NamedTuple):
-    """A moment leaf in 8 bits: `codes` `[blocks, block]` (int8 signed, or uint8 for a
-    square root) and one float32 `scale` per block. The leaf's own shape is the
+    """A moment leaf in 8 bits: `codes` `[blocks, block]` (int8: signed codes, or for a
+    square root the bit patterns of unsigned ones) and one float32 `scale` per block. The leaf's own shape is the
     gradient's; the padding of the last block is zeros."""
 
     codes: jax.Array
@@ -119,11 +119,12 @@ def _quantize_rows(rows, signed: bool) -> Blockwise:
     k = _encode(rel, signed)
     if signed:
         return Blockwise(jnp.where(rows < 0, -k, k).astype(jnp.int8), scale)
-    return Blockwise(k.astype(jnp.uint8), scale)
+    # Unsigned codes kept as int8 bit patterns: IREE takes signless 8-bit globals only.
+    return Blockwise(lax.bitcast_convert_type(k.astype(jnp.uint8), jnp.int8), scale)
 
 
 def _dequantize_rows(m: Blockwise, signed: bool):
-    codes = m.codes.astype(jnp.int32)
+    codes = (m.codes if signed else lax.bitcast_convert_type(m.codes, jnp.uint8)).astype(jnp.int32)
     mag = _decode(jnp.abs(codes), signed) * m.scale[:, None]
     return jnp.where(codes < 0, -mag, mag) if signed else mag
 
