@@ -521,3 +521,31 @@ def test_a_tokenizer_larger_than_its_model_is_a_finetune_error(folders, data, tm
                                                rf"vocabulary \[0, {small}\)"):
         pj.finetune(folder, data["train"], tmp_path / "run", steps=1, batch=2, seq=32,
                     progress=False, plot=False)
+
+
+def test_int8_moments_train_save_and_resume(folders, data, tmp_path):
+    """`--moments int8`: the run records it, the loss falls, the block-wise moments go
+    through the checkpoints (a run stopped after step 3 and resumed equals the whole run
+    bit for bit), and resuming with other moments is refused naming the option."""
+    common = dict(scheme="last:1", steps=6, batch=4, seq=32, lr=1e-2, save_every=1, keep=10,
+                  progress=False, plot=False, moments="int8")
+    whole = pj.finetune(folders["llama"], data["train"], tmp_path / "whole", **common)
+    assert json.loads((tmp_path / "whole" / "run.json").read_text())["moments"] == "int8"
+    assert whole.train_loss < json.loads(
+        (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()[1])["loss"]
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "whole", cut)
+    shutil.rmtree(cut / "final")
+    for path in (cut / "checkpoints").glob("step-*.safetensors"):
+        if int(path.stem.split("-")[1]) > 3:
+            path.unlink()
+    resumed = pj.finetune(folders["llama"], data["train"], cut, resume=True, **common)
+    assert resumed.start_step == 3
+    a, b = _params(Path(whole.final)), _params(Path(resumed.final))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    with pytest.raises(pj.FinetuneError, match="moments='int8', now moments='float32'"):
+        pj.finetune(folders["llama"], data["train"], cut, resume=True,
+                    **{**common, "moments": "float32"})
+    with pytest.raises(pj.FinetuneError, match="--moments must be one of"):
+        pj.finetune(folders["llama"], data["train"], tmp_path / "bad", **{**common, "moments": "int4"})
