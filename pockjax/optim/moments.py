@@ -35,7 +35,7 @@ the int8 step's temporaries equal the float32 step's.
 >>> params = {"w": jnp.ones((4, 256))}
 >>> state = opt.init(params)
 >>> updates, state = opt.update({"w": jnp.full((4, 256), 0.5)}, state, params)
->>> round(float(updates["w"][0, 0]), 4)      # Adam's first step: -lr * sign(g)
+>>> round(float(updates["w"].ravel()[0]), 4)   # Adam's first step: -lr * sign(g)
 -0.01
 >>> optim.state_bytes(state), optim.state_bytes(optax.adamw(1e-2).init(params))
 (2084, 8196)
@@ -161,7 +161,7 @@ def _round_stochastic(x, key):
 
 
 def _key(*words):
-    """A uint32 from small integers (seed, step, leaf, piece), each word hashed in."""
+    """A uint32 from small integers (seed, step, leaf), each word hashed in."""
     k = jnp.uint32(0x9E3779B9)
     for w in words:
         k = _mix(k ^ jnp.asarray(w).astype(jnp.uint32))
@@ -204,7 +204,9 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
     """Adam's scaling (`optax.scale_by_adam`) with its moments stored in `moments`.
 
     Args:
-      b1, b2, eps: as in `optax.scale_by_adam`.
+      b1: the first moment's decay, as in `optax.scale_by_adam`.
+      b2: the second moment's decay.
+      eps: added to the square root of the second moment.
       moments: `"int8"` (2 bytes a value), `"bfloat16"` (4) or `"float32"` (8:
         `optax.scale_by_adam` itself). See the module's docstring for the formats.
       block: values per float32 scale for `"int8"` (256).
@@ -289,8 +291,14 @@ def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
     Args:
       learning_rate: a float or an optax schedule.
-      b1, b2, eps, weight_decay, mask: as in `optax.adamw`.
-      moments, block, seed: as in `scale_by_adam`.
+      b1: the first moment's decay, as in `optax.adamw`.
+      b2: the second moment's decay.
+      eps: added to the square root of the second moment.
+      weight_decay: the decoupled weight decay's rate.
+      mask: which leaves decay, as in `optax.adamw`.
+      moments: `"int8"`, `"bfloat16"` or `"float32"` (see `scale_by_adam`).
+      block: values per float32 scale for `"int8"`.
+      seed: the seed of the stochastic rounding for `"bfloat16"`.
 
     Returns:
       The optax chain `scale_by_adam`, decoupled weight decay, learning rate; with
