@@ -96,3 +96,25 @@ def test_gpu_check_compares_an_artifact_with_the_jax_trainer(tmp_path):
     results.write_text(json.dumps({"cuda.json": json.loads(out.read_text())}))
     gpu.main(["report", str(results), "--out", str(md)])
     assert "| mlp |" in md.read_text()
+
+
+def test_moments_benchmark_reports_each_format_against_float32():
+    """`benchmarks/moments.py`: the code task's three splits hold short ASCII lines; a two-step row per
+    moment format trains from the shipped checkpoint and the summary compares it with
+    float32."""
+    import argparse
+
+    from benchmarks import moments
+
+    lines = moments.code_lines()
+    assert min(len(v) for v in lines.values()) > 1000
+    assert all(8 <= len(x.strip()) and len(x) < 80 and x.isascii() for x in lines["test"])
+    rows = [moments.row(argparse.Namespace(task="code", scheme="paper", moments=m, steps=2,
+                                           seeds="0"))
+            for m in ("float32", "int8")]
+    f32, int8 = (r["runs"][0] for r in rows)
+    assert f32["state_bytes"] > 3.5 * int8["state_bytes"]
+    assert f32["trained_params"] == int8["trained_params"] > 0
+    assert abs(int8["test_loss"] / f32["test_loss"] - 1) < 0.05
+    table = moments.summary(rows)
+    assert table[-1].startswith("| code | paper | int8 |") and "%" in table[-1]
