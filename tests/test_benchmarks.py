@@ -99,9 +99,9 @@ def test_gpu_check_compares_an_artifact_with_the_jax_trainer(tmp_path):
 
 
 def test_moments_benchmark_reports_each_format_against_float32():
-    """`benchmarks/moments.py`: the code task's three splits hold short ASCII lines; a two-step row per
-    moment format trains from the shipped checkpoint and the summary compares it with
-    float32."""
+    """`benchmarks/moments.py`: the code task's three splits hold short ASCII lines; a
+    two-step row per moment format trains from the shipped checkpoint, and the summary
+    compares it with float32."""
     import argparse
 
     from benchmarks import moments
