@@ -445,6 +445,17 @@ def test_torch_frontend_trains_the_same_llama_as_the_flax_one(folders, data, tmp
     assert changed and all(k.startswith("model.layers.1.") for k in changed), changed
 
 
+def _stopped_after(run, out, step: int):
+    """A copy of the finished run folder `run` at `out` as if stopped after `step`: no
+    final model, no checkpoints past it."""
+    shutil.copytree(run, out)
+    shutil.rmtree(out / "final")
+    for path in (out / "checkpoints").glob("step-*.safetensors"):
+        if int(path.stem.split("-")[1]) > step:
+            path.unlink()
+    return out
+
+
 def test_blockwise_schedule_trains_every_block_and_resumes_mid_turn(folders, data, tmp_path):
     common = dict(scheme="blockwise:2", steps=6, batch=4, seq=32, lr=1e-2, save_every=1,
                   keep=10, progress=False)
@@ -456,12 +467,7 @@ def test_blockwise_schedule_trains_every_block_and_resumes_mid_turn(folders, dat
     np.testing.assert_array_equal(a["model.embed_tokens.weight"],
                                   original["model.embed_tokens.weight"])
     # The same run stopped after step 3 (in block 0's turn) and resumed.
-    cut = tmp_path / "cut"
-    shutil.copytree(tmp_path / "whole", cut)
-    shutil.rmtree(cut / "final")
-    for path in (cut / "checkpoints").glob("step-*.safetensors"):
-        if int(path.stem.split("-")[1]) > 3:
-            path.unlink()
+    cut = _stopped_after(tmp_path / "whole", tmp_path / "cut", 3)
     resumed = pj.finetune(folders["llama"], data["train"], cut, resume=True, **common)
     assert resumed.start_step == 3
     b = _params(Path(resumed.final))
@@ -533,12 +539,7 @@ def test_int8_moments_train_save_and_resume(folders, data, tmp_path):
     assert json.loads((tmp_path / "whole" / "run.json").read_text())["moments"] == "int8"
     assert whole.train_loss < json.loads(
         (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()[1])["loss"]
-    cut = tmp_path / "cut"
-    shutil.copytree(tmp_path / "whole", cut)
-    shutil.rmtree(cut / "final")
-    for path in (cut / "checkpoints").glob("step-*.safetensors"):
-        if int(path.stem.split("-")[1]) > 3:
-            path.unlink()
+    cut = _stopped_after(tmp_path / "whole", tmp_path / "cut", 3)
     resumed = pj.finetune(folders["llama"], data["train"], cut, resume=True, **common)
     assert resumed.start_step == 3
     a, b = _params(Path(whole.final)), _params(Path(resumed.final))
