@@ -33,6 +33,8 @@ class LoadedModel:
       save: `save(params, folder)` writes a Hugging Face model folder (with the
         tokenizer files).
       description: a one-line description for logs.
+      scheme: the scheme the weights were stored for, when `load_model(scheme_of=...)`
+        stored the frozen ones in `frozen_dtype` while reading them; else None.
     """
 
     kind: str                      # "flax" (pockjax.models.llama) or "torch"
@@ -42,10 +44,12 @@ class LoadedModel:
     num_layers: int
     save: Callable                 # save(params, folder): a Hugging Face model folder
     description: str
+    scheme: Any = None             # set when the frozen weights were stored while read
 
 
 def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
-               lora: int | None = None, seed: int = 0) -> LoadedModel:
+               lora: int | None = None, seed: int = 0,
+               scheme_of: Callable | None = None) -> LoadedModel:
     """The model of a Hugging Face folder: LLaMA-family configs (`model_type` in
     `pockjax.models.hf.SUPPORTED_FAMILIES`) as the Flax `Llama`, any other causal LM
     through `pockjax.torch` (needs torch and transformers).
@@ -62,6 +66,14 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
         from `seed`) on every linear layer of the blocks (Flax models only); `save`
         writes the weights with the adapters merged. None (the default): no adapters.
       seed: the seed of the LoRA adapters' initialisation; default 0.
+      scheme_of: `scheme_of(params, num_layers) -> Scheme`, called on the parameters'
+        shapes before any weight is read. Given with a `frozen_dtype` other than
+        float32 for a Flax model without `lora`, each weight is stored as it is read:
+        the leaves the scheme freezes in `frozen_dtype` (quantized tensor by tensor,
+        `pockjax.lowbit.quantize_leaf`), the trained ones as float32 from the file's
+        values, so the model is never held whole in a wider type; the returned
+        model's `scheme` is that scheme. Otherwise unused (`scheme` None: the weights
+        are as described above and `finetune` stores the frozen ones afterwards).
 
     Returns:
       A `LoadedModel`.
@@ -93,6 +105,8 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
                             f"pockjax's Flax models load {', '.join(families)}; use "
                             f"--frontend torch (or auto)")
     if model_type in families and frontend != "torch":
+        if scheme_of is not None and frozen_dtype != "float32" and lora is None:
+            return _flax_model_stored(folder, frozen_dtype, scheme_of)
         return _flax_model(folder, frozen_dtype, lora, seed)
     if lora is not None:
         raise FinetuneError(f"--scheme lora:{lora} is implemented for pockjax's Flax models "
@@ -139,17 +153,70 @@ def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
             raise FinetuneError(f"--scheme lora:{lora}: {e}") from None
     graphdef, params, rest = pj_nnx.split(model)
 
+    def save_module(module, out):
+        save_llama(merge_lora(module) if lora is not None else module, out, tokenizer=folder)
+
+    return _flax_loaded(graphdef, params, rest, model.config, save_module)
+
+
+def _flax_loaded(graphdef, params, rest, c, save_module, scheme=None) -> LoadedModel:
+    from pockjax import nnx as pj_nnx
+
     def apply(p, tokens):
         return pj_nnx.merge(graphdef, p, rest)(tokens)
 
     def save(p, out):
-        module = pj_nnx.merge(graphdef, p, rest)
-        save_llama(merge_lora(module) if lora is not None else module, out, tokenizer=folder)
+        save_module(pj_nnx.merge(graphdef, p, rest), out)
 
-    c = model.config
     return LoadedModel("flax", params, apply, c.vocab_size, c.num_layers, save,
                        f"{getattr(c, 'model_type', 'llama')} (pockjax.models.llama), "
-                       f"{c.num_layers} layers, width {c.hidden_size}")
+                       f"{c.num_layers} layers, width {c.hidden_size}", scheme)
+
+
+def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> LoadedModel:
+    """`load_model`'s Flax model with each weight stored as it is read (`scheme_of`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pockjax import lowbit
+    from pockjax.checkpoint import CheckpointError
+    from pockjax.models.hf import llama_shapes, load_llama_params, save_llama
+    from pockjax.scheme import Frozen, leaves_with_paths
+
+    fmt = lowbit.format_of(frozen_dtype)
+    # Frozen vectors (norms) and float formats' weights: a plain array in this dtype.
+    narrow = fmt.dtype if isinstance(fmt, lowbit.Cast) else jnp.bfloat16
+    kw = dict(dtype=narrow, compute_dtype=jnp.float32)
+    try:
+        shapes, config = llama_shapes(folder, **kw)
+    except CheckpointError as e:
+        raise FinetuneError(str(e)) from None
+    scheme = scheme_of(shapes, config.num_layers)
+    decisions = jax.tree_util.tree_leaves(scheme.resolve(shapes),
+                                          is_leaf=lambda d: d is not None
+                                          and not isinstance(d, dict))
+    frozen = {path: isinstance(d, Frozen)
+              for (path, _), d in zip(leaves_with_paths(shapes)[0], decisions)}
+
+    def convert(path, array):
+        if not frozen[path]:
+            return array.astype(jnp.float32)
+        if isinstance(fmt, lowbit.Cast) or array.ndim < 2:
+            return array.astype(narrow)
+        try:
+            return lowbit.quantize_leaf(array, fmt, path=path, dtype=jnp.float32)
+        except lowbit.QuantizeError as e:
+            raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
+
+    try:
+        graphdef, params, rest, config = load_llama_params(folder, convert, **kw)
+    except CheckpointError as e:
+        raise FinetuneError(str(e)) from None
+
+    def save_module(module, out):
+        save_llama(module, out, tokenizer=folder)
+
+    return _flax_loaded(graphdef, params, rest, config, save_module, scheme)
 
 
 def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> LoadedModel:

@@ -311,8 +311,12 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     if lora is not None and frozen_dtype != "float32":
         raise FinetuneError(f"--scheme {scheme} with --frozen-dtype {frozen_dtype} is not "
                             f"implemented; use --frozen-dtype float32")
+    # A scheme that needs no weights to choose: the frozen weights are stored in
+    # frozen_dtype as they are read (the model is never whole in a wider type).
+    known = not str(scheme).startswith(("search:", "blockwise:"))
     loaded = load_model(model, frozen_dtype=frozen_dtype, frontend=frontend, lora=lora,
-                        seed=seed)
+                        seed=seed, scheme_of=(lambda shapes, layers: scheme_from_spec(
+                            scheme, shapes, layers)) if known else None)
     try:
         tokenizer = Tokenizer.from_folder(model)
     except TokenizerError as e:
@@ -339,16 +343,18 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         return _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr,
                               Path(out) / "search-cache", progress)
 
-    chosen = scheme_from_spec(scheme, loaded.params, loaded.num_layers, search=search)
+    stored = loaded.scheme is not None  # the frozen weights already in frozen_dtype
+    chosen = (loaded.scheme if stored else
+              scheme_from_spec(scheme, loaded.params, loaded.num_layers, search=search))
     scheduled = isinstance(chosen, Schedule)
     params = loaded.params
     if scheduled and frozen_dtype != "float32":
         raise FinetuneError(f"--scheme {scheme} changes which weights train, so every weight "
                             f"needs its float32 value: use --frozen-dtype float32")
-    if frozen_dtype != "float32" and loaded.kind == "flax":
+    if frozen_dtype != "float32" and loaded.kind == "flax" and not stored:
         from pockjax.models.llama import cast_frozen
         params = cast_frozen(params, chosen)
-    if low_bit(frozen_dtype):
+    if low_bit(frozen_dtype) and not stored:
         import jax.numpy as jnp
 
         from pockjax import lowbit

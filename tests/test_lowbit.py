@@ -213,6 +213,60 @@ def test_finetune_with_int4_frozen_weights(tmp_path):
     assert weights["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
 
 
+@pytest.mark.parametrize("frozen_dtype", ["int4", "int8", "bfloat16"])
+def test_finetune_stores_each_frozen_weight_as_it_is_read(tmp_path, monkeypatch, frozen_dtype):
+    """`load_model(scheme_of=...)` (what `finetune` calls): each frozen weight is stored
+    in its format straight from the file's float32 values, equal to quantizing the
+    float32 model afterwards; trained weights are the file's float32 values, bit for bit
+    (not rounded through bfloat16); and while a weight is read, the arrays alive are
+    what was stored so far plus that one tensor's copies, never a whole model."""
+    from pockjax._finetune_model import load_model
+    from pockjax.models.hf import load_llama
+    from tests.test_finetune import _folder
+
+    folder = _folder(tmp_path, "llama")
+    # One weight trains, so the stored model is well under the bfloat16 one.
+    scheme_of = lambda shapes, layers: pj.Scheme(  # noqa: E731
+        {"layers/1/mlp/down_proj/**": pj.Full()}, default=pj.Frozen())
+    reference = pj.nnx.split(load_llama(folder))[1]  # float32, read whole
+    scheme = scheme_of(reference, 2)
+    before = sum(x.nbytes for x in jax.live_arrays())  # the reference and others' arrays
+    seen = []
+    convert_leaf = lowbit.quantize_leaf
+
+    def watched(w, fmt, **kw):
+        seen.append((sum(x.nbytes for x in jax.live_arrays()) - before,
+                     4 * int(np.prod(w.shape))))
+        return convert_leaf(w, fmt, **kw)
+
+    monkeypatch.setattr(lowbit, "quantize_leaf", watched)
+    loaded = load_model(folder, frozen_dtype=frozen_dtype, scheme_of=scheme_of)
+    assert loaded.scheme is not None and loaded.scheme.to_json() == scheme.to_json()
+    frozen = pj.scheme.leaves_with_paths(scheme.resolve(reference))[0]
+    got = [(pj.scheme.path_str(p), x) for p, x in jax.tree_util.tree_flatten_with_path(
+        loaded.params, is_leaf=lowbit.is_quantized)[0]]
+    want = pj.scheme.leaves_with_paths(reference)[0]
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, x), (_, w), (_, decision) in zip(got, want, frozen):
+        if not isinstance(decision, pj.Frozen):
+            assert x.dtype == jnp.float32, path
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(w), err_msg=path)
+        elif w.ndim < 2 or frozen_dtype == "bfloat16":
+            assert x.dtype == jnp.bfloat16, path
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(w.astype(jnp.bfloat16)))
+        else:
+            expect = convert_leaf(w, frozen_dtype, path=path, dtype=jnp.float32)
+            assert lowbit.is_quantized(x), path
+            for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(expect)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=path)
+    if frozen_dtype != "bfloat16":
+        # Loaded whole in bfloat16 first, the model alone would be half the float32 one.
+        stored, whole = lowbit.stored_bytes(loaded.params), lowbit.stored_bytes(reference) / 2
+        assert seen and stored + 3 * min(t for _, t in seen) < whole
+        for alive, tensor in seen:  # the file's tensor, its float32 copy, its transpose
+            assert alive <= stored + 3 * tensor, (alive, stored, tensor)
+
+
 def test_the_step_exports_with_quantized_weights_and_runs_as_the_trainer(tmp_path):
     """host-cpu artifact of a step on int8 and zero-point int4 weights (stored as int8 in
     params.irpa): three steps through pockjax.runtime equal the JAX trainer's."""

@@ -18,6 +18,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -29,7 +30,8 @@ from pockjax import nnx as pj_nnx
 from pockjax.checkpoint import CheckpointError, write_atomic
 from pockjax.models.llama import SUPPORTED_FAMILIES, Llama, LlamaConfig
 
-__all__ = ["load_llama", "save_llama", "TOKENIZER_FILES", "SUPPORTED_FAMILIES"]
+__all__ = ["load_llama", "load_llama_params", "llama_shapes", "save_llama", "TOKENIZER_FILES",
+           "SUPPORTED_FAMILIES"]
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -177,6 +179,49 @@ def read_config(path: str | os.PathLike) -> dict:
     return config
 
 
+def _checked(path, dtype, compute_dtype, overrides):
+    """`(config, expected, found)` for a checkpoint directory: its `LlamaConfig`, the
+    tensors that config needs and the tensors the files hold, every name and shape
+    checked (nothing read)."""
+    directory = Path(path)
+    config_file = directory / CONFIG
+    hf_config = read_config(directory)
+    try:
+        config = LlamaConfig.from_hf(hf_config,
+                                     **({} if dtype is None else {"param_dtype": dtype}),
+                                     **({} if compute_dtype is None else {"dtype": compute_dtype}),
+                                     **overrides)
+    except ValueError as e:
+        raise CheckpointError(f"'{config_file}': {e}") from None
+
+    expected = _hf_names(config)
+    found = _headers(_weight_files(directory))
+    problems = _problems(expected, found, config)
+    if problems:
+        shown = "\n  ".join(problems)
+        raise CheckpointError(f"checkpoint '{directory}' does not fit its config "
+                              f"({len(problems)} problems):\n  {shown}")
+    return config, expected, found
+
+
+def _fill(values: dict, expected: dict, found: dict, convert) -> None:
+    """Read every tensor of `expected` from its file into the pure dict `values`, one
+    at a time, as `convert(path, array)` makes it (`array` in the model's layout, in
+    the file's dtype)."""
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(found[name][0], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(os.fspath(file), framework="flax") as f:
+            for name in names:
+                t = expected[name]
+                array = f.get_tensor(name)
+                array = array.T if t.transposed else array
+                _node(values, t.path[:-1])[t.path[-1]] = convert(
+                    "/".join(str(k) for k in t.path), array)
+                del array
+
+
 def load_llama(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
                **overrides) -> Llama:
     """A `Llama` from a Hugging Face checkpoint directory of one of `SUPPORTED_FAMILIES`.
@@ -203,41 +248,57 @@ def load_llama(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
         checkpoint that does not fit its config, listing all missing, unexpected and
         misshapen tensors.
     """
-    directory = Path(path)
-    config_file = directory / CONFIG
-    hf_config = read_config(directory)
-    try:
-        config = LlamaConfig.from_hf(hf_config,
-                                     **({} if dtype is None else {"param_dtype": dtype}),
-                                     **({} if compute_dtype is None else {"dtype": compute_dtype}),
-                                     **overrides)
-    except ValueError as e:
-        raise CheckpointError(f"'{config_file}': {e}") from None
-
-    expected = _hf_names(config)
-    found = _headers(_weight_files(directory))
-    problems = _problems(expected, found, config)
-    if problems:
-        shown = "\n  ".join(problems)
-        raise CheckpointError(f"checkpoint '{directory}' does not fit its config "
-                              f"({len(problems)} problems):\n  {shown}")
-
+    config, expected, found = _checked(path, dtype, compute_dtype, overrides)
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     values = nnx.to_pure_dict(state)
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(found[name][0], []).append(name)
-
-    for file, names in by_file.items():
-        with safe_open(os.fspath(file), framework="flax") as f:
-            for name in names:
-                t = expected[name]
-                array = f.get_tensor(name)
-                array = (array.T if t.transposed else array).astype(config.param_dtype)
-                _node(values, t.path[:-1])[t.path[-1]] = array
+    _fill(values, expected, found, lambda _, a: a.astype(config.param_dtype))
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
+
+
+def llama_shapes(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
+                 **overrides) -> tuple[dict, LlamaConfig]:
+    """`(params, config)`: the parameters `load_llama` would give (as `pj.nnx.split`
+    returns them) as `jax.ShapeDtypeStruct`s, and the model's config, from the
+    directory's config and headers alone (no weight is read). Arguments and errors as
+    `load_llama`'s."""
+    config, _, _ = _checked(path, dtype, compute_dtype, overrides)
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    _, params, _ = pj_nnx.split(abstract)
+    return params, config
+
+
+def load_llama_params(path: str | os.PathLike, convert, *, dtype=None, compute_dtype=None,
+                      **overrides) -> tuple[Any, dict, dict, LlamaConfig]:
+    """A Hugging Face checkpoint's `Llama` as `pj.nnx.split` gives it, each weight stored
+    as `convert` makes it while the files are read: a frozen weight can be quantized
+    (`pockjax.lowbit.quantize_leaf`) or cast as it arrives, so the model is never held
+    whole in a wider type.
+
+    Args:
+      path: the checkpoint directory, as for `load_llama`.
+      convert: `convert(path, array) -> leaf`, called once per tensor in file order;
+        `path` is the leaf's "/"-joined path in the parameters (as
+        `pockjax.scheme.leaves_with_paths` names it), `array` the tensor in the
+        model's layout (`[in, out]` kernels) and the file's dtype. The leaf it returns
+        may be any pytree node the model's step accepts (a `Quantized` node, an array
+        of any float dtype).
+      dtype, compute_dtype, **overrides: as for `load_llama`; `dtype` is the config's
+        `param_dtype` (what `convert` is expected to give frozen weights).
+
+    Returns:
+      `(graphdef, params, rest, config)`: `pj.nnx.merge(graphdef, params, rest)` builds
+      the module once `params` hold arrays it can run (dequantized ones).
+
+    Raises:
+      CheckpointError: as `load_llama`.
+    """
+    config, expected, found = _checked(path, dtype, compute_dtype, overrides)
+    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = pj_nnx.split(abstract)
+    _fill(params, expected, found, convert)
+    return graphdef, params, rest, config
 
 
 # What a Hugging Face model folder keeps beside its weights for its tokenizer (and the
