@@ -157,8 +157,11 @@ def write(out: str, args, schemes, results) -> None:
              f"{args.frozen_dtype} --steps {args.steps} --rounds {args.rounds}` (commit "
              f"{commit()}); {platform.processor() or platform.machine()}, {os.cpu_count()} "
              f"cores; {versions(['jax', 'flax', 'optax'])}.", "",
-             real_size.describe(args.llama, s) + f"; frozen weights in {args.frozen_dtype}. "
-             "Medians over rounds of each row's median step; each row its own process.", "",
+             real_size.describe(args.llama, s).split("; sparse rows")[0] +
+             f"; `last-k` trains the last {s['last']} blocks, `paper` is PockEngine's scheme "
+             f"on the last 2; frozen weights in {args.frozen_dtype}. Medians over rounds of "
+             f"each row's median step; each row its own process. Tokens/s: sequence x batch "
+             f"tokens over the step time.", "",
              "| scheme | trained params | cut bytes/example | FLOP bound (cached/uncached) | "
              "uncached s/step | cached: first epoch s/step | cached: later epochs s/step | "
              "later/uncached | later epochs vs first (tokens/s) | peak RSS GiB uncached / "
