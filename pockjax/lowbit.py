@@ -193,11 +193,8 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
                             f">= 2 (an input axis and output channels); keep vectors as they are")
     axis %= w.ndim
     out_dtype = w.dtype if dtype is None else jnp.dtype(dtype)
-    x = w.astype(jnp.float32)
     if isinstance(fmt, Int8):
-        amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
-        scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(fmt.scale_dtype)
-        data = jnp.clip(jnp.round(x / scale.astype(jnp.float32)), -127, 127).astype(jnp.int8)
+        data, scale = _int8_codes(w, axis, fmt.scale_dtype)
         return Quantized(data, scale, fmt=fmt, shape=w.shape, dtype=out_dtype, axis=axis)
     n = w.shape[axis]
     # The largest even group of at most `fmt.group` values that divides the input axis.
@@ -206,17 +203,36 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
         raise QuantizeError(f"'{path}' has {n} values on its input axis {axis} (shape {w.shape}): "
                             f"int4 packs pairs of values along it, so it needs an even size; "
                             f"use 'int8' for this leaf")
+    data, scale, zero = _int4_codes(w, axis, group, fmt.zero_point, fmt.scale_dtype)
+    return Quantized(data, scale, zero, fmt=fmt, shape=w.shape, dtype=out_dtype, axis=axis)
+
+
+# Each format's arithmetic is one compiled computation, so quantizing a weight allocates
+# its codes and scales, not a float32 copy per operation.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _int8_codes(w, axis: int, scale_dtype):
+    x = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=axis, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0).astype(scale_dtype)
+    data = jnp.clip(jnp.round(x / scale.astype(jnp.float32)), -127, 127).astype(jnp.int8)
+    return data, scale
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _int4_codes(w, axis: int, group: int, zero_point: bool, scale_dtype):
+    x = w.astype(jnp.float32)
+    n = w.shape[axis]
     grouped = _split_axis(x, axis, n // group, group)           # [..., n/g, g, ...]
-    if fmt.zero_point:
+    if zero_point:
         lo = jnp.min(grouped, axis=axis + 1, keepdims=True)
         hi = jnp.max(grouped, axis=axis + 1, keepdims=True)
-        scale = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(fmt.scale_dtype)
+        scale = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(scale_dtype)
         s32 = scale.astype(jnp.float32)
         zero = jnp.clip(jnp.round(-lo / s32), 0, 15).astype(jnp.int8)
         levels = jnp.clip(jnp.round(grouped / s32) + zero, 0, 15)
     else:
         amax = jnp.max(jnp.abs(grouped), axis=axis + 1, keepdims=True)
-        scale = jnp.where(amax > 0, amax / 7.0, 1.0).astype(fmt.scale_dtype)
+        scale = jnp.where(amax > 0, amax / 7.0, 1.0).astype(scale_dtype)
         zero = None
         levels = jnp.clip(jnp.round(grouped / scale.astype(jnp.float32)), -8, 7) + 8
     levels = levels.astype(jnp.uint8).reshape(w.shape)
@@ -227,7 +243,7 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
     data = jax.lax.bitcast_convert_type((low | (high << 4)).astype(jnp.uint8), jnp.int8)
     scale = jnp.squeeze(scale, axis + 1)
     zero = None if zero is None else jnp.squeeze(zero, axis + 1)
-    return Quantized(data, scale, zero, fmt=fmt, shape=w.shape, dtype=out_dtype, axis=axis)
+    return data, scale, zero
 
 
 def _split_axis(x, axis: int, outer: int, inner: int):

@@ -207,19 +207,16 @@ def _checked(path, dtype, compute_dtype, overrides):
 def _fill(values: dict, expected: dict, found: dict, convert) -> None:
     """Read every tensor of `expected` from its file into the pure dict `values`, one
     at a time, as `convert(path, array)` makes it (`array` in the model's layout, in
-    the file's dtype)."""
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(found[name][0], []).append(name)
-    for file, names in by_file.items():
-        with safe_open(os.fspath(file), framework="flax") as f:
-            for name in names:
-                t = expected[name]
-                array = f.get_tensor(name)
-                array = array.T if t.transposed else array
-                _node(values, t.path[:-1])[t.path[-1]] = convert(
-                    "/".join(str(k) for k in t.path), array)
-                del array
+    the file's dtype). Each file is opened (memory-mapped) for one tensor at a time, so
+    the pages read stay in this process's resident memory only while their tensor is
+    copied out, not until the whole shard is read."""
+    for name, t in expected.items():
+        with safe_open(os.fspath(found[name][0]), framework="flax") as f:
+            array = f.get_tensor(name)
+        array = array.T if t.transposed else array
+        _node(values, t.path[:-1])[t.path[-1]] = convert("/".join(str(k) for k in t.path),
+                                                         array)
+        del array
 
 
 def load_llama(path: str | os.PathLike, *, dtype=None, compute_dtype=None,
