@@ -46,7 +46,8 @@ from jax.extend.core import primitives as P
 from pockjax._jaxpr import bind, call_body, interpret
 
 __all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
-           "formats_by_path", "quantize", "quantize_leaf", "dequantize", "at_use", "is_quantized", "stored_bytes"]
+           "formats_by_path", "quantize", "quantize_leaf", "dequantize", "at_use", "is_quantized", "stored_bytes",
+           "in_words"]
 
 
 class QuantizeError(ValueError):
@@ -121,27 +122,38 @@ class Quantized:
     `jit`, checkpoints and the trainer's state like any parameters.
     """
 
-    def __init__(self, data, scale, zero=None, *, fmt, shape, dtype, axis):
+    def __init__(self, data, scale, zero=None, *, fmt, shape, dtype, axis, words=False):
         self.data, self.scale, self.zero = data, scale, zero
         self.fmt, self.shape, self.dtype, self.axis = fmt, tuple(shape), jnp.dtype(dtype), axis
+        self.words = words  # data and zero as int32 words of 4 bytes each (`in_words`)
 
     def _children(self):
         return (self.data, self.scale) + (() if self.zero is None else (self.zero,))
 
+    def _aux(self):
+        return (self.fmt, self.shape, self.dtype, self.axis, self.zero is not None, self.words)
+
     def tree_flatten_with_keys(self):
         keys = ("@data", "@scale", "@zero")
         return ([(jax.tree_util.GetAttrKey(k), c) for k, c in zip(keys, self._children())],
-                (self.fmt, self.shape, self.dtype, self.axis, self.zero is not None))
+                self._aux())
 
     def tree_flatten(self):
-        return self._children(), (self.fmt, self.shape, self.dtype, self.axis, self.zero is not None)
+        return self._children(), self._aux()
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        fmt, shape, dtype, axis, has_zero = aux
+        fmt, shape, dtype, axis, has_zero, words = aux
         data, scale = children[0], children[1]
         return cls(data, scale, children[2] if has_zero else None, fmt=fmt, shape=shape,
-                   dtype=dtype, axis=axis)
+                   dtype=dtype, axis=axis, words=words)
+
+    @property
+    def data_shape(self) -> tuple[int, ...]:
+        """The shape of the stored bytes (int4: two values a byte along the input axis)."""
+        if isinstance(self.fmt, Int8):
+            return self.shape
+        return self.shape[:self.axis] + (self.shape[self.axis] // 2,) + self.shape[self.axis + 1:]
 
     @property
     def nbytes(self) -> int:
@@ -256,19 +268,71 @@ def dequantize(q, dtype=None) -> jax.Array:
     if not isinstance(q, Quantized):
         return q if dtype is None else jnp.asarray(q).astype(dtype)
     dtype = q.dtype if dtype is None else jnp.dtype(dtype)
+    # From 32-bit words, each byte is unpacked into an int32 (0..255): no array narrower
+    # than 32 bits exists in the step, even between kernels.
+    data = _from_words(q.data, q.data_shape) if q.words else q.data
+    zero = _from_words(q.zero, q.scale.shape) if q.words and q.zero is not None else q.zero
     if isinstance(q.fmt, Int8):
-        return (q.data.astype(jnp.float32) * q.scale.astype(jnp.float32)).astype(dtype)
+        if q.words:  # the byte's two's-complement value
+            data = data - jnp.where(data >= 128, 256, 0)
+        return (data.astype(jnp.float32) * q.scale.astype(jnp.float32)).astype(dtype)
     axis, n = q.axis, q.shape[q.axis]
     groups = q.scale.shape[axis]
     # Scaled before the two halves of each byte are interleaved, so XLA computes the
     # float weight in one fusion (the interleave its root), not through float copies.
-    packed = jax.lax.bitcast_convert_type(q.data, jnp.uint8)
+    packed = data if q.words else jax.lax.bitcast_convert_type(data, jnp.uint8)
     pairs = _split_axis(packed, axis, groups, n // groups // 2)        # [.., G, g/2, ..]
     scale = jnp.expand_dims(q.scale.astype(jnp.float32), axis + 1)
-    offset = 8.0 if q.zero is None else jnp.expand_dims(q.zero.astype(jnp.float32), axis + 1)
+    offset = 8.0 if zero is None else jnp.expand_dims(zero.astype(jnp.float32), axis + 1)
     low = ((pairs & 15).astype(jnp.float32) - offset) * scale
     high = ((pairs >> 4).astype(jnp.float32) - offset) * scale
     return jnp.stack([low, high], axis=axis + 2).reshape(q.shape).astype(dtype)
+
+
+_SHIFTS = np.array([0, 8, 16, 24], np.uint32)
+
+
+def _to_words(a) -> np.ndarray:
+    """The bytes of int8 array `a` (row-major, zero-padded to a multiple of 4) as int32
+    words, byte k of each word its bits 8k to 8k + 7."""
+    b = np.asarray(a).astype(np.int8).reshape(-1).view(np.uint8).astype(np.uint32)
+    b = np.concatenate([b, np.zeros((-b.size) % 4, np.uint32)]).reshape(-1, 4)
+    return np.bitwise_or.reduce(b << _SHIFTS, axis=1).view(np.int32)
+
+
+def _from_words(w, shape) -> jax.Array:
+    """The bytes `_to_words` packed, each as an int32 from 0 to 255, in `shape`: 32-bit
+    loads, shifts and masks only."""
+    n = math.prod(shape)
+    b = (w[:, None] >> jnp.asarray(_SHIFTS.astype(np.int32))) & 255
+    return b.reshape(-1)[:n].reshape(shape)
+
+
+def in_words(tree):
+    """`tree` with each `Quantized` node stored for GPUs whose buffers hold only 32-bit
+    values (Vulkan's baseline profiles; IREE's SPIR-V code cannot load bfloat16): its
+    bytes (values, zero points) as int32 words of 4, unpacked with shifts where the
+    weight is used, and its scales as float32. The weights it dequantizes to are equal,
+    bit for bit. `pockjax.export` does this for Vulkan targets; other leaves are
+    returned as they are.
+
+    Args:
+      tree: a pytree that may hold `Quantized` nodes (concrete arrays).
+
+    Returns:
+      The same tree, its `Quantized` nodes with `words` set.
+    """
+    def convert(q):
+        if not isinstance(q, Quantized) or q.words:
+            return q
+        # A node whose arrays are None (an optimizer state's mask of a frozen weight)
+        # changes only its structure, which must match the parameters'.
+        words = lambda a: None if a is None else jnp.asarray(_to_words(a))  # noqa: E731
+        children = [words(q.data), None if q.scale is None else jnp.asarray(q.scale, jnp.float32)]
+        children += [words(q.zero)] if q.zero is not None else []
+        return Quantized.tree_unflatten(q._aux()[:-1] + (True,), children)
+
+    return jax.tree_util.tree_map(convert, tree, is_leaf=is_quantized)
 
 
 def formats_by_path(formats) -> Callable[[str], Any]:
@@ -377,7 +441,7 @@ def _materialize(node, tie):
         one = _tie_one(tie, jnp.float32)
         node = Quantized(node.data, (node.scale.astype(jnp.float32) * one).astype(node.scale.dtype),
                          node.zero, fmt=node.fmt, shape=node.shape, dtype=node.dtype,
-                         axis=node.axis)
+                         axis=node.axis, words=node.words)
     return node.dequantize()
 
 

@@ -267,6 +267,35 @@ def test_finetune_stores_each_frozen_weight_as_it_is_read(tmp_path, monkeypatch,
             assert alive <= stored + 3 * tensor, (alive, stored, tensor)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int4:16", lowbit.Int4(group=32, zero_point=True)])
+def test_weights_in_32_bit_words_dequantize_to_the_same_values(fmt):
+    """`in_words` (what Vulkan exports store): the same float weights bit for bit, on
+    shapes whose byte count is not a multiple of 4 and on either input axis; no array
+    narrower than 32 bits in the dequantizing computation; the trainer's steps on a
+    state in words equal its steps on the bytes."""
+    rng = np.random.default_rng(0)
+    for shape, axis in [((6, 34, 3), 1), ((34, 5), 0), ((64, 7), -2), ((2, 3, 16, 5), 2)]:
+        w = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.01, 3, shape), jnp.float32)
+        q = lowbit.quantize_leaf(w, fmt, axis=axis)
+        words = lowbit.in_words({"w": q})["w"]
+        assert words.words and words.data.dtype == jnp.int32 and words.scale.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(words.dequantize()), np.asarray(q.dequantize()))
+        jaxpr = str(jax.make_jaxpr(lowbit.dequantize)(words))
+        assert not any(t in jaxpr for t in ("i8[", "u8[", "bf16[", "i16[")), jaxpr
+
+    params, batch = _mlp(), _batch()
+    scheme = pj.Scheme({"l3/**": pj.Full(), "**/bias": pj.Full()}, default=pj.Frozen())
+    trainer = pj.sparse_train(_loss, optimizer=optax.adam(1e-2), scheme=scheme, frozen_dtype=fmt)
+    a = trainer.init(params)
+    b = lowbit.in_words(trainer.init(params))
+    for _ in range(3):
+        a, ma = trainer(a, batch)
+        b, mb = trainer(b, batch)
+        assert float(ma["loss"]) == float(mb["loss"])
+    np.testing.assert_array_equal(np.asarray(a.params["l3"]["kernel"]),
+                                  np.asarray(b.params["l3"]["kernel"]))
+
+
 def test_the_step_exports_with_quantized_weights_and_runs_as_the_trainer(tmp_path):
     """host-cpu artifact of a step on int8 and zero-point int4 weights (stored as int8 in
     params.irpa): three steps through pockjax.runtime equal the JAX trainer's."""

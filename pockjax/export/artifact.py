@@ -222,6 +222,12 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
         raise ExportError("this TrainState holds shapes (jax.ShapeDtypeStruct), not arrays; an "
                           "artifact carries the parameters' values, so export needs a state made "
                           "from arrays (trainer.init(params)); report() and lower() take shapes")
+    if tgt.backend == "vulkan":
+        # Low-bit weights as 32-bit words and float32 scales: IREE's SPIR-V code loads
+        # neither bfloat16 nor 8-bit values on GPUs without 8-bit storage.
+        from pockjax import lowbit
+
+        state = lowbit.in_words(state)
     started = time.perf_counter()
     say = _Progress(progress)
     say("lowering the training step to StableHLO")

@@ -284,3 +284,56 @@ def test_the_first_call_on_a_cpu_vulkan_device_says_it_compiles(tmp_path):
                               f"Vulkan device '{caps.name}' runs on the CPU")
     assert "later calls reuse them. For speed on this machine export for host-cpu" in said[0]
     assert said[1].startswith(f"the first evaluation of '{art.path}' compiles its pipelines")
+
+
+@pytest.mark.parametrize("target", ["host-vulkan", "android-vulkan"])
+def test_low_bit_frozen_weights_train_on_vulkan_as_in_jax(tmp_path, target):
+    """Frozen weights in int8 and int4 (bfloat16 scales, one with zero points): the
+    artifact stores them as 32-bit words with float32 scales (`lowbit.in_words`; the
+    Android baseline profile has only 32-bit storage, and IREE's SPIR-V code loads no
+    bfloat16) and trains as the JAX trainer does on the same state."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import pockjax as pj
+    from pockjax import lowbit
+    from tests.export.models import assert_metrics_match
+    from tests.test_lowbit import _batch, _mlp
+
+    params, batch = _mlp(), _batch()
+    del params["embed"]
+
+    def loss(p, b):
+        h = b["x"]
+        for i in range(4):
+            h = jnp.tanh(h @ p[f"l{i}"]["kernel"] + p[f"l{i}"]["bias"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    scheme = pj.Scheme({"l3/**": pj.Full(), "**/bias": pj.Full()}, default=pj.Frozen())
+    formats = {"l0/**": lowbit.Int4(group=32, zero_point=True), "l1/**": "int4", "**": "int8"}
+    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme,
+                              frozen_dtype=formats)
+    art = trainer.export(trainer.init(params), batch, target=target, out_dir=tmp_path / "a")
+    stored = {p["name"]: p["dtype"] for p in art.manifest["parameters"]}
+    assert stored["params/l0/kernel/@data"] == "int32", stored
+    assert stored["params/l1/kernel/@scale"] == "float32", stored
+    state = lowbit.in_words(trainer.init(params))
+    for attempt in range(3):  # lavapipe's random device loss: see run_vulkan_against_jax
+        try:
+            sess = runtime.load(art.path, device="vulkan")
+            for _ in range(STEPS):
+                got = sess.step(batch)
+                state, want = jax.block_until_ready(trainer(state, batch))
+                assert_metrics_match(got, want)
+            break
+        except runtime.DeviceLost:
+            if attempt == 2:
+                raise
+            state = lowbit.in_words(trainer.init(params))
+    got = dict(pj.scheme.leaves_with_paths(sess.params())[0])
+    want = dict(pj.scheme.leaves_with_paths(jax.device_get(state.params))[0])
+    assert sorted(got) == sorted(want) and "l0/kernel/@data" in got
+    for path, value in want.items():  # the frozen words as stored, the trained weights
+        np.testing.assert_allclose(got[path], value, rtol=1e-4, atol=1e-6, err_msg=path)
