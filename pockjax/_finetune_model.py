@@ -180,7 +180,7 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
 
     from pockjax import lowbit
     from pockjax.checkpoint import CheckpointError
-    from pockjax.models.hf import llama_shapes, load_llama_params, save_llama
+    from pockjax.models.hf import llama_shapes, load_llama_params, save_llama, save_llama_params
     from pockjax.scheme import Frozen, leaves_with_paths
 
     fmt = lowbit.format_of(frozen_dtype)
@@ -216,7 +216,13 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     def save_module(module, out):
         save_llama(module, out, tokenizer=folder)
 
-    return _flax_loaded(graphdef, params, rest, config, save_module, scheme)
+    def save(p, out):  # frozen weights dequantized to bfloat16 tensor by tensor
+        save_llama_params(p, config, out, tokenizer=folder, convert=lambda _, x: (
+            lowbit.dequantize(x, jnp.bfloat16) if lowbit.is_quantized(x) else x))
+
+    loaded = _flax_loaded(graphdef, params, rest, config, save_module, scheme)
+    loaded.save = save
+    return loaded
 
 
 def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> LoadedModel:
@@ -268,8 +274,9 @@ def write_final(loaded: LoadedModel, params, final: Path, frozen_dtype: str) -> 
     previous one or none, never half of one)."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if low_bit(frozen_dtype):
+    if low_bit(frozen_dtype) and loaded.scheme is None:
         # Frozen weights dequantized to bfloat16 (what they hold); trained ones as trained.
+        # (A model stored while read is written tensor by tensor: its own `save`.)
         import jax
         import jax.numpy as jnp
 

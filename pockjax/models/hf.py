@@ -30,7 +30,8 @@ from pockjax import nnx as pj_nnx
 from pockjax.checkpoint import CheckpointError, write_atomic
 from pockjax.models.llama import SUPPORTED_FAMILIES, Llama, LlamaConfig
 
-__all__ = ["load_llama", "load_llama_params", "llama_shapes", "save_llama", "TOKENIZER_FILES",
+__all__ = ["load_llama", "load_llama_params", "llama_shapes", "save_llama", "save_llama_params",
+           "TOKENIZER_FILES",
            "SUPPORTED_FAMILIES"]
 
 CONFIG = "config.json"
@@ -336,22 +337,46 @@ def save_llama(model: Llama, path: str | os.PathLike, *, tokenizer=None,
     """
     if not isinstance(model, Llama):
         raise TypeError(f"save_llama saves a pockjax Llama, got {type(model).__name__}")
-    tokenizer_files = _tokenizer_files(tokenizer)
     config = model.config
-    names = _hf_names(config)
-    ours = {"/".join(map(str, t.path)) for t in names.values()}
+    ours = {"/".join(map(str, t.path)) for t in _hf_names(config).values()}
     extra = [p for p in pj_nnx.param_paths(model) if p not in ours]
     if extra:
         raise CheckpointError(f"the model has parameters a Hugging Face LLaMA checkpoint has no "
                               f"place for: {', '.join(extra[:6])}"
                               f"{' ...' if len(extra) > 6 else ''}; fold adapters into the "
                               f"weights first (pockjax.models.lora.merge_lora)")
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    save_llama_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)), config, path,
+                      tokenizer=tokenizer, max_shard_bytes=max_shard_bytes)
+
+
+def save_llama_params(params: dict, config: LlamaConfig, path: str | os.PathLike, *,
+                      tokenizer=None, max_shard_bytes: int = 2 << 30, convert=None) -> None:
+    """`save_llama` for a `Llama`'s parameters (as `pj.nnx.split` gives them) and config,
+    each tensor passed through `convert(path, leaf) -> array` as its shard is written:
+    a model whose frozen weights are stored quantized is written without ever holding
+    it whole in a float type (`finetune` passes `pockjax.lowbit.dequantize`).
+
+    Args:
+      params: the parameters, nested dicts keyed as the model's; leaves may be any
+        value `convert` turns into an array.
+      config: the model's `LlamaConfig`.
+      path, tokenizer, max_shard_bytes: as for `save_llama`.
+      convert: `convert(path, leaf) -> array`, `path` the leaf's "/"-joined path;
+        None: the leaves are written as they are.
+
+    Raises:
+      CheckpointError: as `save_llama`.
+    """
+    tokenizer_files = _tokenizer_files(tokenizer)
+    names = _hf_names(config)
+    if convert is None:
+        convert = lambda _, leaf: leaf  # noqa: E731
     shards: list[list[str]] = [[]]
     size = 0
     for name, t in names.items():
-        leaf = _node(params, t.path)
-        nbytes = int(np.prod(leaf.shape)) * np.dtype(leaf.dtype).itemsize
+        out = jax.eval_shape(lambda x: convert("/".join(map(str, t.path)), x),
+                             _node(params, t.path))
+        nbytes = int(np.prod(out.shape)) * np.dtype(out.dtype).itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
             size = 0
@@ -371,7 +396,8 @@ def save_llama(model: Llama, path: str | os.PathLike, *, tokenizer=None,
         tensors = {}
         for name in shard:
             t = names[name]
-            value = np.asarray(jax.device_get(_node(params, t.path)))
+            value = np.asarray(jax.device_get(convert("/".join(map(str, t.path)),
+                                                      _node(params, t.path))))
             tensors[name] = np.ascontiguousarray(value.T if t.transposed else value)
             total += tensors[name].nbytes
         _write_safetensors(tensors, directory / file)
