@@ -10,6 +10,10 @@ Random weights (uniform, std 0.02; norm scales 1), random tokens, batch 1, seque
   PyTorch optimizer on CPU) or the default one.
 - `torch lora r8 q+v`: peft LoRA r=8 on q_proj and v_proj of a float32 model;
   `torch lora r8 q+v bf16`: the same on a bfloat16 model (adapters float32).
+- `torch qlora r8 q+v nf4`: QLoRA, the 4-bit peer: `transformers` loads the model with
+  `BitsAndBytesConfig(load_in_4bit=True, nf4, bfloat16 compute)` (`bitsandbytes` on the
+  CPU; `pip install 'pockjax[qlora]'`) from a bfloat16 folder of the same random weights
+  (written once by `benchmarks/lowbit_load.py`), peft LoRA r=8 on q_proj and v_proj.
 - `jax+optax last-k`: `jax.value_and_grad` with respect to the last k blocks only
   (the rest closed over), optax AdamW on them: plain JAX on the same trained tensors.
   `jax+optax full f32`: the same construction with every parameter trained, the plain
@@ -81,6 +85,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -110,7 +115,7 @@ ROWS = ["pockjax sparse last-k f32", "pockjax sparse last-k bf16-frozen upcast",
         "pockjax paper last-2 bf16-frozen upcast iree host-cpu",
         "pockjax paper last-2 int4-frozen", "pockjax paper last-2 int8-frozen",
         "pockjax sparse last-k int4-frozen", "pockjax paper last-2 int4-frozen int8-moments",
-        "pockjax paper last-2 int4-frozen bf16-moments"]
+        "pockjax paper last-2 int4-frozen bf16-moments", "torch qlora r8 q+v nf4"]
 # Each IREE row and the JAX row whose step it exports.
 IREE_ROWS = {"pockjax sparse last-k iree host-cpu": "pockjax sparse last-k f32",
              "pockjax sparse last-k bf16-frozen upcast iree host-cpu":
@@ -502,7 +507,20 @@ def run_torch(row: str, s: dict, args) -> dict:
         num_key_value_heads=s["kv_heads"], max_position_embeddings=max(128, s["seq"]),
         rms_norm_eps=1e-5, tie_word_embeddings=False)
     dtype = torch.bfloat16 if row.endswith("bf16") else torch.float32
-    net = transformers.LlamaForCausalLM._from_config(config, torch_dtype=dtype)
+    if "qlora" in row:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError:
+            raise SystemExit("bitsandbytes is not installed: pip install 'pockjax[qlora]'")
+        from benchmarks import lowbit_load
+        name = next(n for n, v in PRESETS.items() if v is s)
+        folder = lowbit_load.write_folder(name, Path(ROOT) / ".cache" / "lowbit-load" / name)
+        net = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, device_map="cpu", quantization_config=transformers.BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                bnb_4bit_compute_dtype=torch.bfloat16))
+    else:
+        net = transformers.LlamaForCausalLM._from_config(config, torch_dtype=dtype)
     net.train()
     if "lora" in row:
         from peft import LoraConfig, get_peft_model

@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -195,7 +196,12 @@ def _in_pieces(fn, arrays, per: int):
 def _zeros(p, fmt: str, block: int, signed: bool):
     if fmt == "bfloat16":
         return jnp.zeros(jnp.shape(p), jnp.bfloat16)
-    return _store_int8(jnp.zeros(jnp.shape(p), jnp.float32), block, signed)
+    # What `_store_int8` makes of zeros (code 0, scale 0), built directly: quantizing a
+    # constant makes XLA fold the whole computation at compile time (seconds a leaf).
+    size = int(np.prod(jnp.shape(p)))
+    b = max(1, min(block, size))
+    n = -(-size // b)
+    return Blockwise(jnp.zeros((n, b), jnp.int8), jnp.zeros((n,), jnp.float32))
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, *,
