@@ -118,3 +118,38 @@ def test_moments_benchmark_reports_each_format_against_float32():
     assert abs(int8["test_loss"] / f32["test_loss"] - 1) < 0.05
     table = moments.summary(rows)
     assert table[-1].startswith("| code | paper | int8 |") and "%" in table[-1]
+
+
+def test_frozen_formats_benchmark_compares_each_format_with_bfloat16():
+    """`benchmarks/frozen_formats.py`: a two-step row per frozen format trains the shipped
+    checkpoint's paper scheme; int4 stores the frozen weights in about a quarter of
+    bfloat16's bytes, the test losses stay close, and the summary pairs them by seed."""
+    import argparse
+
+    from benchmarks import frozen_formats
+
+    rows = [frozen_formats.row(argparse.Namespace(task="code", scheme="paper", format=f,
+                                                  steps=2, seeds="0"))
+            for f in ("bfloat16", "int4")]
+    bf16, int4 = (r["runs"][0] for r in rows)
+    assert bf16["trained_params"] == int4["trained_params"] > 0
+    assert 3.0 * int4["frozen_bytes"] < bf16["frozen_bytes"] < 4.5 * int4["frozen_bytes"]
+    assert abs(int4["test_loss"] / bf16["test_loss"] - 1) < 0.05
+    table = frozen_formats.summary(rows)
+    assert table[-1].startswith("| code | paper | int4 |") and table[-1].count("%") == 2
+
+
+def test_lowbit_load_benchmark_stores_the_same_bytes_either_way(tmp_path):
+    """`benchmarks/lowbit_load.py` at the smoke shape: the folder it writes loads, and
+    both rows (stored while read; read whole, then quantized) store the same bytes."""
+    import argparse
+
+    from benchmarks import lowbit_load
+
+    folder = lowbit_load.write_folder("smoke", tmp_path / "smoke")
+    results = {name: lowbit_load.row(argparse.Namespace(row=name, folder=str(folder),
+                                                        frozen_dtype="int4", scheme="paper:2"))
+               for name in lowbit_load.ROWS}
+    first, second = results.values()
+    assert first["digest"] == second["digest"]
+    assert first["stored_bytes"] == second["stored_bytes"] > 0
