@@ -24,11 +24,13 @@ breakdown of `SparseTrainer.report`) and `pockjax._fit` (`fit`, `History`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from pockjax._home import claim
@@ -414,7 +416,13 @@ class SparseTrainer:
         Returns:
           The `TransformInfo`: parameter counts, the rules used, fallbacks, the jaxpr.
         """
-        return self._grad.explain(state.params, batch)
+        info = self._grad.explain(state.params, batch)
+        stored = jax.tree_util.tree_leaves(state.params, is_leaf=lowbit.is_quantized)
+        if any(lowbit.is_quantized(x) for x in stored):
+            # A quantized weight counts its values, not its stored bytes and scales.
+            info = dataclasses.replace(info, total_params=sum(
+                int(np.prod(x.shape)) for x in stored))
+        return info
 
     def export(self, state: TrainState, batch, target: str = "host-cpu", out_dir: str = "export",
                gpu: str | None = None, extra_flags=(), progress: bool = False):

@@ -208,6 +208,9 @@ def test_finetune_with_int4_frozen_weights(tmp_path):
     first = json.loads((tmp_path / "int4" / "metrics.jsonl").read_text().splitlines()[1])
     assert runs["int4"].train_loss < first["loss"]
     assert runs["int4"].train_loss == pytest.approx(runs["float32"].train_loss, rel=0.05)
+    # a quantized weight counts its values, not its packed bytes and scales
+    assert runs["int4"].total_params == runs["float32"].total_params
+    assert runs["int4"].trainable_params == runs["float32"].trainable_params
     weights = load_file(str(tmp_path / "int4" / "final" / "model.safetensors"))
     assert weights["model.layers.1.mlp.up_proj.weight"].dtype == np.float32   # trained
     assert weights["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
