@@ -174,8 +174,9 @@ class BaseSession:
         Args:
           path: the checkpoint file to write (`.safetensors`).
         """
-        from pockjax.checkpoint import encode, write_atomic
+        from pockjax.checkpoint import _write_checkpoint
 
         values = self._values()
-        write_atomic(path, encode(values, {"step": str(int(values["step"])),
-                                           "scheme": json.dumps(self.manifest["scheme"])}))
+        _write_checkpoint(path, {k: (lambda v=v: v) for k, v in values.items()},
+                          {"step": str(int(values["step"])),
+                           "scheme": json.dumps(self.manifest["scheme"])})

@@ -10,9 +10,11 @@ checkpoint under the final name.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import struct
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -79,10 +81,94 @@ def checksum(arrays: dict[str, np.ndarray]) -> str:
     """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
     h = hashlib.sha256()
     for name in sorted(arrays):
-        a = np.ascontiguousarray(arrays[name])
-        h.update(f"{name}\0{a.dtype.name}\0{list(a.shape)}\0".encode())
-        h.update(a.view(np.uint8).reshape(-1) if a.size else b"")
+        _hash_one(h, name, np.ascontiguousarray(arrays[name]))
     return h.hexdigest()
+
+
+def _hash_one(h, name: str, a: np.ndarray) -> None:
+    h.update(f"{name}\0{a.dtype.name}\0{list(a.shape)}\0".encode())
+    h.update(a.view(np.uint8).reshape(-1) if a.size else b"")
+
+
+# numpy dtype name -> safetensors' dtype code.
+_SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16",
+                       "bfloat16": "BF16", "int64": "I64", "int32": "I32", "int16": "I16",
+                       "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16",
+                       "uint8": "U8", "bool": "BOOL"}
+
+
+def write_safetensors(path: str | os.PathLike,
+                      tensors: Sequence[tuple[str, tuple, Any, Callable[[], Any]]],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file one tensor at a time, atomically (a temporary file in
+    the same directory, flushed and renamed over `path`).
+
+    Only one tensor's bytes are in memory at a time: a model or training state far
+    larger than the free memory can be written (`safetensors.numpy.save_file` first
+    copies every tensor into one buffer).
+
+    Args:
+      path: the file to write.
+      tensors: `(name, shape, dtype, get)` in the order they are stored; `get()` returns
+        the tensor (any array-like of that shape and dtype), called once.
+      metadata: the file's string metadata; default none.
+
+    Raises:
+      ValueError: a tensor's dtype has no safetensors code, or `get()` returned another
+        shape or dtype than declared.
+    """
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, shape, dtype, _ in tensors:
+        dtype = np.dtype(dtype)
+        if dtype.name not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor '{name}' is {dtype.name}; safetensors stores "
+                             f"{', '.join(_SAFETENSORS_DTYPES)}")
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype.name], "shape": [int(d) for d in shape],
+                        "data_offsets": [offset, offset + n]}
+        offset += n
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)))
+            f.write(raw)
+            for name, shape, dtype, get in tensors:
+                a = np.asarray(get(), order="C")
+                if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
+                    raise ValueError(f"tensor '{name}': declared {np.dtype(dtype).name}"
+                                     f"{list(shape)}, got {a.dtype.name}{list(a.shape)}")
+                if a.size:
+                    f.write(a.reshape(-1).view(np.uint8).data)
+                del a
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _write_checkpoint(path, getters: dict[str, Callable[[], np.ndarray]],
+                      metadata: dict[str, str]) -> None:
+    """A checkpoint file (the format's metadata and checksum added) from one getter per
+    tensor, one tensor in memory at a time: a pass to hash, a pass to write."""
+    h, shapes = hashlib.sha256(), {}
+    for name in sorted(getters):
+        a = np.asarray(getters[name]())
+        shapes[name] = (a.shape, a.dtype)
+        _hash_one(h, name, np.ascontiguousarray(a))  # as `checksum` (a scalar hashed as [1])
+        del a
+    meta = _merged({"format": FORMAT, "version": VERSION, CHECKSUM: h.hexdigest()}, metadata)
+    write_safetensors(path, [(n, *shapes[n], getters[n]) for n in sorted(getters)], meta)
 
 
 def encode(arrays: dict[str, np.ndarray], metadata: dict[str, str]) -> bytes:
@@ -140,14 +226,14 @@ def save(path: str | os.PathLike, state, *, scheme: Scheme | None = None,
 
     scheme = scheme if scheme is not None else getattr(state, "scheme", None)
     tensors, _ = _named(state)
-    arrays = {k: np.asarray(jax.device_get(v)) for k, v in tensors.items()}
     meta = {}
     step = getattr(state, "step", None)
     if step is not None:
         meta["step"] = str(int(np.asarray(step)))
     if scheme is not None:
         meta["scheme"] = scheme.to_json()
-    write_atomic(path, encode(arrays, _merged(meta, metadata)))
+    _write_checkpoint(path, {k: (lambda v=v: np.asarray(jax.device_get(v)))
+                             for k, v in tensors.items()}, _merged(meta, metadata))
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:

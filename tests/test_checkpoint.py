@@ -153,3 +153,42 @@ def test_version_1_files_without_checksum_still_load(state, tmp_path):
                              metadata={"format": "pockjax.checkpoint", "version": "1",
                                        "step": "1", "scheme": SCHEME.to_json()}))
     assert_trees_close(pj.load(path, like=state), state, rtol=0, atol=0)
+
+
+def test_write_safetensors_streams_tensors_that_safetensors_reads_back(tmp_path):
+    """`write_safetensors`: the safetensors library reads back every tensor (scalars,
+    bfloat16, empty, int8) and the metadata; each getter is called once, in the order
+    given; a getter that returns another shape fails and leaves no file behind."""
+    import ml_dtypes
+    from safetensors import safe_open
+
+    from pockjax.checkpoint import write_safetensors
+
+    arrays = {"scalar": np.asarray(np.float32(3.5)),
+              "bf16": np.arange(6, dtype=np.float32).reshape(2, 3).astype(ml_dtypes.bfloat16),
+              "empty": np.zeros((0, 4), np.float32),
+              "codes": np.array([[-128, 127], [0, 5]], np.int8),
+              "big": np.linspace(-1, 1, 1001, dtype=np.float32)}
+    calls = []
+
+    def getter(name):
+        def get():
+            calls.append(name)
+            return arrays[name]
+        return get
+
+    path = tmp_path / "t.safetensors"
+    write_safetensors(path, [(n, a.shape, a.dtype, getter(n)) for n, a in arrays.items()],
+                      {"format": "pt", "note": "x"})
+    assert calls == list(arrays)
+    with safe_open(str(path), framework="numpy") as f:
+        assert f.metadata() == {"format": "pt", "note": "x"}
+        assert sorted(f.keys()) == sorted(arrays)
+        for name, a in arrays.items():
+            got = f.get_tensor(name)
+            assert got.shape == a.shape and got.dtype == a.dtype, name
+            np.testing.assert_array_equal(got, a)
+    bad = tmp_path / "bad.safetensors"
+    with pytest.raises(ValueError, match="'codes': declared int8\\[3, 2\\], got int8\\[2, 2\\]"):
+        write_safetensors(bad, [("codes", (3, 2), np.int8, lambda: arrays["codes"])])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors"]

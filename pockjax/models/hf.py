@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +23,9 @@ import jax
 import numpy as np
 from flax import nnx
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from pockjax import nnx as pj_nnx
-from pockjax.checkpoint import CheckpointError, write_atomic
+from pockjax.checkpoint import CheckpointError, write_atomic, write_safetensors
 from pockjax.models.llama import SUPPORTED_FAMILIES, Llama, LlamaConfig
 
 __all__ = ["load_llama", "load_llama_params", "llama_shapes", "save_llama", "save_llama_params",
@@ -373,9 +371,12 @@ def save_llama_params(params: dict, config: LlamaConfig, path: str | os.PathLike
         convert = lambda _, leaf: leaf  # noqa: E731
     shards: list[list[str]] = [[]]
     size = 0
+    stored: dict[str, tuple] = {}  # name -> (shape in the file, dtype)
     for name, t in names.items():
         out = jax.eval_shape(lambda x: convert("/".join(map(str, t.path)), x),
                              _node(params, t.path))
+        stored[name] = (tuple(out.shape[::-1]) if t.transposed else tuple(out.shape),
+                        np.dtype(out.dtype))
         nbytes = int(np.prod(out.shape)) * np.dtype(out.dtype).itemsize
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append([])
@@ -391,17 +392,17 @@ def save_llama_params(params: dict, config: LlamaConfig, path: str | os.PathLike
         old = set()
     files = ([WEIGHTS] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    def get(t):  # one tensor, converted and in the file's layout, when it is written
+        value = np.asarray(jax.device_get(convert("/".join(map(str, t.path)),
+                                                  _node(params, t.path))))
+        return value.T if t.transposed else value
+
     total = 0
     for file, shard in zip(files, shards):
-        tensors = {}
-        for name in shard:
-            t = names[name]
-            value = np.asarray(jax.device_get(convert("/".join(map(str, t.path)),
-                                                      _node(params, t.path))))
-            tensors[name] = np.ascontiguousarray(value.T if t.transposed else value)
-            total += tensors[name].nbytes
-        _write_safetensors(tensors, directory / file)
-        del tensors
+        write_safetensors(directory / file,
+                          [(n, *stored[n], lambda t=names[n]: get(t)) for n in shard],
+                          {"format": "pt"})  # "pt": what transformers expects
+        total += sum(int(np.prod(stored[n][0])) * stored[n][1].itemsize for n in shard)
     if len(shards) == 1:
         (directory / INDEX).unlink(missing_ok=True)
     else:
@@ -418,16 +419,10 @@ def save_llama_params(params: dict, config: LlamaConfig, path: str | os.PathLike
 
 
 def _write_safetensors(tensors: dict, target: Path) -> None:
-    """`tensors` to `target` through a temporary file renamed into place."""
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=target.parent)
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})  # "pt": what transformers expects
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """`tensors` (name -> numpy array) to `target` through a temporary file renamed into
+    place, with transformers' metadata."""
+    write_safetensors(target, [(n, a.shape, a.dtype, lambda a=a: a) for n, a in tensors.items()],
+                      {"format": "pt"})
 
 
 def _tokenizer_files(tokenizer) -> dict[str, bytes]:
