@@ -153,20 +153,18 @@ def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
             raise FinetuneError(f"--scheme lora:{lora}: {e}") from None
     graphdef, params, rest = pj_nnx.split(model)
 
-    def save_module(module, out):
+    def save(p, out):
+        module = pj_nnx.merge(graphdef, p, rest)
         save_llama(merge_lora(module) if lora is not None else module, out, tokenizer=folder)
 
-    return _flax_loaded(graphdef, params, rest, model.config, save_module)
+    return _flax_loaded(graphdef, params, rest, model.config, save)
 
 
-def _flax_loaded(graphdef, params, rest, c, save_module, scheme=None) -> LoadedModel:
+def _flax_loaded(graphdef, params, rest, c, save, scheme=None) -> LoadedModel:
     from pockjax import nnx as pj_nnx
 
     def apply(p, tokens):
         return pj_nnx.merge(graphdef, p, rest)(tokens)
-
-    def save(p, out):
-        save_module(pj_nnx.merge(graphdef, p, rest), out)
 
     return LoadedModel("flax", params, apply, c.vocab_size, c.num_layers, save,
                        f"{getattr(c, 'model_type', 'llama')} (pockjax.models.llama), "
@@ -180,7 +178,7 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
 
     from pockjax import lowbit
     from pockjax.checkpoint import CheckpointError
-    from pockjax.models.hf import llama_shapes, load_llama_params, save_llama, save_llama_params
+    from pockjax.models.hf import llama_shapes, load_llama_params, save_llama_params
     from pockjax.scheme import Frozen, leaves_with_paths
 
     fmt = lowbit.format_of(frozen_dtype)
@@ -213,16 +211,11 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     except CheckpointError as e:
         raise FinetuneError(str(e)) from None
 
-    def save_module(module, out):
-        save_llama(module, out, tokenizer=folder)
-
     def save(p, out):  # frozen weights dequantized to bfloat16 tensor by tensor
         save_llama_params(p, config, out, tokenizer=folder, convert=lambda _, x: (
             lowbit.dequantize(x, jnp.bfloat16) if lowbit.is_quantized(x) else x))
 
-    loaded = _flax_loaded(graphdef, params, rest, config, save_module, scheme)
-    loaded.save = save
-    return loaded
+    return _flax_loaded(graphdef, params, rest, config, save, scheme)
 
 
 def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> LoadedModel:
