@@ -211,9 +211,12 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     except CheckpointError as e:
         raise FinetuneError(str(e)) from None
 
+    # One compiled computation a weight: its bfloat16 values, no float32 intermediates.
+    to_bf16 = jax.jit(lambda q: lowbit.dequantize(q, jnp.bfloat16))
+
     def save(p, out):  # frozen weights dequantized to bfloat16 tensor by tensor
         save_llama_params(p, config, out, tokenizer=folder, convert=lambda _, x: (
-            lowbit.dequantize(x, jnp.bfloat16) if lowbit.is_quantized(x) else x))
+            to_bf16(x) if lowbit.is_quantized(x) else x))
 
     return _flax_loaded(graphdef, params, rest, config, save, scheme)
 
