@@ -90,11 +90,12 @@ def _hash_one(h, name: str, a: np.ndarray) -> None:
     h.update(a.view(np.uint8).reshape(-1) if a.size else b"")
 
 
-# numpy dtype name -> safetensors' dtype code.
+# numpy dtype name -> safetensors' dtype code, and back.
 _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16",
                        "bfloat16": "BF16", "int64": "I64", "int32": "I32", "int16": "I16",
                        "int8": "I8", "uint64": "U64", "uint32": "U32", "uint16": "U16",
                        "uint8": "U8", "bool": "BOOL"}
+_DTYPE_NAMES = {code: name for name, code in _SAFETENSORS_DTYPES.items()}
 
 
 def write_safetensors(path: str | os.PathLike,
@@ -297,31 +298,31 @@ def load(path: str | os.PathLike, like):
         raise CheckpointError(f"'{path}' has checkpoint version {meta.get('version')!r}; this "
                               f"pockjax reads versions {', '.join(READABLE)}")
     want, treedef = _named(like)
-    try:
+    try:  # names, shapes and dtypes from the header: nothing read yet
         with safe_open(path, framework="numpy") as f:
-            have = {k: f.get_tensor(k) for k in f.keys()}
+            header = {}
+            for k in f.keys():
+                sl = f.get_slice(k)
+                header[k] = (tuple(sl.get_shape()), sl.get_dtype())
     except Exception as e:
         raise CheckpointError(f"checkpoint '{path}' could not be read (truncated or corrupt?): "
                               f"{e}") from None
-    if meta["version"] != "1" and checksum(have) != meta.get(CHECKSUM):
-        raise CheckpointError(f"checkpoint '{path}' is damaged: its tensors do not match the "
-                              f"checksum stored when it was saved (a disk or copy error); load "
-                              f"an earlier checkpoint or the original file")
 
     problems = []
     for name in want:
-        if name not in have:
+        if name not in header:
             problems.append(f"missing in file: '{name}'")
-    for name in have:
+    for name in header:
         if name not in want:
             problems.append(f"not in the state: '{name}'")
     for name, leaf in want.items():
-        if name in have:
-            a = have[name]
-            shape, dtype = tuple(np.shape(leaf)), jnp.dtype(jnp.result_type(leaf))
-            if tuple(a.shape) != shape or a.dtype != dtype:
-                problems.append(f"'{name}': file has {a.dtype}{list(a.shape)}, "
-                                f"state has {dtype}{list(shape)}")
+        if name in header:
+            shape, code = header[name]
+            dtype = jnp.dtype(jnp.result_type(leaf))
+            stored = _DTYPE_NAMES.get(code, code)
+            if shape != tuple(np.shape(leaf)) or stored != dtype.name:
+                problems.append(f"'{name}': file has {stored}{list(shape)}, "
+                                f"state has {dtype}{list(np.shape(leaf))}")
     like_scheme = getattr(like, "scheme", None)
     if "scheme" in meta and like_scheme is not None:
         file_scheme = Scheme.from_json(meta["scheme"])
@@ -332,5 +333,23 @@ def load(path: str | os.PathLike, like):
         more = f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
         raise CheckpointError(f"checkpoint '{path}' does not fit the given state "
                               f"({len(problems)} differences):\n  {shown}{more}")
-    leaves = [jnp.asarray(have[name]) for name in want]
-    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+    # One tensor at a time, in the checksum's order: read (the file mapped only while it
+    # is copied out), hashed, moved into a JAX array; nothing is returned unless the
+    # checksum matches.
+    h, have = hashlib.sha256(), {}
+    try:
+        for name in sorted(header):
+            with safe_open(path, framework="numpy") as f:
+                a = f.get_tensor(name)
+            _hash_one(h, name, np.ascontiguousarray(a))
+            have[name] = jnp.asarray(a)
+            del a
+    except Exception as e:
+        raise CheckpointError(f"checkpoint '{path}' could not be read (truncated or corrupt?): "
+                              f"{e}") from None
+    if meta["version"] != "1" and h.hexdigest() != meta.get(CHECKSUM):
+        raise CheckpointError(f"checkpoint '{path}' is damaged: its tensors do not match the "
+                              f"checksum stored when it was saved (a disk or copy error); load "
+                              f"an earlier checkpoint or the original file")
+    return jax.tree_util.tree_unflatten(treedef, [have[name] for name in want])

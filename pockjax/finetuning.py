@@ -388,6 +388,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         restored, path = run.restore(like)
         if restored is not None:
             state, start = restored, int(restored.step)
+            # The loaded weights are not used again: the checkpoint holds every weight.
+            params = loaded.params = like = None
             _say(progress, f"resumed from {path.name} (step {start} of {total})")
         run.trim_log(start)
 
