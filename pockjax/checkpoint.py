@@ -5,7 +5,9 @@ Tensors are named by their "/"-joined pytree paths ("params/blocks_0/attn/q/kern
 a SHA-256 of the tensors (names, dtypes, shapes and bytes), checked on load, so damaged
 data fails as loudly as a damaged header. Files are written to a temporary file in the
 same directory and renamed into place, so a crash never leaves a half-written
-checkpoint under the final name.
+checkpoint under the final name. Saving and loading hold one tensor beyond the state at a
+time (`write_safetensors`), so a state can be saved and restored in the memory that
+trains it.
 """
 from __future__ import annotations
 
