@@ -314,9 +314,13 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     # A scheme that needs no weights to choose: the frozen weights are stored in
     # frozen_dtype as they are read (the model is never whole in a wider type).
     known = not str(scheme).startswith(("search:", "blockwise:"))
-    loaded = load_model(model, frozen_dtype=frozen_dtype, frontend=frontend, lora=lora,
-                        seed=seed, scheme_of=(lambda shapes, layers: scheme_from_spec(
-                            scheme, shapes, layers)) if known else None)
+
+    def load():
+        return load_model(model, frozen_dtype=frozen_dtype, frontend=frontend, lora=lora,
+                          seed=seed, scheme_of=(lambda shapes, layers: scheme_from_spec(
+                              scheme, shapes, layers)) if known else None)
+
+    loaded = load()
     try:
         tokenizer = Tokenizer.from_folder(model)
     except TokenizerError as e:
@@ -347,21 +351,27 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     chosen = (loaded.scheme if stored else
               scheme_from_spec(scheme, loaded.params, loaded.num_layers, search=search))
     scheduled = isinstance(chosen, Schedule)
-    params = loaded.params
     if scheduled and frozen_dtype != "float32":
         raise FinetuneError(f"--scheme {scheme} changes which weights train, so every weight "
                             f"needs its float32 value: use --frozen-dtype float32")
-    if frozen_dtype != "float32" and loaded.kind == "flax" and not stored:
-        from pockjax.models.llama import cast_frozen
-        params = cast_frozen(params, chosen)
-    if low_bit(frozen_dtype) and not stored:
-        import jax.numpy as jnp
 
-        from pockjax import lowbit
-        try:  # trained leaves stay float32; the step computes the frozen ones in float32
-            params = lowbit.quantize(params, chosen, frozen_dtype, dtype=jnp.float32)
-        except lowbit.QuantizeError as e:
-            raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
+    def weights(loaded):
+        """The loaded model's parameters as the trainer takes them."""
+        params = loaded.params
+        if frozen_dtype != "float32" and loaded.kind == "flax" and loaded.scheme is None:
+            from pockjax.models.llama import cast_frozen
+            params = cast_frozen(params, chosen)
+        if low_bit(frozen_dtype) and loaded.scheme is None:
+            import jax.numpy as jnp
+
+            from pockjax import lowbit
+            try:  # trained leaves stay float32; the step computes the frozen ones in float32
+                params = lowbit.quantize(params, chosen, frozen_dtype, dtype=jnp.float32)
+            except lowbit.QuantizeError as e:
+                raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
+        return params
+
+    params = weights(loaded)
 
     options = options_of(model=os.path.abspath(model), data=fingerprint(data),
                           scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
@@ -384,13 +394,24 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                    f"({per_epoch} per epoch)")
     start = 0
     if resume:
-        like = ((lambda s: trainer.init(params, copy=False, step=s)) if scheduled else state)
+        if scheduled:
+            like = lambda s: trainer.init(params, copy=False, step=s)  # noqa: E731
+        else:
+            # A checkpoint holds every weight: the loaded ones are dropped before it is
+            # read (the state in memory once), and loaded again only if none loads.
+            like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                          state)
+            if run.checkpoints():
+                state = params = loaded.params = None
         restored, path = run.restore(like)
         if restored is not None:
             state, start = restored, int(restored.step)
-            # The loaded weights are not used again: the checkpoint holds every weight.
             params = loaded.params = like = None
             _say(progress, f"resumed from {path.name} (step {start} of {total})")
+        elif state is None:
+            loaded = load()
+            params = weights(loaded)
+            state = trainer.init(params, copy=False)
         run.trim_log(start)
 
     batch_nll = jax.jit(lambda p, b: nll_sum(loaded.apply(p, b["tokens"]), b["tokens"],

@@ -550,3 +550,30 @@ def test_int8_moments_train_save_and_resume(folders, data, tmp_path):
                     **{**common, "moments": "float32"})
     with pytest.raises(pj.FinetuneError, match="--moments must be one of"):
         pj.finetune(folders["llama"], data["train"], tmp_path / "bad", **{**common, "moments": "int4"})
+
+
+def test_resume_with_int4_weights_reads_the_checkpoint_or_loads_the_model_again(folders, data,
+                                                                              tmp_path, capsys):
+    """`--resume` with int4 frozen weights: the model's weights are dropped before the
+    checkpoint (which holds them all) is read, and a run stopped after step 2 and resumed
+    equals the whole run bit for bit. When no checkpoint loads (each damaged), the model
+    is loaded again and the run starts over: equal to the whole run too."""
+    common = dict(scheme="paper:1", steps=4, batch=4, seq=32, lr=1e-2, save_every=1, keep=10,
+                  progress=False, plot=False, frozen_dtype="int4", moments="int8")
+    whole = pj.finetune(folders["llama"], data["train"], tmp_path / "whole", **common)
+    want = _params(Path(whole.final))
+    cut = _stopped_after(tmp_path / "whole", tmp_path / "cut", 2)
+    resumed = pj.finetune(folders["llama"], data["train"], cut, resume=True, **common)
+    assert resumed.start_step == 2
+    damaged = _stopped_after(tmp_path / "whole", tmp_path / "damaged", 2)
+    for path in (damaged / "checkpoints").glob("step-*.safetensors"):
+        raw = bytearray(path.read_bytes())
+        raw[-1] ^= 0xFF  # the last tensor's last byte: the checksum fails
+        path.write_bytes(bytes(raw))
+    again = pj.finetune(folders["llama"], data["train"], damaged, resume=True, **common)
+    assert again.start_step == 0 and "skipping checkpoint" in capsys.readouterr().err
+    for run in (resumed, again):
+        got = _params(Path(run.final))
+        assert sorted(got) == sorted(want)
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
