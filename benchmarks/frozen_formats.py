@@ -25,11 +25,9 @@ import os
 import statistics
 import sys
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import commit, report_result, ROOT, run_row, versions  # noqa: E402
-from benchmarks.moments import BATCH, LR, PACKAGES, code_lines, task_data  # noqa: E402
+from benchmarks.moments import BATCH, LR, PACKAGES, code_lines, fine_tune  # noqa: E402
 
 FORMATS = ("float32", "bfloat16", "int8", "int4")
 BASE = "bfloat16"  # what the issue's quality target compares against
@@ -47,36 +45,25 @@ def scheme_of(name: str, params):
 
 def row(args) -> dict:
     import jax
-    import jax.numpy as jnp
     import optax
-    from flax import nnx
 
     import pockjax as pj
-    from examples import tiny_lm as data
     from pockjax import lowbit
-    from pockjax.models.hf import load_llama
 
-    (tokens, mask), (test_t, test_m), pairs = task_data(args.task)
     out = {"task": args.task, "scheme": args.scheme, "format": args.format, "runs": []}
     for seed in [int(s) for s in args.seeds.split(",")]:
-        model = load_llama(data.SHIPPED)
-        graphdef, params, rest = pj.nnx.split(model)
-        scheme = scheme_of(args.scheme, params)
-        loss = lambda p, b: data.lm_loss(nnx.merge(graphdef, p, rest), b)  # noqa: E731
-        trainer = pj.sparse_train(loss, scheme=scheme, optimizer=optax.adamw(LR, weight_decay=0.0),
-                                  frozen_dtype=None if args.format == "float32" else args.format)
-        state = trainer.init(params)
-        batches = data.batches(tokens, mask, BATCH, seed=seed)
-        for _ in range(args.steps):
-            state, metrics = trainer(state, next(batches))
-        eval_loss = jax.jit(lowbit.at_use(loss))  # quantized weights dequantized at use
-        nll, count = 0.0, 0.0
-        for i in range(0, len(test_t), 256):
-            b = (jnp.asarray(test_t[i:i + 256]), jnp.asarray(test_m[i:i + 256]))
-            w = float(np.sum(test_m[i:i + 256][:, 1:]))
-            nll, count = nll + float(eval_loss(state.params, b)) * w, count + w
+        def make(loss, params):
+            scheme = scheme_of(args.scheme, params)
+            return pj.sparse_train(loss, scheme=scheme,
+                                   optimizer=optax.adamw(LR, weight_decay=0.0),
+                                   frozen_dtype=None if args.format == "float32"
+                                   else args.format), scheme
+
+        # Quantized weights dequantized where the evaluation uses them, as in training.
+        state, params, _, _, scheme, metrics, test_loss, _ = fine_tune(
+            args.task, seed, args.steps, make, at_use=lowbit.at_use)
         trained = int(sum(x.size for x in jax.tree.leaves(pj.trainable_view(params, scheme))))
-        run = {"seed": seed, "test_loss": nll / count, "train_loss_last": float(metrics["loss"]),
+        run = {"seed": seed, "test_loss": test_loss, "train_loss_last": float(metrics["loss"]),
                # the trained leaves are float32: the rest is the frozen weights' storage
                "frozen_bytes": lowbit.stored_bytes(state.params) - 4 * trained,
                "trained_params": trained}

@@ -81,7 +81,11 @@ def task_data(task: str):
             held[:200])
 
 
-def row(args) -> dict:
+def fine_tune(task: str, seed: int, steps: int, make_trainer, at_use=lambda f: f):
+    """One run of the shipped checkpoint on `task`'s batches (seeded):
+    `make_trainer(loss, params) -> (trainer, scheme)`, `steps` steps; the test loss
+    evaluated through `at_use(loss)`. Returns `(state, params, graphdef, rest, scheme,
+    last metrics, test loss, test pairs)`."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -90,27 +94,41 @@ def row(args) -> dict:
     from examples import tiny_lm as data
     from pockjax.models.hf import load_llama
 
-    (tokens, mask), (test_t, test_m), pairs = task_data(args.task)
+    (tokens, mask), (test_t, test_m), pairs = task_data(task)
+    graphdef, params, rest = pj.nnx.split(load_llama(data.SHIPPED))
+    loss = lambda p, b: data.lm_loss(nnx.merge(graphdef, p, rest), b)  # noqa: E731
+    trainer, scheme = make_trainer(loss, params)
+    state = trainer.init(params)
+    batches = data.batches(tokens, mask, BATCH, seed=seed)
+    for _ in range(steps):
+        state, metrics = trainer(state, next(batches))
+    eval_loss = jax.jit(at_use(loss))
+    nll, count = 0.0, 0.0
+    for i in range(0, len(test_t), 256):
+        b = (jnp.asarray(test_t[i:i + 256]), jnp.asarray(test_m[i:i + 256]))
+        w = float(np.sum(test_m[i:i + 256][:, 1:]))
+        nll, count = nll + float(eval_loss(state.params, b)) * w, count + w
+    return state, params, graphdef, rest, scheme, metrics, nll / count, pairs
+
+
+def row(args) -> dict:
+    import jax
+    from flax import nnx
+
+    import pockjax as pj
+    from examples import tiny_lm as data
+
     out = {"task": args.task, "scheme": args.scheme, "moments": args.moments, "runs": []}
     for seed in [int(s) for s in args.seeds.split(",")]:
-        model = load_llama(data.SHIPPED)
-        graphdef, params, rest = pj.nnx.split(model)
-        scheme = (pj.Scheme(default=pj.Full()) if args.scheme == "full"
-                  else pj.schemes.transformer(params, last=2))
-        loss = lambda p, b: data.lm_loss(nnx.merge(graphdef, p, rest), b)
-        trainer = pj.sparse_train(loss, scheme=scheme, optimizer=pj.optim.adamw(
-            LR, weight_decay=0.0, moments=args.moments, seed=seed))
-        state = trainer.init(params)
-        batches = data.batches(tokens, mask, BATCH, seed=seed)
-        for _ in range(args.steps):
-            state, metrics = trainer(state, next(batches))
-        eval_loss = jax.jit(lambda p, b: data.lm_loss(nnx.merge(graphdef, p, rest), b))
-        nll, count = 0.0, 0.0
-        for i in range(0, len(test_t), 256):
-            b = (jnp.asarray(test_t[i:i + 256]), jnp.asarray(test_m[i:i + 256]))
-            w = float(np.sum(test_m[i:i + 256][:, 1:]))
-            nll, count = nll + float(eval_loss(state.params, b)) * w, count + w
-        run = {"seed": seed, "test_loss": nll / count, "train_loss_last": float(metrics["loss"]),
+        def make(loss, params, seed=seed):
+            scheme = (pj.Scheme(default=pj.Full()) if args.scheme == "full"
+                      else pj.schemes.transformer(params, last=2))
+            return pj.sparse_train(loss, scheme=scheme, optimizer=pj.optim.adamw(
+                LR, weight_decay=0.0, moments=args.moments, seed=seed)), scheme
+
+        state, _, graphdef, rest, _, metrics, test_loss, pairs = fine_tune(
+            args.task, seed, args.steps, make)
+        run = {"seed": seed, "test_loss": test_loss, "train_loss_last": float(metrics["loss"]),
                "state_bytes": pj.optim.state_bytes(state.opt_state),
                "trained_params": int(sum(x.size for x in jax.tree.leaves(
                    pj.trainable_view(state.params, state.scheme))))}

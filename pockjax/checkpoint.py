@@ -63,13 +63,18 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
       path: the file to write.
       data: its full content.
     """
+    _write_atomic_with(path, lambda f: f.write(data))
+
+
+def _write_atomic_with(path, write: Callable) -> None:
+    """`write_atomic` with the content written by `write(file)`."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -135,29 +140,20 @@ def write_safetensors(path: str | os.PathLike,
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=os.path.basename(path), dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(struct.pack("<Q", len(raw)))
-            f.write(raw)
-            for name, shape, dtype, get in tensors:
-                a = np.asarray(get(), order="C")
-                if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
-                    raise ValueError(f"tensor '{name}': declared {np.dtype(dtype).name}"
-                                     f"{list(shape)}, got {a.dtype.name}{list(a.shape)}")
-                if a.size:
-                    f.write(a.reshape(-1).view(np.uint8).data)
-                del a
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+
+    def write(f):
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape, dtype, get in tensors:
+            a = np.asarray(get(), order="C")
+            if a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
+                raise ValueError(f"tensor '{name}': declared {np.dtype(dtype).name}"
+                                 f"{list(shape)}, got {a.dtype.name}{list(a.shape)}")
+            if a.size:
+                f.write(a.reshape(-1).view(np.uint8).data)
+            del a
+
+    _write_atomic_with(path, write)
 
 
 def _write_checkpoint(path, getters: dict[str, Callable[[], np.ndarray]],

@@ -216,6 +216,23 @@ def test_finetune_with_int4_frozen_weights(tmp_path):
     assert weights["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
 
 
+def exportable_trainer(formats):
+    """`(trainer, params, batch)`: a 4-layer tanh MLP whose last layer and biases train and
+    whose other kernels are stored in `formats` (export tests here and for Vulkan)."""
+    params, batch = _mlp(), _batch()
+    del params["embed"]
+
+    def loss(p, b):
+        h = b["x"]
+        for i in range(4):
+            h = jnp.tanh(h @ p[f"l{i}"]["kernel"] + p[f"l{i}"]["bias"])
+        return jnp.mean((h - b["y"]) ** 2)
+
+    scheme = pj.Scheme({"l3/**": pj.Full(), "**/bias": pj.Full()}, default=pj.Frozen())
+    return (pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme,
+                            frozen_dtype=formats), params, batch)
+
+
 @pytest.mark.parametrize("frozen_dtype", ["int4", "int8", "bfloat16"])
 def test_finetune_stores_each_frozen_weight_as_it_is_read(tmp_path, monkeypatch, frozen_dtype):
     """`load_model(scheme_of=...)` (what `finetune` calls): each frozen weight is stored
@@ -302,19 +319,8 @@ def test_weights_in_32_bit_words_dequantize_to_the_same_values(fmt):
 def test_the_step_exports_with_quantized_weights_and_runs_as_the_trainer(tmp_path):
     """host-cpu artifact of a step on int8 and zero-point int4 weights (stored as int8 in
     params.irpa): three steps through pockjax.runtime equal the JAX trainer's."""
-    params, batch = _mlp(), _batch()
-    del params["embed"]
-
-    def loss(p, b):
-        h = b["x"]
-        for i in range(4):
-            h = jnp.tanh(h @ p[f"l{i}"]["kernel"] + p[f"l{i}"]["bias"])
-        return jnp.mean((h - b["y"]) ** 2)
-
-    scheme = pj.Scheme({"l3/**": pj.Full(), "**/bias": pj.Full()}, default=pj.Frozen())
-    formats = {"l0/**": lowbit.Int4(group=32, zero_point=True), "**": "int8"}
-    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme,
-                              frozen_dtype=formats)
+    trainer, params, batch = exportable_trainer({"l0/**": lowbit.Int4(group=32, zero_point=True),
+                                                 "**": "int8"})
     state = trainer.init(params)
     assert isinstance(state.params["l0"]["kernel"].fmt, lowbit.Int4)
     assert isinstance(state.params["l1"]["kernel"].fmt, lowbit.Int8)

@@ -293,28 +293,15 @@ def test_low_bit_frozen_weights_train_on_vulkan_as_in_jax(tmp_path, target):
     Android baseline profile has only 32-bit storage, and IREE's SPIR-V code loads no
     bfloat16) and trains as the JAX trainer does on the same state."""
     import jax
-    import jax.numpy as jnp
     import numpy as np
-    import optax
 
     import pockjax as pj
     from pockjax import lowbit
     from tests.export.models import assert_metrics_match
-    from tests.test_lowbit import _batch, _mlp
+    from tests.test_lowbit import exportable_trainer
 
-    params, batch = _mlp(), _batch()
-    del params["embed"]
-
-    def loss(p, b):
-        h = b["x"]
-        for i in range(4):
-            h = jnp.tanh(h @ p[f"l{i}"]["kernel"] + p[f"l{i}"]["bias"])
-        return jnp.mean((h - b["y"]) ** 2)
-
-    scheme = pj.Scheme({"l3/**": pj.Full(), "**/bias": pj.Full()}, default=pj.Frozen())
-    formats = {"l0/**": lowbit.Int4(group=32, zero_point=True), "l1/**": "int4", "**": "int8"}
-    trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme,
-                              frozen_dtype=formats)
+    trainer, params, batch = exportable_trainer(
+        {"l0/**": lowbit.Int4(group=32, zero_point=True), "l1/**": "int4", "**": "int8"})
     art = trainer.export(trainer.init(params), batch, target=target, out_dir=tmp_path / "a")
     stored = {p["name"]: p["dtype"] for p in art.manifest["parameters"]}
     assert stored["params/l0/kernel/@data"] == "int32", stored
