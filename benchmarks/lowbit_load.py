@@ -47,8 +47,8 @@ def write_folder(preset: str, folder: Path) -> Path:
     import numpy as np
 
     from benchmarks import real_size
-    from pockjax.checkpoint import write_atomic
-    from pockjax.models.hf import CONFIG, INDEX, _hf_names, _write_safetensors
+    from pockjax.checkpoint import write_atomic, write_safetensors
+    from pockjax.models.hf import CONFIG, INDEX, checkpoint_tensors
 
     if (folder / CONFIG).is_file():
         return folder
@@ -61,15 +61,16 @@ def write_folder(preset: str, folder: Path) -> Path:
         nonlocal shard, size, files
         files += 1
         name = f"model-{files:05d}.safetensors"
-        _write_safetensors(shard, folder / name)
+        write_safetensors(folder / name, [(n, a.shape, a.dtype, lambda a=a: a)
+                                          for n, a in shard.items()], {"format": "pt"})
         weight_map.update({tensor: name for tensor in shard})
         shard, size = {}, 0
 
-    for name, t in _hf_names(config).items():
+    for name, shape in checkpoint_tensors(config).items():
         if name.endswith("norm.weight"):
-            value = np.ones(t.hf_shape, np.float32)
+            value = np.ones(shape, np.float32)
         else:
-            value = rng.standard_normal(t.hf_shape, np.float32) * 0.02
+            value = rng.standard_normal(shape, np.float32) * 0.02
         value = value.astype(ml_dtypes.bfloat16)
         if shard and size + value.nbytes > SHARD_BYTES:
             flush()

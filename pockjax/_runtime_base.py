@@ -174,9 +174,9 @@ class BaseSession:
         Args:
           path: the checkpoint file to write (`.safetensors`).
         """
-        from pockjax.checkpoint import _write_checkpoint
+        from pockjax.checkpoint import write_checkpoint
 
         values = self._values()
-        _write_checkpoint(path, {k: (lambda v=v: v) for k, v in values.items()},
-                          {"step": str(int(values["step"])),
-                           "scheme": json.dumps(self.manifest["scheme"])})
+        write_checkpoint(path, {k: (lambda v=v: v) for k, v in values.items()},
+                         {"step": str(int(values["step"])),
+                          "scheme": json.dumps(self.manifest["scheme"])})

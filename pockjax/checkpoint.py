@@ -25,7 +25,8 @@ import numpy as np
 if TYPE_CHECKING:
     from pockjax.scheme import Scheme
 
-__all__ = ["save", "load", "read_metadata", "write_atomic", "encode", "CheckpointError"]
+__all__ = ["save", "load", "read_metadata", "write_atomic", "write_safetensors", "write_checkpoint",
+           "encode", "CheckpointError"]
 
 FORMAT = "pockjax.checkpoint"
 VERSION = "2"
@@ -156,10 +157,20 @@ def write_safetensors(path: str | os.PathLike,
     _write_atomic_with(path, write)
 
 
-def _write_checkpoint(path, getters: dict[str, Callable[[], np.ndarray]],
-                      metadata: dict[str, str]) -> None:
-    """A checkpoint file (the format's metadata and checksum added) from one getter per
-    tensor, one tensor in memory at a time: a pass to hash, a pass to write."""
+def write_checkpoint(path, getters: dict[str, Callable[[], np.ndarray]],
+                     metadata: dict[str, str]) -> None:
+    """A checkpoint file in `save`'s format from one getter per tensor, one tensor in
+    memory at a time: a pass to hash, a pass to write.
+
+    Args:
+      path: the file to write (atomically).
+      getters: tensor name -> a function returning it (called twice).
+      metadata: metadata beside the format's own keys (`format`, `version`, `sha256`),
+        which it may not set.
+
+    Raises:
+      CheckpointError: a `metadata` key is one the format sets.
+    """
     h, shapes = hashlib.sha256(), {}
     for name in sorted(getters):
         a = np.asarray(getters[name]())
@@ -231,8 +242,8 @@ def save(path: str | os.PathLike, state, *, scheme: Scheme | None = None,
         meta["step"] = str(int(np.asarray(step)))
     if scheme is not None:
         meta["scheme"] = scheme.to_json()
-    _write_checkpoint(path, {k: (lambda v=v: np.asarray(jax.device_get(v)))
-                             for k, v in tensors.items()}, _merged(meta, metadata))
+    write_checkpoint(path, {k: (lambda v=v: np.asarray(jax.device_get(v)))
+                            for k, v in tensors.items()}, _merged(meta, metadata))
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:

@@ -119,7 +119,9 @@ class Quantized:
     patterns of bytes holding two 4-bit values each), `scale` and, for `Int4(zero_point=True)`, `zero`; `shape` and
     `dtype` are the float weight's, `axis` its input axis. A pytree node: its arrays are
     the leaves (paths `weight/@data`, `weight/@scale`, `weight/@zero`), so it goes through
-    `jit`, checkpoints and the trainer's state like any parameters.
+    `jit`, checkpoints and the trainer's state like any parameters. With `words` (made
+    by `in_words`), `data` and `zero` hold their bytes as int32 words of 4 and the
+    scales are float32.
     """
 
     def __init__(self, data, scale, zero=None, *, fmt, shape, dtype, axis, words=False):

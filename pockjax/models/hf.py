@@ -29,7 +29,7 @@ from pockjax.checkpoint import CheckpointError, write_atomic, write_safetensors
 from pockjax.models.llama import SUPPORTED_FAMILIES, Llama, LlamaConfig
 
 __all__ = ["load_llama", "load_llama_params", "llama_shapes", "save_llama", "save_llama_params",
-           "TOKENIZER_FILES",
+           "checkpoint_tensors", "TOKENIZER_FILES",
            "SUPPORTED_FAMILIES"]
 
 CONFIG = "config.json"
@@ -70,6 +70,19 @@ def _hf_names(config: LlamaConfig) -> dict[str, _Tensor]:
     if not config.tie_embeddings:
         names["lm_head.weight"] = _Tensor(("lm_head", "kernel"), (v, d), True)
     return names
+
+
+def checkpoint_tensors(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The tensors a Hugging Face checkpoint of `config` holds: name -> shape (as the
+    file stores it: linear weights `[out, in]`), in `save_llama`'s order.
+
+    Args:
+      config: a `LlamaConfig`.
+
+    Returns:
+      A dict of tensor names to shapes.
+    """
+    return {name: t.hf_shape for name, t in _hf_names(config).items()}
 
 
 def _node(tree: dict, keys) -> dict:
@@ -280,8 +293,10 @@ def load_llama_params(path: str | os.PathLike, convert, *, dtype=None, compute_d
         model's layout (`[in, out]` kernels) and the file's dtype. The leaf it returns
         may be any pytree node the model's step accepts (a `Quantized` node, an array
         of any float dtype).
-      dtype, compute_dtype, **overrides: as for `load_llama`; `dtype` is the config's
-        `param_dtype` (what `convert` is expected to give frozen weights).
+      dtype: as for `load_llama`: the config's `param_dtype` (what `convert` is
+        expected to give frozen weights).
+      compute_dtype: as for `load_llama`.
+      **overrides: as for `load_llama`.
 
     Returns:
       `(graphdef, params, rest, config)`: `pj.nnx.merge(graphdef, params, rest)` builds
@@ -358,7 +373,9 @@ def save_llama_params(params: dict, config: LlamaConfig, path: str | os.PathLike
       params: the parameters, nested dicts keyed as the model's; leaves may be any
         value `convert` turns into an array.
       config: the model's `LlamaConfig`.
-      path, tokenizer, max_shard_bytes: as for `save_llama`.
+      path: the output directory, as for `save_llama`.
+      tokenizer: as for `save_llama`.
+      max_shard_bytes: as for `save_llama`.
       convert: `convert(path, leaf) -> array`, `path` the leaf's "/"-joined path;
         None: the leaves are written as they are.
 
