@@ -435,13 +435,6 @@ def save_llama_params(params: dict, config: LlamaConfig, path: str | os.PathLike
         write_atomic(directory / name, data)
 
 
-def _write_safetensors(tensors: dict, target: Path) -> None:
-    """`tensors` (name -> numpy array) to `target` through a temporary file renamed into
-    place, with transformers' metadata."""
-    write_safetensors(target, [(n, a.shape, a.dtype, lambda a=a: a) for n, a in tensors.items()],
-                      {"format": "pt"})
-
-
 def _tokenizer_files(tokenizer) -> dict[str, bytes]:
     """File name -> bytes of the tokenizer files `save_llama(tokenizer=...)` writes."""
     if tokenizer is None:
