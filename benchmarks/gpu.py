@@ -42,6 +42,7 @@ import pickle
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -97,9 +98,10 @@ def prepare(args) -> None:
     from tests.export.models import COMPILE_ONLY, MODELS, make
 
     os.makedirs(args.dir, exist_ok=True)
-    names = args.models.split(",") if args.models else [*MODELS, *COMPILE_ONLY]
+    names = args.models.split(",") if args.models else [*MODELS, *COMPILE_ONLY, LOWBIT_MODEL]
+    names = [] if args.models == "" else names
     for name in names:
-        trainer, params, batch = make(name)
+        trainer, params, batch = _lowbit_model() if name == LOWBIT_MODEL else make(name)
         out = os.path.join(args.dir, "artifacts", name)
         shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
@@ -113,10 +115,17 @@ def prepare(args) -> None:
                "params": {p: np.asarray(x) for p, x in
                           pj.scheme.leaves_with_paths(jax.device_get(state.params))[0]},
                "target": args.target}
+        if name == LOWBIT_MODEL:
+            # The trained leaves (float32): the frozen ones are the quantized codes,
+            # which no step changes.
+            ref.update(params={p: x for p, x in ref["params"].items()
+                               if p == "l3/kernel" or p.endswith("/bias")}, subset=True)
         with open(os.path.join(out, "reference.pkl"), "wb") as f:
             pickle.dump(ref, f)
         print(f"{name}: exported for {args.target} and referenced in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
+    if args.quality:
+        prepare_quality(args)
     if args.pretrain:
         from benchmarks import pretrain
         where = pretrain.folders(pretrain.DEFAULT_WORK, "full")
@@ -133,6 +142,45 @@ def prepare(args) -> None:
                     gzip.open(os.path.join(dst, f"{part}.jsonl.gz"), "wb") as g:
                 shutil.copyfileobj(f, g)
         print(f"pretrain: copied {where['init']} and the corpus to {dst}")
+
+
+LOWBIT_MODEL = "lowbit-mlp"
+QUALITY_WORK = "/tmp/pockjax-quality"
+
+
+def _lowbit_model():
+    """The export tests' MLP with frozen kernels stored as int4 with zero points, int4
+    and int8 (`tests/test_lowbit.exportable_trainer`)."""
+    from pockjax import lowbit
+    from tests.test_lowbit import exportable_trainer
+
+    return exportable_trainer({"l0/**": lowbit.Int4(group=32, zero_point=True),
+                               "l1/**": "int4", "**": "int8"})
+
+
+def prepare_quality(args) -> None:
+    """The quality benchmark's runs, made ready to train on the GPU: the pretraining
+    corpus and its tokenizer, the tasks and the runs' `config.json`, built here under
+    `--work` (the same absolute path there, so the runs' folder has the same name) and
+    packed into `<dir>/quality.tar.gz`."""
+    import tarfile
+
+    from benchmarks import quality
+
+    work = Path(args.work)
+    cfg, _, config = quality.prepare_runs(work, args.quality)
+    pretrained = Path(cfg["pretrained"])
+    packed = [Path(cfg["corpus_heldout"]).parent, Path(cfg["tasks"]["domain"]["train"]).parents[1],
+              config]
+    dst = os.path.join(args.dir, "quality.tar.gz")
+    with tarfile.open(dst, "w:gz") as tar:
+        for path in packed:
+            tar.add(path, arcname=str(path).lstrip("/"))
+    with open(os.path.join(args.dir, "quality.json"), "w") as f:
+        json.dump({"config": str(config), "preset": args.quality,
+                   "pretrained": str(pretrained)}, f, indent=1)
+    print(f"quality: {dst} ({os.path.getsize(dst) / 2**20:.1f} MiB): the corpus, the tasks "
+          f"and {config}")
 
 
 def _rel(got, want) -> float:
@@ -168,6 +216,8 @@ def cuda(args) -> None:
                     raise AssertionError(f"metrics {sorted(got)} != {sorted(want)}")
                 row.setdefault("metrics_tol", []).append(max(_rel(got[k], want[k]) for k in want))
             params = dict(runtime.named_leaves(sess.params()))
+            if ref.get("subset"):
+                params = {k: v for k, v in params.items() if k in ref["params"]}
             if sorted(params) != sorted(ref["params"]):
                 raise AssertionError(f"parameters {sorted(params)[:4]}... != "
                                      f"{sorted(ref['params'])[:4]}...")
@@ -304,10 +354,56 @@ def prefix7b(args) -> None:
         json.dump(out, f, indent=1)
 
 
-def pretrain_on_gpu(args) -> None:
+def _pretrain(init, corpus, run, preset: str, steps: int | None = None):
+    """`benchmarks/pretrain.py`'s training of `preset` from the `init` folder on the
+    corpus folder's `train.jsonl` (validated on `heldout.jsonl`): finetune's result."""
+    import pockjax as pj
+    from benchmarks.pretrain import PRESETS
+
+    s = PRESETS[preset]
+    return pj.finetune(init, os.path.join(corpus, "train.jsonl"), run,
+                       valid=os.path.join(corpus, "heldout.jsonl"), scheme="full",
+                       steps=steps or s["steps"], batch=s["batch"], seq=s["seq"], lr=s["lr"],
+                       warmup=s["warmup"], schedule="cosine", eval_every=s["eval_every"],
+                       save_every=None, overwrite=True, plot=False, progress=False)
+
+
+def _shard(weights: str, out: str) -> None:
+    """`weights` (a safetensors file) as `part<i>.safetensors` files of at most
+    SHARD_BYTES each in `out` (a device run brings back files under 16 MB)."""
+    from safetensors.numpy import load_file, save_file
+
+    os.makedirs(out, exist_ok=True)
+    tensors = load_file(weights)
+    part, size, parts = {}, 0, 0
+    for k in sorted(tensors):
+        if part and size + tensors[k].nbytes > SHARD_BYTES:
+            save_file(part, os.path.join(out, f"part{parts}.safetensors"))
+            part, size, parts = {}, 0, parts + 1
+        part[k] = tensors[k]
+        size += tensors[k].nbytes
+    save_file(part, os.path.join(out, f"part{parts}.safetensors"))
+
+
+def _unshard(src: str, weights: str) -> None:
+    """The `part<i>.safetensors` files in `src` joined into `weights`."""
+    from safetensors.numpy import load_file, save_file
+
+    tensors = {}
+    for part in sorted(os.listdir(src)):
+        if part.startswith("part") and part.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, part)))
+    save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def _trained_on() -> dict:
     import jax
 
-    import pockjax as pj
+    return {"device": f"{jax.devices()[0].device_kind} ({_gpu_name()})", "jax": jax.__version__,
+            "python": sys.version.split()[0]}
+
+
+def pretrain_on_gpu(args) -> None:
     from benchmarks.pretrain import PRESETS
 
     s = PRESETS["full"]
@@ -319,58 +415,164 @@ def pretrain_on_gpu(args) -> None:
                 open(os.path.join(data, f"{part}.jsonl"), "wb") as f:
             shutil.copyfileobj(g, f)
     t0 = time.perf_counter()
-    result = pj.finetune(os.path.join(src, "init"), os.path.join(data, "train.jsonl"),
-                         "/tmp/pretrain-run", valid=os.path.join(data, "heldout.jsonl"),
-                         scheme="full", steps=args.steps or s["steps"], batch=s["batch"], seq=s["seq"],
-                         lr=s["lr"], warmup=s["warmup"], schedule="cosine",
-                         eval_every=s["eval_every"], save_every=None, overwrite=True,
-                         plot=False, progress=False)
-    from safetensors.numpy import load_file, save_file
-    os.makedirs(args.out, exist_ok=True)
-    tensors = load_file(os.path.join(result.final, "model.safetensors"))
-    part, size, parts = {}, 0, 0
-    for k in sorted(tensors):
-        if part and size + tensors[k].nbytes > SHARD_BYTES:
-            save_file(part, os.path.join(args.out, f"part{parts}.safetensors"))
-            part, size, parts = {}, 0, parts + 1
-        part[k] = tensors[k]
-        size += tensors[k].nbytes
-    save_file(part, os.path.join(args.out, f"part{parts}.safetensors"))
+    result = _pretrain(os.path.join(src, "init"), data, "/tmp/pretrain-run", "full", args.steps)
+    _shard(os.path.join(result.final, "model.safetensors"), args.out)
     shutil.copy(os.path.join(result.out, "metrics.jsonl"), args.out)
+    on = _trained_on()
     record = {"steps": result.steps, "tokens": result.steps * s["batch"] * s["seq"],
               "heldout_loss_before": result.valid_loss_before,
               "heldout_loss": result.valid_loss, "train_loss": result.train_loss,
               "seconds": result.seconds, "tokens_per_second": result.tokens_per_second,
-              "parameters": result.total_params, "wall_s": time.perf_counter() - t0,
-              "device": f"{jax.devices()[0].device_kind} ({_gpu_name()})",
-              "jax": jax.__version__, "python": sys.version.split()[0]}
+              "parameters": result.total_params, "wall_s": time.perf_counter() - t0, **on}
     with open(os.path.join(args.out, "pretrain_gpu.json"), "w") as f:
         json.dump(record, f, indent=1)
     print(json.dumps(record))
+
+
+def quality_on_gpu(args) -> None:
+    """There: the quality benchmark's pretraining and training runs, from what
+    `prepare --quality` packed. The model is pretrained first; then every row
+    (`benchmarks/quality.py --row`, one process each, `--workers` at a time, the two
+    searches one after the other since they share their candidates) until `--deadline`
+    seconds from the start, when unfinished rows are stopped. PyTorch's rows run on the
+    GPU too. Into `--out`: the model's weights in parts and `quality-runs.tar.gz` (every
+    finished run's records, the model folder's other files, each row's log);
+    `adopt-quality` puts them in place here, where `python -m benchmarks quality` then
+    finds the runs done and times each row on this machine."""
+    import concurrent.futures
+    import subprocess
+    import tarfile
+
+    t_start = time.perf_counter()
+    with open(os.path.join(args.dir, "quality.json")) as f:
+        info = json.load(f)
+    with tarfile.open(os.path.join(args.dir, "quality.tar.gz")) as tar:
+        tar.extractall("/", filter="data")
+    cfg = json.loads(Path(info["config"]).read_text())
+    from benchmarks import pretrain, quality
+
+    preset = quality.PRESETS[info["preset"]]["pretrain"]
+    s = pretrain.PRESETS[preset]
+    model, corpus = Path(cfg["pretrained"]), Path(cfg["corpus_heldout"]).parent
+    os.makedirs(args.out, exist_ok=True)
+    if not (model / "pretrain.json").is_file():
+        from flax import nnx
+
+        from pockjax.models.hf import save_llama
+        from pockjax.models.llama import Llama, LlamaConfig
+
+        manifest = json.loads((corpus / "manifest.json").read_text())
+        init = model.parent / "init"
+        config = LlamaConfig(vocab_size=manifest["vocab_size"], hidden_size=s["hidden"],
+                             intermediate_size=s["intermediate"], num_layers=s["layers"],
+                             num_heads=s["heads"], max_position_embeddings=s["seq"])
+        save_llama(Llama(config, rngs=nnx.Rngs(0)), init, tokenizer=corpus / "tokenizer")
+        result = _pretrain(init, corpus, "/tmp/pretrain-run", preset, args.steps)
+        tmp = model.with_name("model.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(result.final, tmp)
+        shutil.copy(os.path.join(result.out, "metrics.jsonl"), tmp / "pretrain_metrics.jsonl")
+        record = {"preset": preset, "settings": s, "corpus": manifest, "steps": result.steps,
+                  "resumed_from_step": 0, "tokens": result.steps * s["batch"] * s["seq"],
+                  "heldout_loss_before": result.valid_loss_before,
+                  "heldout_loss": result.valid_loss, "train_loss": result.train_loss,
+                  "seconds_this_session": result.seconds,
+                  "tokens_per_second": result.tokens_per_second,
+                  "parameters": result.total_params, "trained_on": _trained_on()}
+        (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, model)
+        print(f"pretrained in {result.seconds:.0f} s: held-out {result.valid_loss_before:.3f} -> "
+              f"{result.valid_loss:.3f}", flush=True)
+    _shard(str(model / "model.safetensors"), args.out)
+
+    import torch
+    runs = Path(cfg["runs"])
+    gpu_config = runs / "config-gpu.json"
+    gpu_config.write_text(json.dumps(
+        {**cfg, "torch_device": "cuda" if torch.cuda.is_available() else "cpu"}, indent=1))
+    names = [m.name for m in quality.METHODS
+             if m.kind != "pretrained" and (m.quick or info["preset"] == "full")]
+    if args.methods:
+        names = [quality.method_named(n).name for n in args.methods.split(",")]
+    searches = [n for n in names if "search" in n]
+    groups = ([searches] if searches else []) + [[n] for n in names if n not in searches]
+    groups.append([quality.METHODS[0].name])  # the pretrained model, scored
+    deadline = t_start + args.deadline
+
+    def run(group):
+        out = {}
+        for name in group:
+            left = deadline - time.perf_counter()
+            if left < 15:
+                out[name] = "not started before the deadline"
+                continue
+            t0 = time.perf_counter()
+            with open(runs / f"{quality.slug(name)}.log", "w") as log:
+                try:
+                    rc = subprocess.run([sys.executable, "-m", "benchmarks.quality", "--row",
+                                         name, "--config", str(gpu_config)], cwd=ROOT,
+                                        stdout=log, stderr=subprocess.STDOUT,
+                                        timeout=left).returncode
+                    out[name] = f"exit {rc} after {time.perf_counter() - t0:.0f} s"
+                except subprocess.TimeoutExpired:
+                    out[name] = f"stopped at the deadline after {time.perf_counter() - t0:.0f} s"
+            print(f"quality: {name}: {out[name]}", flush=True)
+        return out
+
+    done: dict = {}
+    with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
+        for out in pool.map(run, groups):
+            done.update(out)
+    (runs / "gpu-rows.json").write_text(json.dumps(done, indent=1))
+
+    def keep(ti):
+        parts = ti.name.split("/")
+        return None if "final" in parts or "checkpoints" in parts else ti
+
+    dst = os.path.join(args.out, "quality-runs.tar.gz")
+    with tarfile.open(dst, "w:gz") as tar:
+        tar.add(runs, arcname=str(runs).lstrip("/"), filter=keep)
+        for f in model.iterdir():
+            if f.name != "model.safetensors":
+                tar.add(f, arcname=str(f).lstrip("/"))
+    print(f"quality: {sum(v.startswith('exit 0') for v in done.values())}/{len(done)} rows "
+          f"finished; {dst} {os.path.getsize(dst) / 2**20:.1f} MiB; "
+          f"{time.perf_counter() - t_start:.0f} s", flush=True)
+
+
+def adopt_quality(args) -> None:
+    """Here: a device run's quality results (`quality` above) put in place under the
+    same paths: the runs' records, and the pretrained model folder with its weights
+    joined from the parts."""
+    import tarfile
+
+    with tarfile.open(os.path.join(args.src, "quality-runs.tar.gz")) as tar:
+        names = tar.getnames()
+        tar.extractall("/", filter="data")
+    model = Path("/" + next(n for n in names if n.endswith("/pretrain.json"))).parent
+    if any(n.startswith("part") for n in os.listdir(args.src)):
+        _unshard(args.src, str(model / "model.safetensors"))
+    if not (model / "model.safetensors").is_file():
+        sys.exit(f"{args.src}: no part*.safetensors, and no weights at {model} yet")
+    print(f"adopted the runs and the model {model}")
 
 
 def adopt_pretrain(src: str) -> str:
     """Join the GPU's pretrained model (`pretrain`'s files under `src`) into the full
     preset's model folder here, with the init folder's config and tokenizer and a
     `pretrain.json` that names the GPU."""
-    from safetensors.numpy import load_file, save_file
-
     from benchmarks import pretrain
 
     where = pretrain.folders(pretrain.DEFAULT_WORK, "full")
     s = pretrain.PRESETS["full"]
     corpus = pretrain.quality_data.build_corpus(where["corpus"], **{
         k: s[k] for k in pretrain.CORPUS_KEYS})
-    tensors = {}
-    for part in sorted(os.listdir(src)):
-        if part.startswith("part") and part.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(src, part)))
     with open(os.path.join(src, "pretrain_gpu.json")) as f:
         gpu = json.load(f)
     tmp = where["model"].with_name("model.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(where["init"], tmp)
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    _unshard(src, str(tmp / "model.safetensors"))
     shutil.copy(os.path.join(src, "metrics.jsonl"), tmp / "pretrain_metrics.jsonl")
     record = {"preset": "full", "settings": s, "corpus": corpus, "steps": gpu["steps"],
               "resumed_from_step": 0, "tokens": gpu["tokens"],
@@ -491,6 +693,11 @@ def main(argv=None) -> None:
                                     "(default: all)")
     p.add_argument("--pretrain", action="store_true",
                    help="also copy the pretrain preset's init and corpus")
+    p.add_argument("--quality", choices=["quick", "full"],
+                   help="also pack the quality benchmark's corpus, tasks and runs' "
+                        "configuration of this preset")
+    p.add_argument("--work", default=QUALITY_WORK,
+                   help="the quality benchmark's work folder, the same path on both machines")
     p = sub.add_parser("cuda")
     p.add_argument("--dir", default=os.path.join(ROOT, ".gpu"))
     p.add_argument("--device", default="cuda")
@@ -510,6 +717,16 @@ def main(argv=None) -> None:
     p.add_argument("--dir", default=os.path.join(ROOT, ".gpu"))
     p.add_argument("--out", required=True)
     p.add_argument("--steps", type=int, help="instead of the preset's (a smoke test)")
+    p = sub.add_parser("quality")
+    p.add_argument("--dir", default=os.path.join(ROOT, ".gpu"))
+    p.add_argument("--out", required=True)
+    p.add_argument("--deadline", type=float, default=480,
+                   help="seconds from the start after which unfinished rows are stopped")
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--methods", help="comma-separated rows (default: the preset's)")
+    p.add_argument("--steps", type=int, help="pretraining steps instead of the preset's")
+    p = sub.add_parser("adopt-quality")
+    p.add_argument("src", help="a device run's `quality` output folder")
     p = sub.add_parser("report")
     p.add_argument("results", help="the results.json a device run wrote")
     p.add_argument("--pretrain", help="a device run's pretrain folder, adopted here")
@@ -517,7 +734,8 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     {"prepare": prepare, "cuda": cuda, "llama7b": llama7b, "pretrain": pretrain_on_gpu,
-     "report": report, "prefix7b": prefix7b}[
+     "report": report, "prefix7b": prefix7b, "quality": quality_on_gpu,
+     "adopt-quality": adopt_quality}[
         args.cmd](args)
 
 

@@ -275,8 +275,10 @@ def train_pockjax(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict
                              frontend=method.frontend, frozen_dtype=method.frozen)
     except NonFiniteLoss as e:
         raise FloatingPointError(str(e)) from None
+    import jax
+
     return {"trained_params": result.trainable_params, "total_params": result.total_params,
-            "final": result.final}
+            "final": result.final, "device": jax.devices()[0].device_kind}
 
 
 def train_torch(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:
@@ -292,8 +294,11 @@ def train_torch(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:
     from pockjax.tokenizer import Tokenizer
 
     torch.manual_seed(seed)
+    # "cuda" where the runs are trained on a GPU (`python -m benchmarks gpu quality`):
+    # float32 throughout, as PyTorch multiplies float32 on a GPU unless told otherwise.
+    device = cfg.get("torch_device", "cpu")
     model = transformers.AutoModelForCausalLM.from_pretrained(cfg["pretrained"],
-                                                              dtype=torch.float32)
+                                                              dtype=torch.float32).to(device)
     if method.kind == "peft":
         import peft
 
@@ -325,8 +330,8 @@ def train_torch(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:
         total = count = 0.0
         with torch.no_grad():
             for b in valid:
-                s, n = loss_of(torch.from_numpy(b["tokens"]).long(),
-                               torch.from_numpy(b["mask"]), False)
+                s, n = loss_of(torch.from_numpy(b["tokens"]).long().to(device),
+                               torch.from_numpy(b["mask"]).to(device), False)
                 total, count = total + float(s), count + float(n)
         return total / count
 
@@ -345,7 +350,8 @@ def train_torch(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:
             rate = lr_at(i, lr, warmup, steps)
             for group in opt.param_groups:
                 group["lr"] = rate
-            loss = loss_of(torch.from_numpy(b["tokens"]).long(), torch.from_numpy(b["mask"]))
+            loss = loss_of(torch.from_numpy(b["tokens"]).long().to(device),
+                           torch.from_numpy(b["mask"]).to(device))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -364,11 +370,12 @@ def train_torch(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:
         model = model.merge_and_unload()
     total = sum(p.numel() for p in model.parameters())
     final = out / "final"
-    model.save_pretrained(final)
+    model.to("cpu").save_pretrained(final)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(Path(cfg["pretrained"]) / name, final / name)
     return {"trained_params": trained, "total_params": total, "optimizer": f"AdamW ({impl})",
-            "final": str(final)}
+            "final": str(final), "device": device if device == "cpu"
+            else torch.cuda.get_device_name(device)}
 
 
 def train_nothing(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:
@@ -792,7 +799,9 @@ def summarize(rows: list[dict]) -> None:
             # This task's tokens per step (padding not counted) at that step time.
             s["tokens_per_s"] = (statistics.mean(x["tokens"] / max(x["steps"], 1) for x in runs)
                                  / s["s_per_step"])
-            s["peak_rss_mib"] = max(x["peak_rss_mib"] for x in runs)
+            # The timing run's: the training runs may have run on a GPU, whose process
+            # memory says nothing of this machine's.
+            s["peak_rss_mib"] = max(x["peak_rss_mib"] for x in speed)
             s["trained_params"] = runs[0]["trained_params"]
             if r["task"] in ref:
                 target = (1 + QUALITY_MARGIN) * statistics.mean(
@@ -829,8 +838,10 @@ def markdown(rows, meta) -> str:
         f"{pre['settings']['batch']} x {pre['settings']['seq']} tokens on the standard library "
         f"of {pre['corpus']['interpreter']} ({pre['corpus']['pretraining_files']['files']} files, "
         f"{pre['corpus']['tokens']['train_files']:,} tokens, file list sha256 "
-        f"`{pre['corpus']['pretraining_files']['list_sha256'][:16]}`); its held-out loss "
-        f"{pre['heldout_loss']:.4f}.",
+        f"`{pre['corpus']['pretraining_files']['list_sha256'][:16]}`)"
+        + (f", on {pre['trained_on']['device']} (JAX {pre['trained_on']['jax']})"
+           if "trained_on" in pre else "")
+        + f"; its held-out loss {pre['heldout_loss']:.4f}.",
         f"**Tasks** (held out from pretraining, split by file): *domain*, the sources of "
         f"{meta['tasks']['domain']['source']} {meta['tasks']['domain']['version']} "
         f"(test: {meta['tasks']['domain']['records']['test']} records of up to {cfg['seq']} "
@@ -843,7 +854,9 @@ def markdown(rows, meta) -> str:
         f"{cfg['seeds']} seed(s) x {cfg['steps']} steps of {cfg['batch']} x {cfg['seq']} "
         f"tokens at that rate, AdamW, cosine schedule with {int(cfg['warmup_frac'] * 100)}% "
         f"warm-up; the same batches for every method. Mean ± sample standard deviation over "
-        f"seeds.", "",
+        f"seeds." + (f" The training runs ran on: {meta['trained_on']}; the speed and memory "
+                     f"columns are this machine's timing runs."
+                     if meta.get("trained_on") else ""), "",
         "Columns: *test loss* on the task's test split (nats/token); *corpus loss*: the "
         "pretraining corpus's held-out files after fine-tuning, and its change from the "
         "pretrained model's (forgetting); *exact match*: the body's first line under greedy "
@@ -853,8 +866,8 @@ def markdown(rows, meta) -> str:
            "process per row, after all training, on an otherwise idle machine)"
            if cfg.get("time_steps") else "s (the training runs themselves)")
         + "; *tokens/s*: this task's tokens per step (padding not counted) at that step "
-        "time; *peak RSS*: the process's high-water mark during a training run, runtime "
-        "included (max over seeds); *time to quality*: the median over seeds of the time "
+        "time; *peak RSS*: the process's high-water mark during the timing run (the "
+        "training runs' where there is none), runtime included; *time to quality*: the median over seeds of the time "
         f"until the validation loss is within {QUALITY_MARGIN:.0%} of {REFERENCE}'s final "
         "one, counted as the timing run's first step (compilation included) plus its "
         "median step time for every further step (validation not counted), \"never\" "
@@ -943,6 +956,40 @@ def cpu_model() -> str:
 # --------------------------------------------------------------------------- main
 
 
+def prepare_runs(work: Path, preset: str, task_dir: str | None = None):
+    """The tasks and the runs' configuration of `preset` under `work`: `(cfg, tasks
+    manifest, config.json path)`. It needs the pretraining corpus and its tokenizer
+    (`benchmarks/pretrain.py` builds them first), not the pretrained weights, so the
+    runs can be trained where the model is pretrained (`python -m benchmarks gpu
+    quality`): the runs' folder is named by a hash of `cfg`, whose paths are under
+    `work`, so the same `work` on both machines names the same folder."""
+    settings = PRESETS[preset]
+    pre_settings = pretraining.PRESETS[settings["pretrain"]]
+    seq = pre_settings["seq"]
+    where = pretraining.folders(work, settings["pretrain"])
+    corpus = quality_data.build_corpus(where["corpus"], **{
+        k: pre_settings[k] for k in pretraining.CORPUS_KEYS})
+    task_key = [settings["caps"], settings["sample_pct"], seq, str(task_dir),
+                corpus["pretraining_files"]["content_sha256"]]
+    task_folder = work / f"tasks-{pretraining.settings_hash(task_key)}"
+    tasks = quality_data.build_tasks(task_folder, where["corpus"] / "tokenizer", seq=seq,
+                                     caps=settings["caps"], task_dir=task_dir,
+                                     sample_pct=settings["sample_pct"])
+    cfg = {k: v for k, v in settings.items()
+           if k not in ("caps", "row_timeout", "sample_pct", "time_steps")}
+    cfg.update(seq=seq, pretrained=str(where["model"]),
+               corpus_heldout=str(where["corpus"] / "heldout.jsonl"),
+               tasks={t: {s: str(task_folder / t / f"{s}.jsonl") for s in quality_data.SPLITS}
+                      for t in TASKS})
+    runs = work / f"runs-{pretraining.settings_hash([cfg, tasks['settings']])}"
+    cfg["runs"] = str(runs)
+    cfg["time_steps"] = settings["time_steps"]  # not in the hash: timing runs are separate
+    runs.mkdir(parents=True, exist_ok=True)
+    config = runs / "config.json"
+    config.write_text(json.dumps(cfg, indent=1) + "\n")
+    return cfg, tasks, config
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
@@ -962,6 +1009,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", help="comma-separated method names (as in the table, or "
                                       "their slugs such as pockjax-last-1) to run; default all "
                                       "of the preset's")
+    ap.add_argument("--no-timing", action="store_true",
+                    help="train and score the rows only; a later call without it times "
+                         "them (the training may then share the machine with other work)")
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--timing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -991,27 +1041,10 @@ def main(argv=None) -> int:
                    check=True, cwd=ROOT)
     where = pretraining.folders(work, settings["pretrain"])
     pre = json.loads((where["model"] / "pretrain.json").read_text())
-    seq = pre["settings"]["seq"]
 
-    # 2. The tasks.
-    task_key = [settings["caps"], settings["sample_pct"], seq, str(args.task_dir),
-                pre["corpus"]["pretraining_files"]["content_sha256"]]
-    task_folder = work / f"tasks-{pretraining.settings_hash(task_key)}"
-    tasks = quality_data.build_tasks(task_folder, where["model"], seq=seq,
-                                     caps=settings["caps"], task_dir=args.task_dir,
-                                     sample_pct=settings["sample_pct"])
-    cfg = {k: v for k, v in settings.items()
-           if k not in ("caps", "row_timeout", "sample_pct", "time_steps")}
-    cfg.update(seq=seq, pretrained=str(where["model"]),
-               corpus_heldout=str(where["corpus"] / "heldout.jsonl"),
-               tasks={t: {s: str(task_folder / t / f"{s}.jsonl") for s in quality_data.SPLITS}
-                      for t in TASKS})
-    runs = work / f"runs-{pretraining.settings_hash([cfg, tasks['settings']])}"
-    cfg["runs"] = str(runs)
-    cfg["time_steps"] = settings["time_steps"]  # not in the hash: timing runs are separate
-    runs.mkdir(parents=True, exist_ok=True)
-    config = runs / "config.json"
-    config.write_text(json.dumps(cfg, indent=1) + "\n")
+    # 2. The tasks and the runs' folder.
+    cfg, tasks, config = prepare_runs(work, preset, args.task_dir)
+    runs = Path(cfg["runs"])
     print(f"quality: runs in {runs}", file=sys.stderr, flush=True)
 
     # 3. Every row in its own process.
@@ -1029,7 +1062,7 @@ def main(argv=None) -> int:
 
     # 4. Speed: each row again for `time_steps` steps, one process each, after all the
     # training (run the benchmark on an idle machine for this part).
-    for method in methods if settings["time_steps"] else []:
+    for method in methods if settings["time_steps"] and not args.no_timing else []:
         if method.kind == "pretrained" or method.name in errors:
             continue
         t0 = time.perf_counter()
@@ -1056,7 +1089,8 @@ def main(argv=None) -> int:
                 ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft", "tokenizers",
                  "numpy", "sympy")),
             "config": cfg, "pretrain": pre, "tasks": {t: tasks[t] for t in TASKS},
-            "seconds": time.perf_counter() - t_start, "notes": notes(cfg, rows)}
+            "seconds": time.perf_counter() - t_start, "notes": notes(cfg, rows),
+            "trained_on": trained_on(rows)}
     out.write_text(markdown(rows, meta))
     out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     plot(rows, out.with_suffix(".png"))
@@ -1064,6 +1098,19 @@ def main(argv=None) -> int:
     print(f"quality: {time.perf_counter() - t_start:.0f} s; wrote {out} and its .json, .png",
           file=sys.stderr)
     return 1 if errors else 0
+
+
+def trained_on(rows) -> str:
+    """Where the training runs ran, when any ran elsewhere than this machine's CPU
+    (`python -m benchmarks gpu quality`): "" otherwise."""
+    kinds: dict[str, set] = {}
+    for r in rows:
+        for run in r.get("runs", []):
+            if run.get("device"):
+                kinds.setdefault(run["device"], set()).add(r["kind"])
+    if set(kinds) <= {"cpu"}:
+        return ""
+    return "; ".join(f"{d} ({', '.join(sorted(k))} rows)" for d, k in sorted(kinds.items()))
 
 
 def notes(cfg: dict, rows) -> list[str]:

@@ -414,8 +414,11 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
             state = trainer.init(params, copy=False)
         run.trim_log(start)
 
-    batch_nll = jax.jit(lambda p, b: nll_sum(loaded.apply(p, b["tokens"]), b["tokens"],
-                                             b["mask"]))
+    from pockjax import lowbit
+
+    # The state's frozen weights may be stored in low precision: dequantized where used.
+    batch_nll = jax.jit(lowbit.at_use(lambda p, b: nll_sum(loaded.apply(p, b["tokens"]),
+                                                           b["tokens"], b["mask"])))
 
     def evaluate(state) -> float | None:
         if held is None:

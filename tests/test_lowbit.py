@@ -203,8 +203,11 @@ def test_finetune_with_int4_frozen_weights(tmp_path):
                   [{"text": " ".join(rng.choice(WORDS[:12], 10))} for _ in range(16)])
     runs = {dtype: pj.finetune(folder, data, tmp_path / dtype, scheme="last:1", steps=12,
                                batch=4, seq=32, lr=3e-3, frozen_dtype=dtype, progress=False,
-                               plot=False)
+                               plot=False, valid=data, eval_every=6)
             for dtype in ("float32", "int4")}
+    # validation reads the quantized weights too (dequantized where used)
+    assert runs["int4"].valid_loss < runs["int4"].valid_loss_before
+    assert runs["int4"].valid_loss == pytest.approx(runs["float32"].valid_loss, rel=0.05)
     first = json.loads((tmp_path / "int4" / "metrics.jsonl").read_text().splitlines()[1])
     assert runs["int4"].train_loss < first["loss"]
     assert runs["int4"].train_loss == pytest.approx(runs["float32"].train_loss, rel=0.05)

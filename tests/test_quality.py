@@ -324,3 +324,45 @@ def test_speed_comes_from_each_rows_timing_run(quick):
         assert r["summary"]["s_per_step"] == timing["s_per_step"] > 0
         assert r["summary"]["timed"] == "timing run"
     assert "timing pockjax full" in quick["stderr"]
+
+
+def _gpu(*args) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "gpu", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_runs_trained_on_another_machine_are_adopted(quick, tmp_path):
+    """`gpu prepare --quality` packs what a GPU machine needs to train the runs, naming
+    the same runs' folder as `quality` here; `gpu quality` there (here: on this CPU, with
+    every run already done) brings back the model in parts and the runs' records, which
+    `gpu adopt-quality` puts back in place bit for bit."""
+    import hashlib
+
+    work = quick["work"]
+    [config] = work.glob("runs-*/config.json")
+    _gpu("prepare", "--models", "", "--quality", "quick", "--work", work, "--dir", tmp_path / "d")
+    packed = json.loads((tmp_path / "d" / "quality.json").read_text())
+    assert packed["config"] == str(config)  # the same folder on both machines
+    weights = Path(packed["pretrained"]) / "model.safetensors"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    [evaluated] = config.parent.glob("pockjax-paper/instruct/*seed0*/eval.json")
+    scores = evaluated.read_text()
+    _gpu("quality", "--dir", tmp_path / "d", "--out", tmp_path / "o", "--methods",
+         "pockjax paper", "--workers", "1")
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == \
+        ["part0.safetensors", "quality-runs.tar.gz"]
+    weights.unlink()
+    evaluated.unlink()
+    _gpu("adopt-quality", tmp_path / "o")
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest
+    assert evaluated.read_text() == scores
+
+
+def test_where_the_runs_trained_is_said():
+    rows = [{"kind": "torch", "runs": [{"device": "NVIDIA H200"}]},
+            {"kind": "pockjax", "runs": [{"device": "NVIDIA H200"}, {"device": "NVIDIA H200"}]},
+            {"kind": "pretrained", "runs": [{}]}]
+    assert quality.trained_on(rows) == "NVIDIA H200 (pockjax, torch rows)"
+    assert quality.trained_on([{"kind": "torch", "runs": [{"device": "cpu"}]}]) == ""
