@@ -1,24 +1,26 @@
 """On a machine with an NVIDIA GPU: the jetson-cuda artifacts run by IREE's CUDA driver
 against the JAX trainer, LLaMA-2-7B's shape trained by JAX on the GPU beside PyTorch
-LoRA, and the quality benchmark's pretraining.
+LoRA, and the quality benchmark's pretraining and training runs.
 
-A GPU machine without the IREE compiler runs what this machine prepares, in four steps:
+A GPU machine without the IREE compiler runs what this machine prepares:
 
-    python -m benchmarks gpu prepare [--dir .gpu]        # here: artifacts and references
+    python -m benchmarks gpu prepare [--dir .gpu] [--quality full]  # here: artifacts, references
     python -m benchmarks gpu cuda --dir .gpu --json A     # there: each artifact on `cuda`
     python -m benchmarks gpu llama7b --row ROW --json B   # there: one row per process
-    python -m benchmarks gpu pretrain --dir .gpu --out D  # there: the full pretrain preset
-    python -m benchmarks gpu report A B... [--pretrain D] # here: results/gpu.md
+    python -m benchmarks gpu quality --dir .gpu --out Q   # there: the quality benchmark's runs
+    python -m benchmarks gpu adopt-quality Q              # here: those runs put in place
+    python -m benchmarks gpu report A B... [--work W]     # here: results/gpu.md
 
 `prepare` exports every model of the export tests (`tests/export/models.py`: an MLP, a
 CNN, a transformer block, a scanned model, a clipped optimizer chain, an integer-label
-classifier, an NNX MobileNetV2 with batch statistics and a tiny LLaMA) for jetson-cuda
-(sm_87; the artifact carries PTX, which the driver compiles for the GPU at hand), and
-records what the JAX trainer on this CPU gives for 3 steps of each: every step's metrics
-and the parameters after the last. `cuda` loads each artifact with `pockjax.runtime`
-(no JAX imported) on IREE's `cuda` device, runs the same 3 steps on the same batch and
-records the largest error over the export tests' tolerance (at most 1 within it) of
-the metrics and the parameters. `--device local-task` with
+classifier, an NNX MobileNetV2 with batch statistics and a tiny LLaMA) and an MLP whose
+frozen kernels are stored in int4 and int8 (`lowbit-mlp`) for jetson-cuda (sm_87; the
+artifact carries PTX, which the driver compiles for the GPU at hand), and records what
+the JAX trainer on this CPU gives for 3 steps of each: every step's metrics and the
+parameters after the last. `cuda` loads each artifact with `pockjax.runtime` (no JAX
+imported) on IREE's `cuda` device, runs the same 3 steps on the same batch and records
+the largest error over the export tests' tolerance (at most 1 within it) of the metrics
+and the parameters (of `lowbit-mlp`, the trained ones). `--device local-task` with
 `prepare --target host-cpu` runs the same comparison on this CPU.
 
 `llama7b` runs one row of `benchmarks/real_size.py` at LLaMA-2-7B's shape on the GPU:
@@ -27,10 +29,14 @@ masters) and record the compiled step's memory and the GPU's peak; the PyTorch r
 build `transformers.LlamaForCausalLM` on the GPU in bfloat16 with peft LoRA r8 on q and
 v. Same random tokens, batch 1, sequence 128, AdamW 1e-4.
 
-`pretrain` trains `benchmarks/pretrain.py`'s full preset from the folders `prepare`
-copied (its random init and its corpus) and writes the model in files under 16 MB;
-`report --pretrain` joins them into the pretrain cache's model folder here, recording
-the GPU in its `pretrain.json`.
+`prepare --quality PRESET` packs the quality benchmark's corpus, tokenizer, tasks and
+runs' configuration, built here under `--work` (default /tmp/pockjax-quality, the same
+path on both machines, so both name the same runs' folder). `quality` there pretrains
+the model and trains every row (`benchmarks/quality.py`; PyTorch's rows on the GPU too)
+until a deadline; `adopt-quality` here puts the model and the finished runs in place,
+and `python -m benchmarks quality --work W` then trains what is left and times every
+row on this CPU. (`pretrain` and `report --pretrain` are the older path for the model
+alone.)
 """
 from __future__ import annotations
 
@@ -594,8 +600,9 @@ def report(args) -> None:
     with open(args.results) as f:
         res = json.load(f)
     lines = ["# On an NVIDIA GPU: jetson-cuda artifacts, LLaMA-2-7B's shape, pretraining", "",
-             f"Written by `python -m benchmarks gpu report` (commit {commit()}) from one "
-             "device run of `benchmarks/gpu.py` (see its docstring for the method).", ""]
+             f"Written by `python -m benchmarks gpu report` (commit {commit()}) from the "
+             "device runs of `benchmarks/gpu.py` (see its docstring for the method); a row "
+             "from a later run than its table's others gives its date.", ""]
     cu = res.get("cuda.json")
     if cu:
         lines += [f"## jetson-cuda artifacts on IREE's `{cu['device']}` driver", "",
@@ -612,6 +619,7 @@ def report(args) -> None:
                 lines.append(f"| {name} | failed: {r['error'][:200]} | | | | |")
                 continue
             ms = sorted(r["step_s"])[len(r["step_s"]) // 2] * 1e3
+            name += f" ({r['date']})" if "date" in r else ""
             lines.append(f"| {name} | {', '.join(f'{x:.4f}' for x in r['losses'])} | "
                          f"{max(r['metrics_tol']):.3f} | {r['params_tol']:.3f} "
                          f"(`{r['worst_leaf']}`) | {ms:.2f} | {r['load_s']:.2f} |")
@@ -666,7 +674,7 @@ def report(args) -> None:
     if args.pretrain:
         adopt_pretrain(args.pretrain)
     from benchmarks import pretrain
-    done = pretrain.folders(pretrain.DEFAULT_WORK, "full")["model"] / "pretrain.json"
+    done = pretrain.folders(args.work or pretrain.DEFAULT_WORK, "full")["model"] / "pretrain.json"
     rec = json.loads(done.read_text()) if done.is_file() else {}
     if "trained_on" in rec:  # the pretrained model here came from a GPU run
         lines += ["## The quality benchmark's pretraining", "",
@@ -731,6 +739,8 @@ def main(argv=None) -> None:
     p.add_argument("results", help="the results.json a device run wrote")
     p.add_argument("--pretrain", help="a device run's pretrain folder, adopted here")
     p.add_argument("--prefix", help="a device run's prefix7b results (JSON)")
+    p.add_argument("--work",
+                   help="the quality benchmark's work folder whose pretrained model to report")
     p.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
     {"prepare": prepare, "cuda": cuda, "llama7b": llama7b, "pretrain": pretrain_on_gpu,
