@@ -673,10 +673,18 @@ def row_main(name: str, config: str) -> None:
         for seed in range(cfg["seeds"]):
             finals.append(one_run(cfg, method, task, chosen, seed, cfg["steps"], scheme))
     evaluator = None
-    for run in finals:
+    for i, run in enumerate(finals):
         out = run_dir(cfg, method, run["task"], run["lr"], run["seed"], run["steps"])
         if (out / "eval.json").is_file() or "diverged" in run:
             continue
+        if not (Path(run["final"]) / "config.json").is_file():
+            # Trained but not scored, and its model gone (a run trained elsewhere, whose
+            # models stay there): trained again.
+            (out / "train.json").unlink()
+            scheme = json.loads((out.parent / "chosen.json").read_text())["scheme"] \
+                if method.kind == "pockjax" else None
+            run = finals[i] = one_run(cfg, method, run["task"], run["lr"], run["seed"],
+                                      run["steps"], scheme)
         evaluator = evaluator or Evaluator(cfg)
         scores = evaluator(run["final"], run["task"])
         (out / "eval.json").write_text(json.dumps(scores, indent=1) + "\n")

@@ -358,6 +358,12 @@ def test_runs_trained_on_another_machine_are_adopted(quick, tmp_path):
     _gpu("adopt-quality", tmp_path / "o")
     assert hashlib.sha256(weights.read_bytes()).hexdigest() == digest
     assert evaluated.read_text() == scores
+    # A run trained there but not scored (stopped at the deadline) has no model here: the
+    # next `quality` trains it again and scores it, as the first time.
+    evaluated.unlink()
+    proc = _run_quick(work, tmp_path / "again.md")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(evaluated.read_text()) == pytest.approx(json.loads(scores))
 
 
 def test_where_the_runs_trained_is_said():
