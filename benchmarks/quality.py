@@ -1110,15 +1110,22 @@ def main(argv=None) -> int:
 
 def trained_on(rows) -> str:
     """Where the training runs ran, when any ran elsewhere than this machine's CPU
-    (`python -m benchmarks gpu quality`): "" otherwise."""
-    kinds: dict[str, set] = {}
+    (`python -m benchmarks gpu quality`): "" otherwise. Each device is named with the
+    rows that ran on it (all others: "the other rows")."""
+    where: dict[str, list] = {}
     for r in rows:
         for run in r.get("runs", []):
             if run.get("device"):
-                kinds.setdefault(run["device"], set()).add(r["kind"])
-    if set(kinds) <= {"cpu"}:
+                names = where.setdefault(run["device"], [])
+                if r["method"] not in names:
+                    names.append(r["method"])
+    if set(where) <= {"cpu"}:
         return ""
-    return "; ".join(f"{d} ({', '.join(sorted(k))} rows)" for d, k in sorted(kinds.items()))
+    most = max(where, key=lambda d: len(where[d]))
+    said = [f"{'this machine' if d == 'cpu' else d}: {', '.join(names)}"
+            for d, names in where.items() if d != most]
+    name = "this machine" if most == "cpu" else most
+    return "; ".join([f"{name}: {'the other rows' if said else 'every row'}"] + said)
 
 
 def notes(cfg: dict, rows) -> list[str]:

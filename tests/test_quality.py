@@ -367,8 +367,13 @@ def test_runs_trained_on_another_machine_are_adopted(quick, tmp_path):
 
 
 def test_where_the_runs_trained_is_said():
-    rows = [{"kind": "torch", "runs": [{"device": "NVIDIA H200"}]},
-            {"kind": "pockjax", "runs": [{"device": "NVIDIA H200"}, {"device": "NVIDIA H200"}]},
-            {"kind": "pretrained", "runs": [{}]}]
-    assert quality.trained_on(rows) == "NVIDIA H200 (pockjax, torch rows)"
-    assert quality.trained_on([{"kind": "torch", "runs": [{"device": "cpu"}]}]) == ""
+    rows = [{"method": "torch full", "kind": "torch", "runs": [{"device": "NVIDIA H200"}]},
+            {"method": "pockjax full", "kind": "pockjax",
+             "runs": [{"device": "NVIDIA H200"}, {"device": "NVIDIA H200"}]},
+            {"method": "pretrained", "kind": "pretrained", "runs": [{}]}]
+    assert quality.trained_on(rows) == "NVIDIA H200: every row"
+    rows[1]["runs"].append({"device": "cpu"})
+    rows[1]["method"] = "pockjax paper"
+    assert quality.trained_on(rows) == "NVIDIA H200: the other rows; this machine: pockjax paper"
+    assert quality.trained_on([{"method": "m", "kind": "torch",
+                                "runs": [{"device": "cpu"}]}]) == ""
