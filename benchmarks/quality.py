@@ -74,8 +74,10 @@ PRESETS = {
                   search=dict(steps=10, lr=1e-3, last_blocks=1, parts=("mlp/**",),
                               ratios=()),
                   time_steps=4, row_timeout=900),
-    # Sized for about two hours on an idle 2-core CPU (pretraining's half hour apart),
-    # from the measured step and compile times of each row's kind at this size. The
+    # A row (sweep, 3 seeds, scoring) takes 14-20 minutes on a 2-core Xeon (the last 2
+    # blocks with int4 frozen weights 14, PockEngine's scheme with int4 20), so the 19
+    # rows take 5-6 hours there, pretraining's 40 minutes apart; on an H200 a row takes
+    # 1.5-4.5 minutes with ten at a time (`python -m benchmarks gpu quality`). The
     # search's candidates are the weights of the last half of the blocks, each in full
     # and at 1/4 of its input channels: the library's default (every weight, at 1/8,
     # 1/4 and 1/2 too) would take about an hour a task.
