@@ -877,7 +877,8 @@ def markdown(rows, meta) -> str:
            if cfg.get("time_steps") else "s (the training runs themselves)")
         + "; *tokens/s*: this task's tokens per step (padding not counted) at that step "
         "time; *peak RSS*: the process's high-water mark during the timing run (the "
-        "training runs' where there is none), runtime included; *time to quality*: the median over seeds of the time "
+        "training runs' where there is none), runtime included; *time to quality*: the "
+        "median over seeds of the time "
         f"until the validation loss is within {QUALITY_MARGIN:.0%} of {REFERENCE}'s final "
         "one, counted as the timing run's first step (compilation included) plus its "
         "median step time for every further step (validation not counted), \"never\" "
