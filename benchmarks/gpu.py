@@ -35,13 +35,11 @@ path on both machines, so both name the same runs' folder). `quality` there pret
 the model and trains every row (`benchmarks/quality.py`; PyTorch's rows on the GPU too)
 until a deadline; `adopt-quality` here puts the model and the finished runs in place,
 and `python -m benchmarks quality --work W` then trains what is left and times every
-row on this CPU. (`pretrain` and `report --pretrain` are the older path for the model
-alone.)
+row on this CPU.
 """
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import pickle
@@ -132,22 +130,6 @@ def prepare(args) -> None:
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     if args.quality:
         prepare_quality(args)
-    if args.pretrain:
-        from benchmarks import pretrain
-        where = pretrain.folders(pretrain.DEFAULT_WORK, "full")
-        pretrain.quality_data.build_corpus(where["corpus"], **{
-            k: pretrain.PRESETS["full"][k] for k in pretrain.CORPUS_KEYS})
-        if not (where["init"] / "config.json").is_file():
-            sys.exit(f"no init folder at {where['init']}: run `python -m benchmarks pretrain` "
-                     "until it starts training, then prepare again")
-        dst = os.path.join(args.dir, "pretrain")
-        shutil.rmtree(dst, ignore_errors=True)
-        shutil.copytree(where["init"], os.path.join(dst, "init"))
-        for part in ("train", "heldout"):
-            with open(where["corpus"] / f"{part}.jsonl", "rb") as f, \
-                    gzip.open(os.path.join(dst, f"{part}.jsonl.gz"), "wb") as g:
-                shutil.copyfileobj(f, g)
-        print(f"pretrain: copied {where['init']} and the corpus to {dst}")
 
 
 LOWBIT_MODEL = "lowbit-mlp"
@@ -360,20 +342,6 @@ def prefix7b(args) -> None:
         json.dump(out, f, indent=1)
 
 
-def _pretrain(init, corpus, run, preset: str, steps: int | None = None):
-    """`benchmarks/pretrain.py`'s training of `preset` from the `init` folder on the
-    corpus folder's `train.jsonl` (validated on `heldout.jsonl`): finetune's result."""
-    import pockjax as pj
-    from benchmarks.pretrain import PRESETS
-
-    s = PRESETS[preset]
-    return pj.finetune(init, os.path.join(corpus, "train.jsonl"), run,
-                       valid=os.path.join(corpus, "heldout.jsonl"), scheme="full",
-                       steps=steps or s["steps"], batch=s["batch"], seq=s["seq"], lr=s["lr"],
-                       warmup=s["warmup"], schedule="cosine", eval_every=s["eval_every"],
-                       save_every=None, overwrite=True, plot=False, progress=False)
-
-
 def _shard(weights: str, out: str) -> None:
     """`weights` (a safetensors file) as `part<i>.safetensors` files of at most
     SHARD_BYTES each in `out` (a device run brings back files under 16 MB)."""
@@ -409,32 +377,6 @@ def _trained_on() -> dict:
             "python": sys.version.split()[0]}
 
 
-def pretrain_on_gpu(args) -> None:
-    from benchmarks.pretrain import PRESETS
-
-    s = PRESETS["full"]
-    src = os.path.join(args.dir, "pretrain")
-    data = "/tmp/pretrain-data"
-    os.makedirs(data, exist_ok=True)
-    for part in ("train", "heldout"):
-        with gzip.open(os.path.join(src, f"{part}.jsonl.gz"), "rb") as g, \
-                open(os.path.join(data, f"{part}.jsonl"), "wb") as f:
-            shutil.copyfileobj(g, f)
-    t0 = time.perf_counter()
-    result = _pretrain(os.path.join(src, "init"), data, "/tmp/pretrain-run", "full", args.steps)
-    _shard(os.path.join(result.final, "model.safetensors"), args.out)
-    shutil.copy(os.path.join(result.out, "metrics.jsonl"), args.out)
-    on = _trained_on()
-    record = {"steps": result.steps, "tokens": result.steps * s["batch"] * s["seq"],
-              "heldout_loss_before": result.valid_loss_before,
-              "heldout_loss": result.valid_loss, "train_loss": result.train_loss,
-              "seconds": result.seconds, "tokens_per_second": result.tokens_per_second,
-              "parameters": result.total_params, "wall_s": time.perf_counter() - t0, **on}
-    with open(os.path.join(args.out, "pretrain_gpu.json"), "w") as f:
-        json.dump(record, f, indent=1)
-    print(json.dumps(record))
-
-
 def quality_on_gpu(args) -> None:
     """There: the quality benchmark's pretraining and training runs, from what
     `prepare --quality` packed. The model is pretrained first; then every row
@@ -462,29 +404,16 @@ def quality_on_gpu(args) -> None:
     model, corpus = Path(cfg["pretrained"]), Path(cfg["corpus_heldout"]).parent
     os.makedirs(args.out, exist_ok=True)
     if not (model / "pretrain.json").is_file():
-        from flax import nnx
-
-        from pockjax.models.hf import save_llama
-        from pockjax.models.llama import Llama, LlamaConfig
-
         manifest = json.loads((corpus / "manifest.json").read_text())
         init = model.parent / "init"
-        config = LlamaConfig(vocab_size=manifest["vocab_size"], hidden_size=s["hidden"],
-                             intermediate_size=s["intermediate"], num_layers=s["layers"],
-                             num_heads=s["heads"], max_position_embeddings=s["seq"])
-        save_llama(Llama(config, rngs=nnx.Rngs(0)), init, tokenizer=corpus / "tokenizer")
-        result = _pretrain(init, corpus, "/tmp/pretrain-run", preset, args.steps)
+        pretrain.save_init(init, corpus, manifest, s)
+        result = pretrain.train(init, corpus, "/tmp/pretrain-run", s, steps=args.steps,
+                                save_every=None, overwrite=True, plot=False, progress=False)
         tmp = model.with_name("model.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(result.final, tmp)
         shutil.copy(os.path.join(result.out, "metrics.jsonl"), tmp / "pretrain_metrics.jsonl")
-        record = {"preset": preset, "settings": s, "corpus": manifest, "steps": result.steps,
-                  "resumed_from_step": 0, "tokens": result.steps * s["batch"] * s["seq"],
-                  "heldout_loss_before": result.valid_loss_before,
-                  "heldout_loss": result.valid_loss, "train_loss": result.train_loss,
-                  "seconds_this_session": result.seconds,
-                  "tokens_per_second": result.tokens_per_second,
-                  "parameters": result.total_params, "trained_on": _trained_on()}
+        record = pretrain.pretrain_record(preset, manifest, result, trained_on=_trained_on())
         (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, model)
         print(f"pretrained in {result.seconds:.0f} s: held-out {result.valid_loss_before:.3f} -> "
@@ -552,7 +481,11 @@ def adopt_quality(args) -> None:
     joined from the parts."""
     import tarfile
 
-    with tarfile.open(os.path.join(args.src, "quality-runs.tar.gz")) as tar:
+    packed = os.path.join(args.src, "quality-runs.tar.gz")
+    if not os.path.isfile(packed):
+        sys.exit(f"{args.src}: no quality-runs.tar.gz; give the folder that `gpu quality "
+                 f"--out` wrote on the device (with its part*.safetensors)")
+    with tarfile.open(packed) as tar:
         names = tar.getnames()
         tar.extractall("/", filter="data")
     model = Path("/" + next(n for n in names if n.endswith("/pretrain.json"))).parent
@@ -561,36 +494,6 @@ def adopt_quality(args) -> None:
     if not (model / "model.safetensors").is_file():
         sys.exit(f"{args.src}: no part*.safetensors, and no weights at {model} yet")
     print(f"adopted the runs and the model {model}")
-
-
-def adopt_pretrain(src: str) -> str:
-    """Join the GPU's pretrained model (`pretrain`'s files under `src`) into the full
-    preset's model folder here, with the init folder's config and tokenizer and a
-    `pretrain.json` that names the GPU."""
-    from benchmarks import pretrain
-
-    where = pretrain.folders(pretrain.DEFAULT_WORK, "full")
-    s = pretrain.PRESETS["full"]
-    corpus = pretrain.quality_data.build_corpus(where["corpus"], **{
-        k: s[k] for k in pretrain.CORPUS_KEYS})
-    with open(os.path.join(src, "pretrain_gpu.json")) as f:
-        gpu = json.load(f)
-    tmp = where["model"].with_name("model.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(where["init"], tmp)
-    _unshard(src, str(tmp / "model.safetensors"))
-    shutil.copy(os.path.join(src, "metrics.jsonl"), tmp / "pretrain_metrics.jsonl")
-    record = {"preset": "full", "settings": s, "corpus": corpus, "steps": gpu["steps"],
-              "resumed_from_step": 0, "tokens": gpu["tokens"],
-              "heldout_loss_before": gpu["heldout_loss_before"],
-              "heldout_loss": gpu["heldout_loss"], "train_loss": gpu["train_loss"],
-              "seconds_this_session": gpu["seconds"],
-              "tokens_per_second": gpu["tokens_per_second"], "parameters": gpu["parameters"],
-              "trained_on": {k: gpu[k] for k in ("device", "jax", "python")}}
-    (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
-    shutil.rmtree(where["model"], ignore_errors=True)
-    os.replace(tmp, where["model"])
-    return str(where["model"])
 
 
 def report(args) -> None:
@@ -671,8 +574,6 @@ def report(args) -> None:
                          f"{r['gpu_peak_gib']:.2f} | {r['losses'][0]:.5f} -> "
                          f"{r['losses'][-1]:.5f} |")
         lines.append("")
-    if args.pretrain:
-        adopt_pretrain(args.pretrain)
     from benchmarks import pretrain
     done = pretrain.folders(args.work or pretrain.DEFAULT_WORK, "full")["model"] / "pretrain.json"
     rec = json.loads(done.read_text()) if done.is_file() else {}
@@ -699,8 +600,6 @@ def main(argv=None) -> None:
     p.add_argument("--target", default="jetson-cuda")
     p.add_argument("--models", help="comma-separated names from tests/export/models.py "
                                     "(default: all)")
-    p.add_argument("--pretrain", action="store_true",
-                   help="also copy the pretrain preset's init and corpus")
     p.add_argument("--quality", choices=["quick", "full"],
                    help="also pack the quality benchmark's corpus, tasks and runs' "
                         "configuration of this preset")
@@ -721,10 +620,6 @@ def main(argv=None) -> None:
     p.add_argument("--cached", action="store_true")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--json", required=True)
-    p = sub.add_parser("pretrain")
-    p.add_argument("--dir", default=os.path.join(ROOT, ".gpu"))
-    p.add_argument("--out", required=True)
-    p.add_argument("--steps", type=int, help="instead of the preset's (a smoke test)")
     p = sub.add_parser("quality")
     p.add_argument("--dir", default=os.path.join(ROOT, ".gpu"))
     p.add_argument("--out", required=True)
@@ -737,13 +632,12 @@ def main(argv=None) -> None:
     p.add_argument("src", help="a device run's `quality` output folder")
     p = sub.add_parser("report")
     p.add_argument("results", help="the results.json a device run wrote")
-    p.add_argument("--pretrain", help="a device run's pretrain folder, adopted here")
     p.add_argument("--prefix", help="a device run's prefix7b results (JSON)")
     p.add_argument("--work",
                    help="the quality benchmark's work folder whose pretrained model to report")
     p.add_argument("--out", default=RESULTS)
     args = ap.parse_args(argv)
-    {"prepare": prepare, "cuda": cuda, "llama7b": llama7b, "pretrain": pretrain_on_gpu,
+    {"prepare": prepare, "cuda": cuda, "llama7b": llama7b,
      "report": report, "prefix7b": prefix7b, "quality": quality_on_gpu,
      "adopt-quality": adopt_quality}[
         args.cmd](args)

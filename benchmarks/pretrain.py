@@ -19,9 +19,8 @@ The full preset (6 blocks, width 256, vocabulary 8192, sequence 256; 1300 steps 
 8 x 256 tokens, about 0.85 passes over the 3.1M-token corpus) is sized for 30-40 minutes
 (1.7 s a step measured alone on a 2.50 GHz Xeon's 2 cores: about 37 minutes) on an idle
 2-core CPU; `--quick` (2 blocks, width 64) for about a minute, for tests. Where a GPU
-is lent, `python -m benchmarks gpu pretrain` trains the same preset there from this
-machine's init folder and corpus, and `gpu report --pretrain` puts the model in place
-here (`benchmarks/gpu.py`).
+is lent, `python -m benchmarks gpu quality` trains the same preset there from this
+machine's corpus, with the quality benchmark's runs (`benchmarks/gpu.py`).
 """
 from __future__ import annotations
 
@@ -67,6 +66,47 @@ def folders(work, preset: str) -> dict[str, Path]:
             "run": pre / "run", "model": pre / "model"}
 
 
+def save_init(init: Path, corpus_folder: Path, corpus: dict, settings: dict) -> None:
+    """A randomly initialised `pockjax.models.llama.Llama` of `settings` (seed 0) as a
+    Hugging Face folder `init`, with the corpus's tokenizer."""
+    from flax import nnx
+
+    from pockjax.models.hf import save_llama
+    from pockjax.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(vocab_size=corpus["vocab_size"], hidden_size=settings["hidden"],
+                         intermediate_size=settings["intermediate"],
+                         num_layers=settings["layers"], num_heads=settings["heads"],
+                         max_position_embeddings=settings["seq"])
+    save_llama(Llama(config, rngs=nnx.Rngs(0)), init, tokenizer=Path(corpus_folder) / "tokenizer")
+
+
+def train(init, corpus_folder, run, settings: dict, *, steps: int | None = None, **kwargs):
+    """`pockjax.finetune` of every weight of `init` on the corpus's `train.jsonl`,
+    validated on `heldout.jsonl`, with `settings`' schedule; `kwargs` go to finetune."""
+    import pockjax as pj
+
+    corpus_folder = Path(corpus_folder)
+    return pj.finetune(init, corpus_folder / "train.jsonl", run,
+                       valid=corpus_folder / "heldout.jsonl", scheme="full",
+                       steps=steps or settings["steps"], batch=settings["batch"],
+                       seq=settings["seq"], lr=settings["lr"], warmup=settings["warmup"],
+                       schedule="cosine", eval_every=settings["eval_every"], **kwargs)
+
+
+def pretrain_record(preset: str, corpus: dict, result, **extra) -> dict:
+    """The model folder's `pretrain.json`: settings, corpus manifest and `result`'s
+    figures (`extra` too, such as the device it trained on)."""
+    settings = PRESETS[preset]
+    return {"preset": preset, "settings": settings, "corpus": corpus,
+            "steps": result.steps, "resumed_from_step": result.start_step,
+            "tokens": result.steps * settings["batch"] * settings["seq"],
+            "heldout_loss_before": result.valid_loss_before, "heldout_loss": result.valid_loss,
+            "train_loss": result.train_loss, "seconds_this_session": result.seconds,
+            "tokens_per_second": result.tokens_per_second,
+            "parameters": result.total_params, **extra}
+
+
 def pretrain(work, preset: str, *, progress: bool = True) -> Path:
     """The pretrained model folder of `preset`, made (or resumed) if needed."""
     settings = PRESETS[preset]
@@ -86,34 +126,14 @@ def pretrain(work, preset: str, *, progress: bool = True) -> Path:
               f"{corpus['heldout_files']['files']} files; BPE vocabulary {corpus['vocab_size']} "
               f"({data_seconds:.0f} s)", file=sys.stderr, flush=True)
 
-    import pockjax as pj
-    from flax import nnx
-    from pockjax.models.hf import save_llama
-    from pockjax.models.llama import Llama, LlamaConfig
-
     if not (where["init"] / "config.json").is_file():
-        config = LlamaConfig(vocab_size=corpus["vocab_size"], hidden_size=settings["hidden"],
-                             intermediate_size=settings["intermediate"],
-                             num_layers=settings["layers"], num_heads=settings["heads"],
-                             max_position_embeddings=settings["seq"])
-        save_llama(Llama(config, rngs=nnx.Rngs(0)), where["init"],
-                   tokenizer=where["corpus"] / "tokenizer")
-    result = pj.finetune(where["init"], where["corpus"] / "train.jsonl", where["run"],
-                         valid=where["corpus"] / "heldout.jsonl", scheme="full",
-                         steps=settings["steps"], batch=settings["batch"], seq=settings["seq"],
-                         lr=settings["lr"], warmup=settings["warmup"], schedule="cosine",
-                         eval_every=settings["eval_every"], save_every=settings["save_every"],
-                         keep=2, resume=True, progress=progress)
+        save_init(where["init"], where["corpus"], corpus, settings)
+    result = train(where["init"], where["corpus"], where["run"], settings,
+                   save_every=settings["save_every"], keep=2, resume=True, progress=progress)
     tmp = where["model"].with_name("model.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(result.final, tmp)
-    record = {"preset": preset, "settings": settings, "corpus": corpus,
-              "steps": result.steps, "resumed_from_step": result.start_step,
-              "tokens": result.steps * settings["batch"] * settings["seq"],
-              "heldout_loss_before": result.valid_loss_before, "heldout_loss": result.valid_loss,
-              "train_loss": result.train_loss, "seconds_this_session": result.seconds,
-              "tokens_per_second": result.tokens_per_second,
-              "parameters": result.total_params}
+    record = pretrain_record(preset, corpus, result)
     (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
     shutil.rmtree(where["model"], ignore_errors=True)
     os.replace(tmp, where["model"])
