@@ -115,7 +115,8 @@ ROWS = ["pockjax sparse last-k f32", "pockjax sparse last-k bf16-frozen upcast",
         "pockjax paper last-2 bf16-frozen upcast iree host-cpu",
         "pockjax paper last-2 int4-frozen", "pockjax paper last-2 int8-frozen",
         "pockjax sparse last-k int4-frozen", "pockjax paper last-2 int4-frozen int8-moments",
-        "pockjax paper last-2 int4-frozen bf16-moments", "torch qlora r8 q+v nf4"]
+        "pockjax paper last-2 int4-frozen bf16-moments", "torch qlora r8 q+v nf4",
+        "pockjax sparse last-k int4-frozen int8-moments"]
 # Each IREE row and the JAX row whose step it exports.
 IREE_ROWS = {"pockjax sparse last-k iree host-cpu": "pockjax sparse last-k f32",
              "pockjax sparse last-k bf16-frozen upcast iree host-cpu":
