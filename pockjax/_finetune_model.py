@@ -179,7 +179,7 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     from pockjax import lowbit
     from pockjax.checkpoint import CheckpointError
     from pockjax.models.hf import llama_shapes, load_llama_params, save_llama_params
-    from pockjax.scheme import Frozen, leaves_with_paths
+    from pockjax.scheme import Channels, Frozen, leaves_with_paths
 
     fmt = lowbit.format_of(frozen_dtype)
     # Frozen vectors (norms) and float formats' weights: a plain array in this dtype.
@@ -193,16 +193,20 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     decisions = jax.tree_util.tree_leaves(scheme.resolve(shapes),
                                           is_leaf=lambda d: d is not None
                                           and not isinstance(d, dict))
-    frozen = {path: isinstance(d, Frozen)
-              for (path, _), d in zip(leaves_with_paths(shapes)[0], decisions)}
+    decided = dict(zip((path for path, _ in leaves_with_paths(shapes)[0]), decisions))
 
     def convert(path, array):
-        if not frozen[path]:
+        d = decided[path]
+        # A weight that trains in part: its trained channels as a float32 master, the
+        # rest in the integer format.
+        part = isinstance(d, Channels) and not isinstance(fmt, lowbit.Cast) and array.ndim >= 2
+        if not isinstance(d, Frozen) and not part:
             return array.astype(jnp.float32)
         if isinstance(fmt, lowbit.Cast) or array.ndim < 2:
             return array.astype(narrow)
         try:
-            return lowbit.quantize_leaf(array, fmt, path=path, dtype=jnp.float32)
+            return lowbit.quantize_leaf(array, fmt, path=path, dtype=jnp.float32,
+                                        channels=d if part else None)
         except lowbit.QuantizeError as e:
             raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
 
@@ -211,12 +215,18 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     except CheckpointError as e:
         raise FinetuneError(str(e)) from None
 
-    # One compiled computation a weight: its bfloat16 values, no float32 intermediates.
+    # One compiled computation a weight: its bfloat16 values, no float32 intermediates; a
+    # weight with trained channels in float32, so they are written as trained.
     to_bf16 = jax.jit(lambda q: lowbit.dequantize(q, jnp.bfloat16))
+    to_f32 = jax.jit(lambda q: lowbit.dequantize(q, jnp.float32))
+
+    def stored(x):
+        if not lowbit.is_quantized(x):
+            return x
+        return to_bf16(x) if x.channels is None else to_f32(x)
 
     def save(p, out):  # frozen weights dequantized to bfloat16 tensor by tensor
-        save_llama_params(p, config, out, tokenizer=folder, convert=lambda _, x: (
-            to_bf16(x) if lowbit.is_quantized(x) else x))
+        save_llama_params(p, config, out, tokenizer=folder, convert=lambda _, x: stored(x))
 
     return _flax_loaded(graphdef, params, rest, config, save, scheme)
 
@@ -277,9 +287,10 @@ def write_final(loaded: LoadedModel, params, final: Path, frozen_dtype: str) -> 
         import jax.numpy as jnp
 
         from pockjax import lowbit
+        # A weight with trained channels is written in float32.
         params = jax.tree_util.tree_map(
-            lambda x: lowbit.dequantize(x, jnp.bfloat16) if lowbit.is_quantized(x) else x,
-            params, is_leaf=lowbit.is_quantized)
+            lambda x: lowbit.dequantize(x, jnp.bfloat16 if x.channels is None else jnp.float32)
+            if lowbit.is_quantized(x) else x, params, is_leaf=lowbit.is_quantized)
     loaded.save(params, tmp)
     if final.exists():
         shutil.rmtree(final)

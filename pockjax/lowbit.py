@@ -19,7 +19,9 @@ Formats (`FORMATS`, or a `Int8` / `Int4` / `Cast` value):
   two values packed per byte (`Int4`; `Int4(zero_point=True)` adds a zero point per
   group).
 
-Leaves of rank < 2 (biases, norms) and leaves that train keep their dtype.
+Leaves of rank < 2 (biases, norms) and leaves that train keep their dtype. A leaf that
+trains in part (`pockjax.Channels`) is stored in an integer format with its trained
+channels as a float32 master (`Quantized.master`), which the step trains.
 
 >>> import jax.numpy as jnp, pockjax as pj
 >>> from pockjax import lowbit
@@ -116,27 +118,39 @@ def format_of(spec) -> Cast | Int8 | Int4 | None:
 @jax.tree_util.register_pytree_with_keys_class
 class Quantized:
     """A weight stored in a low-bit format: `data` (int8: the values, or for int4 the bit
-    patterns of bytes holding two 4-bit values each), `scale` and, for `Int4(zero_point=True)`, `zero`; `shape` and
-    `dtype` are the float weight's, `axis` its input axis. A pytree node: its arrays are
-    the leaves (paths `weight/@data`, `weight/@scale`, `weight/@zero`), so it goes through
-    `jit`, checkpoints and the trainer's state like any parameters. With `words` (made
-    by `in_words`), `data` and `zero` hold their bytes as int32 words of 4 and the
-    scales are float32.
+    patterns of bytes holding two 4-bit values each), `scale` and, for
+    `Int4(zero_point=True)`, `zero`; `shape` and `dtype` are the float weight's, `axis`
+    its input axis. A pytree node: its arrays are the leaves (paths `weight/@data`,
+    `weight/@scale`, `weight/@zero`), so it goes through `jit`, checkpoints and the
+    trainer's state like any parameters. With `words` (made by `in_words`), `data` and
+    `zero` hold their bytes as int32 words of 4 and the scales are float32.
+
+    A weight part of which trains (a `pockjax.Channels` decision) also holds `master`
+    (`weight/@master`): the trained channels at full precision, `channels` =
+    `(axis, start, count)` saying where they sit. They replace the stored values of
+    those channels wherever the weight is read, so the trained slice is never rounded
+    to the low-bit format; the scheme trains `@master` and freezes the rest.
     """
 
-    def __init__(self, data, scale, zero=None, *, fmt, shape, dtype, axis, words=False):
+    def __init__(self, data, scale, zero=None, *, fmt, shape, dtype, axis, words=False,
+                 master=None, channels=None):
         self.data, self.scale, self.zero = data, scale, zero
         self.fmt, self.shape, self.dtype, self.axis = fmt, tuple(shape), jnp.dtype(dtype), axis
         self.words = words  # data and zero as int32 words of 4 bytes each (`in_words`)
+        self.master = master
+        self.channels = None if channels is None else tuple(int(c) for c in channels)
 
     def _children(self):
-        return (self.data, self.scale) + (() if self.zero is None else (self.zero,))
+        return ((self.data, self.scale) + (() if self.zero is None else (self.zero,))
+                + (() if self.channels is None else (self.master,)))
 
     def _aux(self):
-        return (self.fmt, self.shape, self.dtype, self.axis, self.zero is not None, self.words)
+        return (self.fmt, self.shape, self.dtype, self.axis, self.zero is not None,
+                self.channels, self.words)
 
     def tree_flatten_with_keys(self):
-        keys = ("@data", "@scale", "@zero")
+        keys = ("@data", "@scale") + (("@zero",) if self.zero is not None else ()) + \
+            (("@master",) if self.channels is not None else ())
         return ([(jax.tree_util.GetAttrKey(k), c) for k, c in zip(keys, self._children())],
                 self._aux())
 
@@ -145,10 +159,21 @@ class Quantized:
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        fmt, shape, dtype, axis, has_zero, words = aux
+        fmt, shape, dtype, axis, has_zero, channels, words = aux
+        children = list(children)
         data, scale = children[0], children[1]
-        return cls(data, scale, children[2] if has_zero else None, fmt=fmt, shape=shape,
-                   dtype=dtype, axis=axis, words=words)
+        zero = children[2] if has_zero else None
+        master = children[-1] if channels is not None else None
+        return cls(data, scale, zero, fmt=fmt, shape=shape, dtype=dtype, axis=axis,
+                   words=words, master=master, channels=channels)
+
+    def replace(self, **changes) -> "Quantized":
+        """A copy with some arrays changed (`data`, `scale`, `zero`, `master`)."""
+        fields = dict(data=self.data, scale=self.scale, zero=self.zero, master=self.master)
+        fields.update(changes)
+        return Quantized(fields["data"], fields["scale"], fields["zero"], fmt=self.fmt,
+                         shape=self.shape, dtype=self.dtype, axis=self.axis, words=self.words,
+                         master=fields["master"], channels=self.channels)
 
     @property
     def data_shape(self) -> tuple[int, ...]:
@@ -159,7 +184,7 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        """Bytes stored (data, scales and zero points)."""
+        """Bytes stored (data, scales, zero points and a trained slice's master)."""
         return sum(int(np.prod(c.shape)) * jnp.dtype(c.dtype).itemsize for c in self._children())
 
     def dequantize(self, dtype=None) -> jax.Array:
@@ -168,7 +193,11 @@ class Quantized:
 
     def __repr__(self) -> str:
         group = f", group={self.fmt.group}" if isinstance(self.fmt, Int4) else ""
-        return f"Quantized({self.fmt.name}, shape={self.shape}{group})"
+        trained = ""
+        if self.channels is not None:
+            axis, start, count = self.channels
+            trained = f", trained=axis {axis} [{start}:{start + count}]"
+        return f"Quantized({self.fmt.name}, shape={self.shape}{group}{trained})"
 
 
 def is_quantized(x) -> bool:
@@ -184,15 +213,27 @@ def stored_bytes(params) -> int:
 
 # --------------------------------------------------------------------------- formats
 
-def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
-    """`w` (a float array of rank >= 2) stored in `fmt` (a format or its name), with
-    `axis` its input axis (-2 for JAX's `[in, out]` kernels, 1 for a torch Linear's
-    `[out, in]`), `dtype` the float dtype it dequantizes to (default `w`'s). A `Cast`
-    format gives a plain array in its dtype.
+def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None, channels=None):
+    """`w` (a float array of rank >= 2) stored in `fmt` (a format or its name).
+
+    Args:
+      w: the weight.
+      fmt: a format or its name (`format_of`); None or "float32" returns `w` as it is.
+      axis: `w`'s input axis (-2 for JAX's `[in, out]` kernels, 1 for a torch Linear's
+        `[out, in]`).
+      path: the weight's name, for errors.
+      dtype: the float dtype it dequantizes to (default `w`'s).
+      channels: for a weight part of which trains, its resolved `pockjax.Channels`
+        decision (`Scheme.resolve`) or `(axis, start, count)`: those channels are kept
+        as a float32 master (`Quantized.master`) and the rest is stored in `fmt`.
+
+    Returns:
+      A `Quantized` node, or for a `Cast` format a plain array in its dtype.
 
     Raises:
-      QuantizeError: `w` is not floating or has rank < 2, or its input axis does not
-        split into `Int4` groups (named by `path`).
+      QuantizeError: `w` is not floating or has rank < 2, its input axis does not split
+        into `Int4` groups, or `channels` is given with a `Cast` format or does not fit
+        `w` (named by `path`).
     """
     fmt = format_of(fmt)
     w = jnp.asarray(w)
@@ -200,6 +241,18 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
         return w
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise QuantizeError(f"'{path}' is {w.dtype}; only floating weights are quantized")
+    if channels is not None:
+        if isinstance(fmt, Cast):
+            raise QuantizeError(f"'{path}' trains some channels: a {fmt.name} weight is one "
+                                f"array, so its trained channels cannot be kept apart; store "
+                                f"it as float32, or in int8 / int4")
+        q = quantize_leaf(w, fmt, axis=axis, path=path, dtype=dtype)
+        where = _channel_range(channels, w.shape, path)
+        ch_axis, start, count = where
+        master = jax.lax.slice_in_dim(w, start, start + count, axis=ch_axis)
+        master = master.astype(jnp.promote_types(w.dtype, jnp.float32))
+        return Quantized(q.data, q.scale, q.zero, fmt=q.fmt, shape=q.shape, dtype=q.dtype,
+                         axis=q.axis, master=master, channels=where)
     if isinstance(fmt, Cast):
         return w.astype(fmt.dtype)
     if w.ndim < 2:
@@ -260,16 +313,48 @@ def _int4_codes(w, axis: int, group: int, zero_point: bool, scale_dtype):
     return data, scale, zero
 
 
+def _channel_range(channels, shape, path: str) -> tuple[int, int, int]:
+    """`(axis, start, count)` of a resolved `Channels` decision or such a tuple."""
+    if isinstance(channels, tuple):
+        axis, start, count = channels
+    else:
+        axis, count = channels.axis, channels.count
+        if not isinstance(axis, int) or count is None:
+            raise QuantizeError(f"'{path}': {channels!r} is not resolved; pass the decision "
+                                f"Scheme.resolve gives for this weight")
+        start = shape[axis] - count if channels.last else 0
+    axis %= len(shape)
+    if not (0 <= start and 0 < count and start + count <= shape[axis]):
+        raise QuantizeError(f"'{path}' has {shape[axis]} channels on axis {axis} (shape "
+                            f"{shape}); channels {start}:{start + count} do not fit")
+    return axis, int(start), int(count)
+
+
 def _split_axis(x, axis: int, outer: int, inner: int):
     return x.reshape(x.shape[:axis] + (outer, inner) + x.shape[axis + 1:])
 
 
 def dequantize(q, dtype=None) -> jax.Array:
-    """The float weight a `Quantized` node stores (in `dtype`, default its own); a plain
-    array is returned as it is (cast to `dtype` when given)."""
+    """The float weight a `Quantized` node stores (in `dtype`, default its own), its
+    trained channels (`master`) in place; a plain array is returned as it is (cast to
+    `dtype` when given)."""
     if not isinstance(q, Quantized):
         return q if dtype is None else jnp.asarray(q).astype(dtype)
     dtype = q.dtype if dtype is None else jnp.dtype(dtype)
+    w = _dequantize_stored(q, dtype)
+    if q.channels is None:
+        return w
+    axis, start, count = q.channels
+    n = q.shape[axis]
+    parts = [jax.lax.slice_in_dim(w, 0, start, axis=axis)] if start else []
+    parts.append(q.master.astype(dtype))
+    if start + count < n:
+        parts.append(jax.lax.slice_in_dim(w, start + count, n, axis=axis))
+    return jax.lax.concatenate(parts, axis) if len(parts) > 1 else parts[0]
+
+
+def _dequantize_stored(q, dtype) -> jax.Array:
+    """The float weight of `q`'s stored arrays (without its master)."""
     # From 32-bit words, each byte is unpacked into an int32 (0..255): no array narrower
     # than 32 bits exists in the step, even between kernels.
     data = _from_words(q.data, q.data_shape) if q.words else q.data
@@ -332,6 +417,7 @@ def in_words(tree):
         words = lambda a: None if a is None else jnp.asarray(_to_words(a))  # noqa: E731
         children = [words(q.data), None if q.scale is None else jnp.asarray(q.scale, jnp.float32)]
         children += [words(q.zero)] if q.zero is not None else []
+        children += [q.master] if q.channels is not None else []
         return Quantized.tree_unflatten(q._aux()[:-1] + (True,), children)
 
     return jax.tree_util.tree_map(convert, tree, is_leaf=is_quantized)
@@ -374,33 +460,39 @@ def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | N
 
     Returns:
       The same tree with each chosen leaf replaced by a `Quantized` node (integer
-      formats) or a cast array (`Cast` formats). Vectors (rank < 2) stay as they are.
+      formats) or a cast array (`Cast` formats). A leaf the scheme trains in part
+      (`Channels`) and given an integer format becomes a `Quantized` node holding its
+      trained channels as a float32 master (`quantize_leaf`'s `channels`); with a `Cast`
+      format it stays as it is. Vectors (rank < 2) stay as they are.
 
     Raises:
       QuantizeError: a format does not fit a leaf (see `quantize_leaf`), or an unknown
         format name.
     """
-    from pockjax.scheme import Frozen, layouts_of, leaves_with_paths
+    from pockjax.scheme import Channels, Frozen, layouts_of, leaves_with_paths
 
     named, treedef = leaves_with_paths(params)
     if scheme is None:
-        frozen = [True] * len(named)
+        decisions = [Frozen()] * len(named)
     else:
         decisions = jax.tree_util.tree_leaves(scheme.resolve(params),
                                               is_leaf=lambda d: d is not None and not isinstance(d, dict))
-        frozen = [isinstance(d, Frozen) for d in decisions]
     chooser = formats_by_path(formats)
     known = layouts_of(params)[0] if layouts is None else dict(layouts)
     out = []
-    for (path, leaf), is_frozen in zip(named, frozen):
-        chosen = chooser(path) if is_frozen else None
+    for (path, leaf), d in zip(named, decisions):
+        part = isinstance(d, Channels)
+        chosen = chooser(path) if isinstance(d, Frozen) or part else None
+        if part and isinstance(format_of(chosen), Cast):
+            chosen = None  # one narrow array cannot keep its trained channels apart
         if chosen is None or np.ndim(leaf) < 2 or not jnp.issubdtype(jnp.asarray(leaf).dtype,
                                                                     jnp.floating):
             out.append(leaf)
             continue
         layout = known.get(path)
         axis = layout["in"] if isinstance(layout, Mapping) else -2
-        out.append(quantize_leaf(leaf, chosen, axis=axis, path=path, dtype=dtype))
+        out.append(quantize_leaf(leaf, chosen, axis=axis, path=path, dtype=dtype,
+                                 channels=d if part else None))
     return jax.tree_util.tree_unflatten(treedef, out)
 
 
@@ -441,9 +533,7 @@ def _materialize(node, tie):
     float weight is one fusion of the stored arrays, computed again at each use."""
     if tie is not None:
         one = _tie_one(tie, jnp.float32)
-        node = Quantized(node.data, (node.scale.astype(jnp.float32) * one).astype(node.scale.dtype),
-                         node.zero, fmt=node.fmt, shape=node.shape, dtype=node.dtype,
-                         axis=node.axis, words=node.words)
+        node = node.replace(scale=(node.scale.astype(jnp.float32) * one).astype(node.scale.dtype))
     return node.dequantize()
 
 
@@ -460,16 +550,57 @@ def _qdot(spec, lazy, other, *leaves):
 
 def _qdot_fwd(spec, lazy, other, *leaves):
     shape = jax.ShapeDtypeStruct(other.shape, other.dtype)
-    return _qdot(spec, lazy, other, *leaves), (shape, leaves)
+    # A weight with trained channels keeps the other operand for their gradient.
+    kept = other if lazy.node(leaves).channels is not None else None
+    return _qdot(spec, lazy, other, *leaves), (shape, leaves, kept)
 
 
 def _qdot_bwd(spec, lazy, residuals, g):
-    shape, leaves = residuals
+    shape, leaves, other = residuals
     w = lazy.value(leaves, g)  # dequantized again, once the output's gradient exists
     (d_other,) = jax.linear_transpose(lambda o: _dot(spec, o, w), shape)(g)
-    zeros = [np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.inexact)
+    grads = [np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.inexact)
              else jnp.zeros_like(x) for x in leaves]
-    return (d_other, *zeros)
+    if other is not None:
+        grads[-1] = _master_grad(spec, lazy, leaves, other, g)
+    return (d_other, *grads)
+
+
+def _master_grad(spec, lazy, leaves, other, g):
+    """The gradient of a weight's trained channels (`Quantized.master`, its last leaf) in
+    the product `_dot(spec, other, weight)` whose output's gradient is `g`: the product
+    restricted to those channels, so the frozen channels' weight gradient is never
+    computed."""
+    node = lazy.node(leaves)
+    axis, start, count = node.channels
+    master = leaves[-1]
+    avals = jax.ShapeDtypeStruct(master.shape, master.dtype)
+
+    def cut(x, d):
+        return jax.lax.slice_in_dim(x, start, start + count, axis=d)
+
+    def transpose(o, cotangent):
+        product = lambda m: _dot(spec, o, m.astype(node.dtype))  # noqa: E731
+        return jax.linear_transpose(product, avals)(cotangent)[0]
+
+    if lazy.ops:  # transposes or reshapes between the weight and the product
+        def through(m):
+            parts = list(leaves)
+            parts[-1] = m
+            return _dot(spec, other, lazy.value(parts, None))
+        return jax.vjp(through, master)[1](g)[0]
+    side, ((lc, rc), (lb, rb)), _, _ = spec
+    w_c, o_c = (rc, lc) if side == 1 else (lc, rc)
+    w_b, o_b = (rb, lb) if side == 1 else (lb, rb)
+    if axis in w_c:  # an input axis: the other operand's matching slice
+        return transpose(cut(other, o_c[list(w_c).index(axis)]), g)
+    if axis in w_b:
+        k = list(w_b).index(axis)
+        return transpose(cut(other, o_b[k]), cut(g, k))
+    free = [d for d in range(len(node.shape)) if d not in w_c and d not in w_b]
+    other_free = np.ndim(other) - len(o_c) - len(o_b)
+    position = len(w_b) + (other_free if side == 1 else 0) + free.index(axis)
+    return transpose(other, cut(g, position))  # output channels: the output's slice
 
 
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)

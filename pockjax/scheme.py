@@ -251,7 +251,7 @@ def _key_str(k) -> str:
     return str(k)
 
 
-_QUANTIZED_PART = re.compile(r"/@(data|scale|zero)$")
+_QUANTIZED_PART = re.compile(r"/@(data|scale|zero|master)$")
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -479,6 +479,7 @@ class Scheme:
         # A weight stored quantized (pockjax.lowbit.Quantized) has several arrays,
         # `weight/@data`, `weight/@scale`: the scheme matches the weight's own path.
         stored = [_QUANTIZED_PART.sub("", p) for p, _ in named]
+        stored_parts = {p for p, _ in named}
         paths = list(dict.fromkeys(stored))
         layouts, note = layouts_of(params)
         for (pattern, _), rx in zip(self.rules, self._regex):
@@ -494,9 +495,17 @@ class Scheme:
             d = self.match(owner)
             shape = tuple(np.shape(leaf))
             if owner != path:
+                # A weight that trains in part holds its trained channels as `@master`.
+                if isinstance(d, Channels) and path.endswith("/@master"):
+                    decisions.append(Full())
+                    continue
+                if isinstance(d, Channels) and owner + "/@master" in stored_parts:
+                    decisions.append(Frozen())
+                    continue
                 if not isinstance(d, Frozen):
                     raise SchemeError(f"parameter '{owner}' is stored quantized and cannot train "
                                       f"({d!r}); quantize only the leaves the scheme freezes "
+                                      f"or trains in part (Channels) "
                                       f"(pockjax.lowbit.quantize(params, scheme, ...))")
                 decisions.append(d)
                 continue

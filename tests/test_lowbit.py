@@ -219,9 +219,10 @@ def test_finetune_with_int4_frozen_weights(tmp_path):
     assert weights["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
 
 
-def exportable_trainer(formats):
-    """`(trainer, params, batch)`: a 4-layer tanh MLP whose last layer and biases train and
-    whose other kernels are stored in `formats` (export tests here and for Vulkan)."""
+def exportable_trainer(formats, rules=None):
+    """`(trainer, params, batch)`: a 4-layer tanh MLP whose last layer and biases train
+    (and `rules`' weights as they say) and whose other kernels are stored in `formats`
+    (export tests here and for Vulkan)."""
     params, batch = _mlp(), _batch()
     del params["embed"]
 
@@ -231,7 +232,8 @@ def exportable_trainer(formats):
             h = jnp.tanh(h @ p[f"l{i}"]["kernel"] + p[f"l{i}"]["bias"])
         return jnp.mean((h - b["y"]) ** 2)
 
-    scheme = pj.Scheme({"l3/**": pj.Full(), "**/bias": pj.Full()}, default=pj.Frozen())
+    scheme = pj.Scheme({**(rules or {}), "l3/**": pj.Full(), "**/bias": pj.Full()},
+                       default=pj.Frozen())
     return (pj.sparse_train(loss, optimizer=optax.adam(1e-2), scheme=scheme,
                             frozen_dtype=formats), params, batch)
 
@@ -323,10 +325,12 @@ def test_the_step_exports_with_quantized_weights_and_runs_as_the_trainer(tmp_pat
     """host-cpu artifact of a step on int8 and zero-point int4 weights (stored as int8 in
     params.irpa): three steps through pockjax.runtime equal the JAX trainer's."""
     trainer, params, batch = exportable_trainer({"l0/**": lowbit.Int4(group=32, zero_point=True),
-                                                 "**": "int8"})
+                                                 "**": "int8"},
+                                                {"l1/kernel": pj.Channels(count=16, last=True)})
     state = trainer.init(params)
     assert isinstance(state.params["l0"]["kernel"].fmt, lowbit.Int4)
     assert isinstance(state.params["l1"]["kernel"].fmt, lowbit.Int8)
+    assert state.params["l1"]["kernel"].channels == (1, 48, 16)  # trains in part
     pj.export(trainer, state, batch, target="host-cpu", out_dir=tmp_path / "art")
     session = pj.runtime.load(tmp_path / "art", device="local-task")
     for _ in range(3):
@@ -338,3 +342,115 @@ def test_the_step_exports_with_quantized_weights_and_runs_as_the_trainer(tmp_pat
                                atol=1e-6)
     np.testing.assert_allclose(got["l1"]["bias"], state.params["l1"]["bias"], rtol=1e-5,
                                atol=1e-6)
+
+
+def test_a_weight_trained_in_part_keeps_its_channels_in_float32_and_the_rest_low_bit(tmp_path):
+    """Channels leaves on a low-bit base: the trained channels are a float32 master, the
+    rest stays in its format, and 3 steps equal jax.grad + optax on the dequantized model
+    with those channels trained. The weights are read directly, transposed (`l0`), in a
+    nested jit (`l1`) and reshaped outside a product (`l2`)."""
+    params, batch = _mlp(), _batch()
+    scheme = pj.Scheme({"l0/kernel": pj.Channels(ratio=0.25), "l1/kernel": pj.Channels(count=16, last=True),
+                        "l2/kernel": pj.Channels(count=8, axis="in", last=True), "l3/**": pj.Full()},
+                       default=pj.Frozen())
+    where = {"l0": (1, 0, 16), "l1": (1, 48, 16), "l2": (0, 56, 8)}
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    for fmt in ("int8", lowbit.Int4(group=32, zero_point=True)):
+        trainer = pj.sparse_train(_loss, optimizer=opt, scheme=scheme, frozen_dtype={"**": fmt})
+        state = trainer.init(params)
+        stored = lowbit.quantize(params, scheme, fmt)
+        deq = _deq(stored)
+        train = {k: jax.lax.slice_in_dim(params[k]["kernel"], s, s + c, axis=a)
+                 for k, (a, s, c) in where.items()}
+        train["l3"] = deq["l3"]
+
+        def join(t):
+            out = {**deq, "l3": t["l3"]}
+            for k, (a, s, c) in where.items():
+                start = [0, 0]
+                start[a] = s
+                out[k] = {**deq[k], "kernel": jax.lax.dynamic_update_slice(deq[k]["kernel"], t[k], start)}
+            return out
+
+        ref_state = opt.init(train)
+        for _ in range(3):
+            state, metrics = trainer(state, batch)
+            value, g = jax.value_and_grad(lambda t: _loss(join(t), batch))(train)
+            updates, ref_state = opt.update(g, ref_state, train)
+            train = optax.apply_updates(train, updates)
+            assert float(metrics["loss"]) == pytest.approx(float(value), rel=1e-6)
+        for k, (a, s, c) in where.items():
+            w = state.params[k]["kernel"]
+            assert w.channels == (a, s, c) and w.master.dtype == jnp.float32
+            # Adam's steps (1e-2) on gradients summed in another order: to 0.1% of a step.
+            np.testing.assert_allclose(w.master, train[k], rtol=1e-5, atol=1e-5)
+            for x, y in zip(jax.tree.leaves(w)[:-1], jax.tree.leaves(stored[k]["kernel"])[:-1]):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y))  # frozen: as stored
+            np.testing.assert_allclose(lowbit.dequantize(w), join(train)[k]["kernel"], rtol=1e-5,
+                                       atol=1e-5)
+        assert trainer.report(state, batch).trainable_params == 16 * 64 * 2 + 8 * 64 + 64 * 65
+    pj.save(tmp_path / "s.safetensors", state)
+    back = pj.load(tmp_path / "s.safetensors", like=state)
+    assert back.params["l2"]["kernel"].channels == (0, 56, 8)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("axis", ["out", "in"])
+def test_a_weight_trained_in_part_gets_the_gradient_of_its_channels_only(axis):
+    """The weight gradient of a low-bit weight's trained channels is the product
+    restricted to them: no product in the gradient computes the whole weight's."""
+    x = jax.random.normal(jax.random.key(0), (8, 128))
+    params = {"w": jax.random.normal(jax.random.key(1), (128, 256)) / 16}
+    scheme = pj.Scheme({"w": pj.Channels(ratio=0.25, axis=axis, last=True)})
+    q = lowbit.quantize(params, scheme, "int4")
+    loss = lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]) ** 2)  # noqa: E731
+    grad = jax.grad(lambda m: lowbit.at_use(loss)({"w": q["w"].replace(master=m)}, x))
+    jaxpr = jax.make_jaxpr(grad)(q["w"].master)
+    shapes = []
+
+    def walk(jx):
+        for e in jx.eqns:
+            if e.primitive.name == "dot_general":
+                shapes.append(e.outvars[0].aval.shape)
+            for sub in jax.extend.core.jaxprs_in_params(e.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    assert (128, 256) not in shapes and shapes, shapes
+    a, n = (1, 256) if axis == "out" else (0, 128)
+    full = jax.grad(lambda w: loss({"w": w}, x))(lowbit.dequantize(q["w"]))
+    np.testing.assert_allclose(grad(q["w"].master), jax.lax.slice_in_dim(full, n * 3 // 4, n, axis=a),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_finetune_trains_channels_on_an_int4_base(tmp_path):
+    """A scheme file with Channels and `--frozen-dtype int4`: each such weight is read
+    into an int4 base with its trained channels in float32, and written back in float32
+    with those channels as trained and the others as stored."""
+    from safetensors.numpy import load_file
+
+    from tests.test_finetune import _folder, _jsonl, WORDS
+
+    folder = _folder(tmp_path, "llama")
+    rng = np.random.default_rng(1)
+    data = _jsonl(tmp_path / "train.jsonl",
+                  [{"text": " ".join(rng.choice(WORDS[:12], 10))} for _ in range(16)])
+    scheme = pj.Scheme({"layers/1/mlp/up_proj/kernel": pj.Channels(ratio=0.25),
+                        "layers/1/attn/o_proj/kernel": pj.Channels(ratio=0.5, axis="in")},
+                       default=pj.Frozen())
+    (tmp_path / "scheme.json").write_text(scheme.to_json())
+    run = pj.finetune(folder, data, tmp_path / "run", scheme=str(tmp_path / "scheme.json"), steps=8,
+                      batch=4, seq=32, lr=3e-3, frozen_dtype="int4", progress=False, plot=False)
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert run.train_loss < first["loss"]
+    before = load_file(str(folder / "model.safetensors"))
+    after = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    up = "model.layers.1.mlp.up_proj.weight"  # torch layout [out, in]: "out" is axis 0
+    assert after[up].dtype == np.float32
+    kept = before[up].shape[0] // 4
+    assert not np.allclose(after[up][:kept], before[up][:kept])  # trained
+    # the rest: the int4 values of the file's weight
+    q = lowbit.quantize_leaf(jnp.asarray(before[up].T, jnp.float32), "int4")
+    np.testing.assert_array_equal(after[up][kept:], np.asarray(lowbit.dequantize(q)).T[kept:])
+    assert after["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
