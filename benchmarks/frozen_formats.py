@@ -4,6 +4,11 @@ same fine-tuning runs side by side; held-out quality and the frozen weights' byt
     python -m benchmarks frozen_formats [--steps 300] [--seeds 0,1,2] [--tasks code]
         [--schemes paper,last:2] [--formats float32,bfloat16,int8,int4] [--out FILE]
 
+Schemes: `paper` (PockEngine's transformer scheme on the last 2 blocks), `last:N` (the
+last N blocks in full), `channels:N` (the paper's weights on the last N blocks, a quarter
+of each one's output channels: with int8 / int4 each such weight is stored in the format
+with its trained channels as a float32 master; bfloat16 leaves it float32).
+
 The model, tasks, data order, learning rate and evaluation are `benchmarks/moments.py`'s
 (the tiny LLaMA shipped with the examples, pretrained on generated English; the `code`
 task is standard-library Python held out from it, split by file; `instruct` its
@@ -40,7 +45,9 @@ def scheme_of(name: str, params):
         return pj.schemes.transformer(params, last=2)
     if name.startswith("last:"):
         return pj.schemes.last_blocks(params, int(name.split(":")[1]))
-    raise SystemExit(f"--schemes: paper or last:N, got {name!r}")
+    if name.startswith("channels:"):  # the paper's weights, a quarter of their channels
+        return pj.schemes.transformer(params, last=int(name.split(":")[1]), ratio=0.25)
+    raise SystemExit(f"--schemes: paper, last:N or channels:N, got {name!r}")
 
 
 def row(args) -> dict:
