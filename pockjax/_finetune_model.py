@@ -70,7 +70,7 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
         shapes before any weight is read. Given with a `frozen_dtype` other than
         float32 for a Flax model without `lora`, each weight is stored as it is read:
         the leaves the scheme freezes in `frozen_dtype` (quantized tensor by tensor,
-        `pockjax.lowbit.quantize_leaf`), the trained ones as float32 from the file's
+        `pockjax.lowbit.store_leaf`), the trained ones as float32 from the file's
         values, so the model is never held whole in a wider type; the returned
         model's `scheme` is that scheme. Otherwise unused (`scheme` None: the weights
         are as described above and `finetune` stores the frozen ones afterwards).
@@ -179,7 +179,7 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     from pockjax import lowbit
     from pockjax.checkpoint import CheckpointError
     from pockjax.models.hf import llama_shapes, load_llama_params, save_llama_params
-    from pockjax.scheme import Channels, Frozen, leaves_with_paths
+    from pockjax.scheme import Frozen, leaves_with_paths
 
     fmt = lowbit.format_of(frozen_dtype)
     # Frozen vectors (norms) and float formats' weights: a plain array in this dtype.
@@ -197,18 +197,15 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
 
     def convert(path, array):
         d = decided[path]
-        # A weight that trains in part: its trained channels as a float32 master, the
-        # rest in the integer format.
-        part = isinstance(d, Channels) and not isinstance(fmt, lowbit.Cast) and array.ndim >= 2
-        if not isinstance(d, Frozen) and not part:
-            return array.astype(jnp.float32)
-        if isinstance(fmt, lowbit.Cast) or array.ndim < 2:
-            return array.astype(narrow)
-        try:
-            return lowbit.quantize_leaf(array, fmt, path=path, dtype=jnp.float32,
-                                        channels=d if part else None)
+        try:  # as lowbit.quantize stores it (a weight trained in part: int codes + master)
+            stored = lowbit.store_leaf(array, d, None if isinstance(fmt, lowbit.Cast) else fmt,
+                                       path=path, dtype=jnp.float32)
         except lowbit.QuantizeError as e:
             raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
+        if lowbit.is_quantized(stored):
+            return stored
+        # Frozen vectors and a float format's weights narrow; trained ones float32.
+        return array.astype(narrow if isinstance(d, Frozen) else jnp.float32)
 
     try:
         graphdef, params, rest, config = load_llama_params(folder, convert, **kw)

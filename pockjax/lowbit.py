@@ -48,7 +48,7 @@ from jax.extend.core import primitives as P
 from pockjax._jaxpr import bind, call_body, interpret
 
 __all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
-           "formats_by_path", "quantize", "quantize_leaf", "dequantize", "at_use", "is_quantized", "stored_bytes",
+           "formats_by_path", "quantize", "quantize_leaf", "store_leaf", "dequantize", "at_use", "is_quantized", "stored_bytes",
            "in_words"]
 
 
@@ -469,7 +469,7 @@ def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | N
       QuantizeError: a format does not fit a leaf (see `quantize_leaf`), or an unknown
         format name.
     """
-    from pockjax.scheme import Channels, Frozen, layouts_of, leaves_with_paths
+    from pockjax.scheme import Frozen, layouts_of, leaves_with_paths
 
     named, treedef = leaves_with_paths(params)
     if scheme is None:
@@ -481,19 +481,44 @@ def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | N
     known = layouts_of(params)[0] if layouts is None else dict(layouts)
     out = []
     for (path, leaf), d in zip(named, decisions):
-        part = isinstance(d, Channels)
-        chosen = chooser(path) if isinstance(d, Frozen) or part else None
-        if part and isinstance(format_of(chosen), Cast):
-            chosen = None  # one narrow array cannot keep its trained channels apart
-        if chosen is None or np.ndim(leaf) < 2 or not jnp.issubdtype(jnp.asarray(leaf).dtype,
-                                                                    jnp.floating):
-            out.append(leaf)
-            continue
         layout = known.get(path)
         axis = layout["in"] if isinstance(layout, Mapping) else -2
-        out.append(quantize_leaf(leaf, chosen, axis=axis, path=path, dtype=dtype,
-                                 channels=d if part else None))
+        out.append(store_leaf(leaf, d, chooser(path), axis=axis, path=path, dtype=dtype))
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def store_leaf(leaf, decision, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
+    """One leaf as `quantize` stores it, given its resolved scheme decision: a frozen
+    floating leaf of rank >= 2 in `fmt`; one that trains in part (`Channels`) in an
+    integer `fmt` with its trained channels as a float32 master; anything else (a leaf
+    that trains, a vector, `fmt` None, a `Cast` format for a leaf trained in part) as it
+    is. Loaders that read a model tensor by tensor store each weight with it.
+
+    Args:
+      leaf: the array.
+      decision: its `Full`, `Frozen` or resolved `Channels` decision (`Scheme.resolve`).
+      fmt: the format chosen for its path, or None.
+      axis: its input axis.
+      path: its name, for errors.
+      dtype: the float dtype it dequantizes to (default its own).
+
+    Returns:
+      A `Quantized` node, a cast array, or `leaf`.
+
+    Raises:
+      QuantizeError: the format does not fit the leaf (see `quantize_leaf`).
+    """
+    from pockjax.scheme import Channels, Frozen
+
+    part = isinstance(decision, Channels)
+    fmt = format_of(fmt) if isinstance(decision, Frozen) or part else None
+    if part and isinstance(fmt, Cast):
+        fmt = None  # one narrow array cannot keep its trained channels apart
+    if fmt is None or np.ndim(leaf) < 2 or not jnp.issubdtype(jnp.asarray(leaf).dtype,
+                                                              jnp.floating):
+        return leaf
+    return quantize_leaf(leaf, fmt, axis=axis, path=path, dtype=dtype,
+                         channels=decision if part else None)
 
 
 # --------------------------------------------------------------------------- at use

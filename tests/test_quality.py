@@ -301,6 +301,26 @@ def test_bad_arguments_name_the_fix(tmp_path):
     assert not list(tmp_path.glob("pretrain-*")), "nothing is trained before the checks"
 
 
+def test_the_prefix_cache_benchmark_trains_alike_with_and_without_it(quick, tmp_path):
+    """`benchmarks/cache_quality.py` on the quick model: two epochs with and without the
+    prefix cache, each its own process; the losses are equal and the table says so."""
+    out = tmp_path / "cache.md"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "cache_quality", "--quick",
+                           "--work", str(quick["work"]), "--records", "32", "--epochs", "2",
+                           "--schemes", "last:1", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    store = json.loads(out.with_suffix(".json").read_text())
+    off, on = store["rows"]
+    assert (off["cache"], on["cache"]) == ("off", "on")
+    assert off["steps"] == on["steps"] == 8 and len(on["losses"]) == 8
+    assert on["losses"] == off["losses"] and on["final_valid_loss"] == off["final_valid_loss"]
+    assert store["summary"]["last:1"]["equal"] is True
+    assert store["summary"]["last:1"]["cache_line"].startswith("on")  # finetune's log line
+    assert on["to_final_s"] is not None and off["to_final_s"] is not None
+    assert "| last:1 | on |" in out.read_text()
+
+
 def test_time_to_quality():
     curve = [[0.0, 0, 3.0], [5.0, 10, 2.5], [9.0, 20, 2.0]]
     assert quality.time_to_quality(curve, 2.5) == 5.0
