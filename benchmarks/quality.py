@@ -118,6 +118,9 @@ METHODS = [
     Method("pockjax last:2", "pockjax", "last:2", rates=FEW_RATES, quick=False),
     Method("pockjax last:4", "pockjax", "last:4", rates=FULL_RATES, quick=False),
     Method("pockjax paper", "pockjax", "paper", rates=FEW_RATES),
+    # The same schemes with the output head trained too (finetune's "+head").
+    Method("pockjax paper+head", "pockjax", "paper+head", rates=FEW_RATES, quick=False),
+    Method("pockjax last:2+head", "pockjax", "last:2+head", rates=FEW_RATES, quick=False),
     Method("pockjax bias+norms", "pockjax", "@bias-norms", rates=FEW_RATES, quick=False),
     Method("pockjax channels in 1/4", "pockjax", "@channels-in", rates=FEW_RATES, quick=False),
     Method("pockjax channels out 1/4", "pockjax", "@channels-out", rates=FEW_RATES, quick=False),

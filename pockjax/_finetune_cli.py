@@ -24,7 +24,8 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="the run's folder (checkpoints, metrics.jsonl, "
                    "loss.png, final/)")
     p.add_argument("--scheme", default="paper", help="paper (PockEngine's transformer scheme, "
-                   "last half of the blocks) | paper:K | full | last:N | blockwise:K[:N] (the "
+                   "last half of the blocks) | paper:K | full | last:N | paper[:K]+head, last:N+head "
+                   "(the output head trains too) | blockwise:K[:N] (the "
                    "blocks, N at a time, each trained K steps in turn) | lora:R (LoRA of rank "
                    "R on every linear layer, merged at the end) | search:BUDGET "
                    "(e.g. search:40%% or search:4GiB) | FILE.json (default: paper)")

@@ -57,7 +57,7 @@ __all__ = ["finetune", "FinetuneError", "NonFiniteLoss", "Interrupted", "Finetun
            "load_model", "lm_loss", "scheme_from_spec", "SCHEMES", "SCHEDULES"]
 
 SCHEMES = ("paper", "paper:K", "full", "last:N", "blockwise:K", "blockwise:K:N", "lora:R",
-           "search:BUDGET", "FILE.json")
+           "search:BUDGET", "FILE.json", "paper[:K]+head", "last:N+head")
 """The forms of `finetune(scheme=...)` (`--scheme`), as `scheme_from_spec` reads them."""
 
 
@@ -75,7 +75,9 @@ def scheme_from_spec(spec: str, params, num_layers: int, *, search: Callable | N
         already have: `load_model(lora=R)`); "blockwise:K" / "blockwise:K:N" (the
         schedule `pockjax.schemes.blockwise`: the blocks, N at a time, each trained for
         K steps in turn from the last); "search:BUDGET" (calls `search(budget)`); or a
-        path ending in ".json" to a scheme written by `Scheme.to_json`.
+        path ending in ".json" to a scheme written by `Scheme.to_json`. "paper",
+        "paper:K" and "last:N" take a "+head" suffix: the output head (`lm_head`) trains
+        too, in full.
       params: the model's parameter pytree.
       num_layers: the model's number of blocks.
       search: `search(budget) -> Scheme`, for "search:BUDGET"; None (the default)
@@ -92,6 +94,19 @@ def scheme_from_spec(spec: str, params, num_layers: int, *, search: Callable | N
     import pockjax as pj
 
     spec = str(spec)
+    if spec.endswith("+head"):
+        base = spec[:-len("+head")]
+        if not (base == "paper" or base.startswith(("paper:", "last:"))):
+            raise FinetuneError(f"--scheme {spec!r}: +head follows paper, paper:K or last:N "
+                                f"(e.g. last:2+head)")
+        scheme = scheme_from_spec(base, params, num_layers)
+        heads = [p for p in pj.schemes.param_paths(params) if p.startswith("lm_head/")]
+        if not heads:
+            raise FinetuneError(f"--scheme {spec}: the model has no separate output head "
+                                f"(lm_head; its embedding may be tied to the output): use "
+                                f"{base}, or a scheme file that trains the embedding")
+        return pj.Scheme([("lm_head/**", pj.Full())] + list(scheme.rules),
+                         default=scheme.default)
     try:
         if spec == "full":
             return pj.Scheme(default=pj.Full())
@@ -221,6 +236,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         the end; None (the default) for no evaluation.
       scheme: "paper" (PockEngine's transformer scheme on the last half of the blocks),
         "paper:K" (on the last K), "full", "last:N" (the last N blocks in full),
+        any of these three with "+head" (the output head trains too, in full),
         "blockwise:K" / "blockwise:K:N" (the blocks take turns, N at a time, K steps
         each: `pockjax.schemes.blockwise`), "lora:R" (LoRA of rank R on every linear
         layer of the blocks, merged into the weights in `final/`), "search:BUDGET"

@@ -577,3 +577,28 @@ def test_resume_with_int4_weights_reads_the_checkpoint_or_loads_the_model_again(
         assert sorted(got) == sorted(want)
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_head_suffix_trains_the_output_head_too():
+    """`paper+head`, `paper:K+head`, `last:N+head`: the base scheme's decisions plus the
+    output head in full; other forms and models without a separate head are refused."""
+    import jax
+    from flax import nnx
+
+    from pockjax.finetuning import FinetuneError, scheme_from_spec
+    from pockjax.models.llama import Llama, LlamaConfig
+
+    params = pj.nnx.split(Llama(LlamaConfig.tiny(), rngs=nnx.Rngs(0)))[1]
+    paths = pj.schemes.param_paths(params)
+    for spec in ("paper", "paper:1", "last:1"):
+        base = dict(zip(paths, jax.tree.leaves(scheme_from_spec(spec, params, 2).resolve(params))))
+        head = dict(zip(paths, jax.tree.leaves(
+            scheme_from_spec(spec + "+head", params, 2).resolve(params))))
+        assert isinstance(base["lm_head/kernel"], pj.Frozen) and head["lm_head/kernel"] == pj.Full()
+        assert {p: d for p, d in head.items() if p != "lm_head/kernel"} == \
+            {p: d for p, d in base.items() if p != "lm_head/kernel"}, spec
+    with pytest.raises(FinetuneError, match=r"\+head follows paper, paper:K or last:N"):
+        scheme_from_spec("full+head", params, 2)
+    tied = pj.nnx.split(Llama(LlamaConfig.tiny(tie_embeddings=True), rngs=nnx.Rngs(0)))[1]
+    with pytest.raises(FinetuneError, match="no separate output head"):
+        scheme_from_spec("last:1+head", tied, 2)
