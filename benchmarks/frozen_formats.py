@@ -6,8 +6,8 @@ same fine-tuning runs side by side; held-out quality and the frozen weights' byt
 
 Schemes: `paper` (PockEngine's transformer scheme on the last 2 blocks), `last:N` (the
 last N blocks in full), `channels:N` (the paper's weights on the last N blocks, a quarter
-of each one's output channels: with int8 / int4 each such weight is stored in the format
-with its trained channels as a float32 master; bfloat16 leaves it float32).
+of each one's output channels: each such weight is stored in the format with its
+trained channels as a float32 master).
 
 The model, tasks, data order, learning rate and evaluation are `benchmarks/moments.py`'s
 (the tiny LLaMA shipped with the examples, pretrained on generated English; the `code`

@@ -11,7 +11,8 @@ the forward pass. At no point is a float copy of the whole model alive.
 
 Formats (`FORMATS`, or a `Int8` / `Int4` / `Cast` value):
 
-- `"bfloat16"`, `"float16"`: the weight cast, upcast at each use (`Cast`).
+- `"bfloat16"`, `"float16"`: the weight cast, upcast at each use (`Cast`; the node's
+  `data` is the narrow weight, with no scales).
 - `"int8"`: symmetric, one scale per output channel: the weight's values along its input
   axis (JAX's `[in, out]` kernels: axis -2) share a scale (`Int8`).
 - `"int4"`: symmetric, one scale per group of consecutive values along the input axis
@@ -118,9 +119,10 @@ def format_of(spec) -> Cast | Int8 | Int4 | None:
 @jax.tree_util.register_pytree_with_keys_class
 class Quantized:
     """A weight stored in a low-bit format: `data` (int8: the values, or for int4 the bit
-    patterns of bytes holding two 4-bit values each), `scale` and, for
-    `Int4(zero_point=True)`, `zero`; `shape` and `dtype` are the float weight's, `axis`
-    its input axis. A pytree node: its arrays are the leaves (paths `weight/@data`,
+    patterns of bytes holding two 4-bit values each; for a `Cast` format the weight in
+    its narrow dtype, with no scales), `scale` and, for `Int4(zero_point=True)`, `zero`;
+    `shape` and `dtype` are the float weight's (the dtype it is computed in), `axis` its
+    input axis. A pytree node: its arrays are the leaves (paths `weight/@data`,
     `weight/@scale`, `weight/@zero`), so it goes through `jit`, checkpoints and the
     trainer's state like any parameters. With `words` (made by `in_words`), `data` and
     `zero` hold their bytes as int32 words of 4 and the scales are float32.
@@ -140,18 +142,23 @@ class Quantized:
         self.master = master
         self.channels = None if channels is None else tuple(int(c) for c in channels)
 
+    def _keys(self) -> tuple[str, ...]:
+        # A Cast format stores the weight itself (`data`): no scales.
+        return (("@data",) + (() if isinstance(self.fmt, Cast) else ("@scale",))
+                + (("@zero",) if self.zero is not None else ())
+                + (("@master",) if self.channels is not None else ()))
+
     def _children(self):
-        return ((self.data, self.scale) + (() if self.zero is None else (self.zero,))
-                + (() if self.channels is None else (self.master,)))
+        fields = {"@data": self.data, "@scale": self.scale, "@zero": self.zero,
+                  "@master": self.master}
+        return tuple(fields[k] for k in self._keys())
 
     def _aux(self):
         return (self.fmt, self.shape, self.dtype, self.axis, self.zero is not None,
                 self.channels, self.words)
 
     def tree_flatten_with_keys(self):
-        keys = ("@data", "@scale") + (("@zero",) if self.zero is not None else ()) + \
-            (("@master",) if self.channels is not None else ())
-        return ([(jax.tree_util.GetAttrKey(k), c) for k, c in zip(keys, self._children())],
+        return ([(jax.tree_util.GetAttrKey(k), c) for k, c in zip(self._keys(), self._children())],
                 self._aux())
 
     def tree_flatten(self):
@@ -161,9 +168,10 @@ class Quantized:
     def tree_unflatten(cls, aux, children):
         fmt, shape, dtype, axis, has_zero, channels, words = aux
         children = list(children)
-        data, scale = children[0], children[1]
-        zero = children[2] if has_zero else None
-        master = children[-1] if channels is not None else None
+        data = children.pop(0)
+        scale = None if isinstance(fmt, Cast) else children.pop(0)
+        zero = children.pop(0) if has_zero else None
+        master = children.pop(0) if channels is not None else None
         return cls(data, scale, zero, fmt=fmt, shape=shape, dtype=dtype, axis=axis,
                    words=words, master=master, channels=channels)
 
@@ -178,7 +186,7 @@ class Quantized:
     @property
     def data_shape(self) -> tuple[int, ...]:
         """The shape of the stored bytes (int4: two values a byte along the input axis)."""
-        if isinstance(self.fmt, Int8):
+        if not isinstance(self.fmt, Int4):
             return self.shape
         return self.shape[:self.axis] + (self.shape[self.axis] // 2,) + self.shape[self.axis + 1:]
 
@@ -228,12 +236,11 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None, c
         as a float32 master (`Quantized.master`) and the rest is stored in `fmt`.
 
     Returns:
-      A `Quantized` node, or for a `Cast` format a plain array in its dtype.
+      A `Quantized` node.
 
     Raises:
       QuantizeError: `w` is not floating or has rank < 2, its input axis does not split
-        into `Int4` groups, or `channels` is given with a `Cast` format or does not fit
-        `w` (named by `path`).
+        into `Int4` groups, or `channels` does not fit `w` (named by `path`).
     """
     fmt = format_of(fmt)
     w = jnp.asarray(w)
@@ -242,10 +249,6 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None, c
     if not jnp.issubdtype(w.dtype, jnp.floating):
         raise QuantizeError(f"'{path}' is {w.dtype}; only floating weights are quantized")
     if channels is not None:
-        if isinstance(fmt, Cast):
-            raise QuantizeError(f"'{path}' trains some channels: a {fmt.name} weight is one "
-                                f"array, so its trained channels cannot be kept apart; store "
-                                f"it as float32, or in int8 / int4")
         q = quantize_leaf(w, fmt, axis=axis, path=path, dtype=dtype)
         where = _channel_range(channels, w.shape, path)
         ch_axis, start, count = where
@@ -253,13 +256,14 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None, c
         master = master.astype(jnp.promote_types(w.dtype, jnp.float32))
         return Quantized(q.data, q.scale, q.zero, fmt=q.fmt, shape=q.shape, dtype=q.dtype,
                          axis=q.axis, master=master, channels=where)
-    if isinstance(fmt, Cast):
-        return w.astype(fmt.dtype)
     if w.ndim < 2:
         raise QuantizeError(f"'{path}' has shape {w.shape}: {fmt.name} needs a weight of rank "
                             f">= 2 (an input axis and output channels); keep vectors as they are")
     axis %= w.ndim
     out_dtype = w.dtype if dtype is None else jnp.dtype(dtype)
+    if isinstance(fmt, Cast):
+        return Quantized(w.astype(fmt.dtype), None, fmt=fmt, shape=w.shape, dtype=out_dtype,
+                         axis=axis)
     if isinstance(fmt, Int8):
         data, scale = _int8_codes(w, axis, fmt.scale_dtype)
         return Quantized(data, scale, fmt=fmt, shape=w.shape, dtype=out_dtype, axis=axis)
@@ -355,6 +359,8 @@ def dequantize(q, dtype=None) -> jax.Array:
 
 def _dequantize_stored(q, dtype) -> jax.Array:
     """The float weight of `q`'s stored arrays (without its master)."""
+    if isinstance(q.fmt, Cast):
+        return q.data.astype(dtype)
     # From 32-bit words, each byte is unpacked into an int32 (0..255): no array narrower
     # than 32 bits exists in the step, even between kernels.
     data = _from_words(q.data, q.data_shape) if q.words else q.data
@@ -407,10 +413,11 @@ def in_words(tree):
       tree: a pytree that may hold `Quantized` nodes (concrete arrays).
 
     Returns:
-      The same tree, its `Quantized` nodes with `words` set.
+      The same tree, its integer `Quantized` nodes with `words` set (`Cast` nodes, whose
+      data is the narrow weight itself, as they are).
     """
     def convert(q):
-        if not isinstance(q, Quantized) or q.words:
+        if not isinstance(q, Quantized) or q.words or isinstance(q.fmt, Cast):
             return q
         # A node whose arrays are None (an optimizer state's mask of a frozen weight)
         # changes only its structure, which must match the parameters'.
@@ -459,11 +466,10 @@ def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | N
         float32).
 
     Returns:
-      The same tree with each chosen leaf replaced by a `Quantized` node (integer
-      formats) or a cast array (`Cast` formats). A leaf the scheme trains in part
-      (`Channels`) and given an integer format becomes a `Quantized` node holding its
-      trained channels as a float32 master (`quantize_leaf`'s `channels`); with a `Cast`
-      format it stays as it is. Vectors (rank < 2) stay as they are.
+      The same tree with each chosen leaf replaced by a `Quantized` node. A leaf the
+      scheme trains in part (`Channels`) becomes a node holding its trained channels as
+      a float32 master (`quantize_leaf`'s `channels`). Vectors (rank < 2) stay as they
+      are.
 
     Raises:
       QuantizeError: a format does not fit a leaf (see `quantize_leaf`), or an unknown
@@ -489,10 +495,10 @@ def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | N
 
 def store_leaf(leaf, decision, fmt, *, axis: int = -2, path: str = "weight", dtype=None):
     """One leaf as `quantize` stores it, given its resolved scheme decision: a frozen
-    floating leaf of rank >= 2 in `fmt`; one that trains in part (`Channels`) in an
-    integer `fmt` with its trained channels as a float32 master; anything else (a leaf
-    that trains, a vector, `fmt` None, a `Cast` format for a leaf trained in part) as it
-    is. Loaders that read a model tensor by tensor store each weight with it.
+    floating leaf of rank >= 2 in `fmt`; one that trains in part (`Channels`) in `fmt`
+    with its trained channels as a float32 master; anything else (a leaf that trains, a
+    vector, `fmt` None) as it is. Loaders that read a model tensor by tensor store each
+    weight with it.
 
     Args:
       leaf: the array.
@@ -503,7 +509,7 @@ def store_leaf(leaf, decision, fmt, *, axis: int = -2, path: str = "weight", dty
       dtype: the float dtype it dequantizes to (default its own).
 
     Returns:
-      A `Quantized` node, a cast array, or `leaf`.
+      A `Quantized` node, or `leaf`.
 
     Raises:
       QuantizeError: the format does not fit the leaf (see `quantize_leaf`).
@@ -512,8 +518,6 @@ def store_leaf(leaf, decision, fmt, *, axis: int = -2, path: str = "weight", dty
 
     part = isinstance(decision, Channels)
     fmt = format_of(fmt) if isinstance(decision, Frozen) or part else None
-    if part and isinstance(fmt, Cast):
-        fmt = None  # one narrow array cannot keep its trained channels apart
     if fmt is None or np.ndim(leaf) < 2 or not jnp.issubdtype(jnp.asarray(leaf).dtype,
                                                               jnp.floating):
         return leaf
@@ -556,7 +560,9 @@ def _tie_one(tie, dtype):
 def _materialize(node, tie):
     """`node` dequantized once `tie` exists: the tie multiplies the scales (small), so the
     float weight is one fusion of the stored arrays, computed again at each use."""
-    if tie is not None:
+    if tie is not None and isinstance(node.fmt, Cast):  # no scales: the weight itself
+        node = node.replace(data=node.data * _tie_one(tie, node.data.dtype))
+    elif tie is not None:
         one = _tie_one(tie, jnp.float32)
         node = node.replace(scale=(node.scale.astype(jnp.float32) * one).astype(node.scale.dtype))
     return node.dequantize()
