@@ -56,10 +56,12 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
 
     Args:
       folder: a folder with `config.json` and `model.safetensors` (or shards).
-      frozen_dtype: "float32", or "bfloat16" to keep the weights in bfloat16 (computed
-        in float32); `finetune` then casts the trained ones back to float32 masters. An
-        integer format ("int8", "int4", "int4:GROUP") loads as bfloat16 (Flax models)
-        and `finetune` quantizes the frozen weights (`pockjax.lowbit`).
+      frozen_dtype: "float32", or "bfloat16" to keep a Flax model's weights in bfloat16
+        (computed in float32); `finetune` then casts the trained ones back to float32
+        masters. An integer format ("int8", "int4", "int4:GROUP") loads as bfloat16
+        (Flax models) and `finetune` quantizes the frozen weights (`pockjax.lowbit`). A
+        model through `pockjax.torch` loads in float32 and `finetune` stores its frozen
+        weights in any of these formats with `pockjax.lowbit`.
       frontend: "auto" (as above), "flax" (LLaMA families only) or "torch" (any causal
         LM transformers builds, LLaMA's too, through `pockjax.torch`).
       lora: a rank: LoRA adapters (`pockjax.models.lora`, alpha = 2 x rank, `a` drawn
@@ -81,8 +83,8 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
     Raises:
       FinetuneError: the folder is not a model folder; `frozen_dtype` or `frontend` is
         not one of its values; "flax" is asked for a family it does not load; `lora`
-        is given for a model that runs through `pockjax.torch`; "bfloat16" is asked
-        for a model through `pockjax.torch`; torch or transformers is missing, or
+        is given for a model that runs through `pockjax.torch`; torch or transformers
+        is missing, or
         transformers cannot build the model.
     """
     from pockjax.models import hf
@@ -127,6 +129,15 @@ def _check_frozen_dtype(frozen_dtype: str) -> None:
 def low_bit(frozen_dtype: str) -> bool:
     """Whether frozen weights are stored as integers (pockjax.lowbit), not a float type."""
     return frozen_dtype.startswith("int")
+
+
+def stored_by_lowbit(frozen_dtype: str, loaded: "LoadedModel") -> bool:
+    """Whether `finetune` stores the loaded model's frozen weights with `pockjax.lowbit`
+    after loading: integer formats, and any narrow format for a `pockjax.torch` model
+    (pockjax's Flax LLaMA stores bfloat16 itself); not for a model already stored while
+    it was read (`loaded.scheme`)."""
+    return loaded.scheme is None and (low_bit(frozen_dtype) or (
+        frozen_dtype != "float32" and loaded.kind == "torch"))
 
 
 def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
@@ -238,10 +249,6 @@ def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> Loade
                             f"{supported}, and other architectures run through pockjax.torch, "
                             f"which needs torch and transformers: pip install "
                             f"'pockjax[torch]'") from None
-    if frozen_dtype != "float32" and not low_bit(frozen_dtype):
-        raise FinetuneError(f"--frozen-dtype {frozen_dtype} is implemented for the "
-                            f"{supported} families; '{folder}' is a {model_type!r} model "
-                            f"(through pockjax.torch): use float32")
     from pockjax import torch as pj_torch
     from pockjax.models.hf import TOKENIZER_FILES
 
@@ -277,7 +284,7 @@ def write_final(loaded: LoadedModel, params, final: Path, frozen_dtype: str) -> 
     previous one or none, never half of one)."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if low_bit(frozen_dtype) and loaded.scheme is None:
+    if stored_by_lowbit(frozen_dtype, loaded):
         # Frozen weights dequantized to bfloat16 (what they hold); trained ones as trained.
         # (A model stored while read is written tensor by tensor: its own `save`.)
         import jax

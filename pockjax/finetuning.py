@@ -41,7 +41,7 @@ import numpy as np
 
 from pockjax._home import claim
 from pockjax._finetune_base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
-from pockjax._finetune_model import lm_loss, load_model, low_bit, nll_sum, write_final
+from pockjax._finetune_model import lm_loss, load_model, nll_sum, stored_by_lowbit, write_final
 from pockjax._finetune_run import FINAL, RunFolder, close_prefix_cache, fingerprint, \
     options_of, plot_losses
 
@@ -264,9 +264,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
       overwrite: start again in `out`, deleting its run; not together with `resume`.
       seed: the data order's seed (and the LoRA adapters' initialisation); default 0.
       frozen_dtype: the storage of the frozen weights: "float32" (the default),
-        "bfloat16" (LLaMA families through the Flax frontend), or "int8" / "int4" /
-        "int4:GROUP" (`pockjax.lowbit`, any model); not with "lora:R" or "blockwise"
-        schemes.
+        "bfloat16", or "int8" / "int4" / "int4:GROUP" (`pockjax.lowbit`); not with
+        "lora:R" or "blockwise" schemes.
       moments: the storage of AdamW's two moments: "float32" (the default), "bfloat16"
         or "int8" (`pockjax.optim.adamw`; the trained weights stay float32).
       frontend: "auto" (the default), "flax" or "torch": which model code runs
@@ -377,7 +376,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         if frozen_dtype != "float32" and loaded.kind == "flax" and loaded.scheme is None:
             from pockjax.models.llama import cast_frozen
             params = cast_frozen(params, chosen)
-        if low_bit(frozen_dtype) and loaded.scheme is None:
+        if stored_by_lowbit(frozen_dtype, loaded):
             import jax.numpy as jnp
 
             from pockjax import lowbit

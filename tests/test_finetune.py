@@ -367,6 +367,25 @@ def test_chat_data_with_bfloat16_frozen_weights_and_the_paper_scheme(folders, da
     assert hf.config.vocab_size == original["model.embed_tokens.weight"].shape[0]
 
 
+def test_a_torch_frontend_model_takes_bfloat16_frozen_weights(folders, data, tmp_path):
+    """GPT-2 through `pockjax.torch` with `frozen_dtype="bfloat16"`: the frozen weights
+    are stored in bfloat16 (`pockjax.lowbit`, upcast where each is used), the run's
+    losses are float32's to bfloat16's rounding, and the saved frozen weights are the
+    file's rounded once."""
+    runs = {dtype: pj.finetune(folders["gpt2"], data["train"], tmp_path / dtype, scheme="last:1",
+                               steps=6, batch=4, seq=32, lr=3e-3, frozen_dtype=dtype,
+                               progress=False, plot=False)
+            for dtype in ("float32", "bfloat16")}
+    assert runs["bfloat16"].trainable_params == runs["float32"].trainable_params
+    assert runs["bfloat16"].train_loss == pytest.approx(runs["float32"].train_loss, rel=0.02)
+    saved, original = _params(Path(runs["bfloat16"].final)), _params(folders["gpt2"])
+    frozen, trained = "transformer.h.0.mlp.c_fc.weight", "transformer.h.1.mlp.c_fc.weight"
+    np.testing.assert_array_equal(
+        saved[frozen].astype(np.float32),
+        original[frozen].astype("bfloat16").astype(np.float32))
+    assert not np.array_equal(saved[trained], original[trained])
+
+
 def test_search_scheme_is_pockjax_search_under_the_budget(folders, data, tmp_path, monkeypatch):
     # The wiring only (the search itself is tested in tests/test_search.py): the budget,
     # training and held-out batches of the run's shape reach pj.search_scheme, and the scheme it
