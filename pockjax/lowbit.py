@@ -21,8 +21,8 @@ Formats (`FORMATS`, or a `Int8` / `Int4` / `Cast` value):
   group).
 
 Leaves of rank < 2 (biases, norms) and leaves that train keep their dtype. A leaf that
-trains in part (`pockjax.Channels`) is stored in an integer format with its trained
-channels as a float32 master (`Quantized.master`), which the step trains.
+trains in part (`pockjax.Channels`) is stored in its format with its trained channels as
+a float32 master (`Quantized.master`), which the step trains.
 
 >>> import jax.numpy as jnp, pockjax as pj
 >>> from pockjax import lowbit
@@ -49,8 +49,8 @@ from jax.extend.core import primitives as P
 from pockjax._jaxpr import bind, call_body, interpret
 
 __all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
-           "formats_by_path", "quantize", "quantize_leaf", "store_leaf", "dequantize", "at_use", "is_quantized", "stored_bytes",
-           "in_words"]
+           "formats_by_path", "quantize", "quantize_leaf", "store_leaf", "dequantize",
+           "at_use", "is_quantized", "stored_bytes", "in_words"]
 
 
 class QuantizeError(ValueError):
