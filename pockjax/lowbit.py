@@ -360,7 +360,7 @@ def dequantize(q, dtype=None) -> jax.Array:
 def _dequantize_stored(q, dtype) -> jax.Array:
     """The float weight of `q`'s stored arrays (without its master)."""
     if isinstance(q.fmt, Cast):
-        return q.data.astype(dtype)
+        return (_bf16_from_words(q.data, q.shape) if q.words else q.data).astype(dtype)
     # From 32-bit words, each byte is unpacked into an int32 (0..255): no array narrower
     # than 32 bits exists in the step, even between kernels.
     data = _from_words(q.data, q.data_shape) if q.words else q.data
@@ -393,6 +393,23 @@ def _to_words(a) -> np.ndarray:
     return np.bitwise_or.reduce(b << _SHIFTS, axis=1).view(np.int32)
 
 
+def _bf16_to_words(a) -> np.ndarray:
+    """bfloat16 array `a` (row-major, zero-padded to an even size) as int32 words, value
+    2k in bits 0-15 of word k and value 2k + 1 in bits 16-31."""
+    u = np.asarray(a).reshape(-1).view(np.uint16).astype(np.uint32)
+    u = np.concatenate([u, np.zeros(u.size % 2, np.uint32)]).reshape(-1, 2)
+    return (u[:, 0] | (u[:, 1] << 16)).view(np.int32)
+
+
+def _bf16_from_words(w, shape) -> jax.Array:
+    """The float32 values of the bfloat16 pairs `_bf16_to_words` packed, in `shape`: a
+    bfloat16 is the top half of a float32, so each is a shift or a mask and a bitcast."""
+    n = math.prod(shape)
+    low = jax.lax.bitcast_convert_type(w << 16, jnp.float32)
+    high = jax.lax.bitcast_convert_type(w & jnp.int32(-65536), jnp.float32)
+    return jnp.stack([low, high], axis=1).reshape(-1)[:n].reshape(shape)
+
+
 def _from_words(w, shape) -> jax.Array:
     """The bytes `_to_words` packed, each as an int32 from 0 to 255, in `shape`: 32-bit
     loads, shifts and masks only."""
@@ -404,8 +421,9 @@ def _from_words(w, shape) -> jax.Array:
 def in_words(tree):
     """`tree` with each `Quantized` node stored for GPUs whose buffers hold only 32-bit
     values (Vulkan's baseline profiles; IREE's SPIR-V code cannot load bfloat16): its
-    bytes (values, zero points) as int32 words of 4, unpacked with shifts where the
-    weight is used, and its scales as float32. The weights it dequantizes to are equal,
+    bytes (values, zero points) as int32 words of 4, or a bfloat16 weight's values as
+    int32 words of 2, unpacked with shifts where the weight is used, and its scales as
+    float32. The weights it dequantizes to are equal,
     bit for bit. `pockjax.export` does this for Vulkan targets; other leaves are
     returned as they are.
 
@@ -413,12 +431,19 @@ def in_words(tree):
       tree: a pytree that may hold `Quantized` nodes (concrete arrays).
 
     Returns:
-      The same tree, its integer `Quantized` nodes with `words` set (`Cast` nodes, whose
-      data is the narrow weight itself, as they are).
+      The same tree, its `Quantized` nodes with `words` set: bfloat16 weights two values
+      a word (unpacked with a shift or a mask each); float16 ones as they are (Vulkan
+      targets do not take them).
     """
     def convert(q):
-        if not isinstance(q, Quantized) or q.words or isinstance(q.fmt, Cast):
+        if not isinstance(q, Quantized) or q.words:
             return q
+        if isinstance(q.fmt, Cast):
+            if jnp.dtype(q.fmt.dtype) != jnp.bfloat16:
+                return q
+            data = None if q.data is None else jnp.asarray(_bf16_to_words(q.data))
+            children = [data] + ([q.master] if q.channels is not None else [])
+            return Quantized.tree_unflatten(q._aux()[:-1] + (True,), children)
         # A node whose arrays are None (an optimizer state's mask of a frozen weight)
         # changes only its structure, which must match the parameters'.
         words = lambda a: None if a is None else jnp.asarray(_to_words(a))  # noqa: E731
@@ -561,7 +586,7 @@ def _materialize(node, tie):
     """`node` dequantized once `tie` exists: the tie multiplies the scales (small), so the
     float weight is one fusion of the stored arrays, computed again at each use."""
     if tie is not None and isinstance(node.fmt, Cast):  # no scales: the weight itself
-        node = node.replace(data=node.data * _tie_one(tie, node.data.dtype))
+        node = node.replace(data=node.data * _tie_one(tie, node.data.dtype))  # (or its words)
     elif tie is not None:
         one = _tie_one(tie, jnp.float32)
         node = node.replace(scale=(node.scale.astype(jnp.float32) * one).astype(node.scale.dtype))

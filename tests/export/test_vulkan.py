@@ -286,12 +286,14 @@ def test_the_first_call_on_a_cpu_vulkan_device_says_it_compiles(tmp_path):
     assert said[1].startswith(f"the first evaluation of '{art.path}' compiles its pipelines")
 
 
-@pytest.mark.parametrize("target", ["host-vulkan", "android-vulkan"])
-def test_low_bit_frozen_weights_train_on_vulkan_as_in_jax(tmp_path, target):
-    """Frozen weights in int8 and int4 (bfloat16 scales, one with zero points): the
-    artifact stores them as 32-bit words with float32 scales (`lowbit.in_words`; the
-    Android baseline profile has only 32-bit storage, and IREE's SPIR-V code loads no
-    bfloat16) and trains as the JAX trainer does on the same state."""
+@pytest.mark.parametrize("target,formats", [
+    ("host-vulkan", "int"), ("android-vulkan", "int"), ("android-vulkan", "bfloat16")])
+def test_low_bit_frozen_weights_train_on_vulkan_as_in_jax(tmp_path, target, formats):
+    """Frozen weights in int8 and int4 (bfloat16 scales, one with zero points), or in
+    bfloat16, one weight with float32 trained channels: the artifact stores them as
+    32-bit words with float32 scales (`lowbit.in_words`; the Android baseline profile
+    has only 32-bit storage, and IREE's SPIR-V code loads no bfloat16) and trains as the
+    JAX trainer does on the same state."""
     import jax
     import numpy as np
 
@@ -300,13 +302,17 @@ def test_low_bit_frozen_weights_train_on_vulkan_as_in_jax(tmp_path, target):
     from tests.export.models import assert_metrics_match
     from tests.test_lowbit import exportable_trainer
 
+    if formats == "int":
+        chosen = {"l0/**": lowbit.Int4(group=32, zero_point=True), "l1/**": "int4", "**": "int8"}
+    else:  # bfloat16 as two values a word, one layer with float32 trained channels
+        chosen = {"**": "bfloat16"}
     trainer, params, batch = exportable_trainer(
-        {"l0/**": lowbit.Int4(group=32, zero_point=True), "l1/**": "int4", "**": "int8"},
-        {"l1/kernel": pj.Channels(count=16, last=True)})  # int4 with float32 trained channels
+        chosen, {"l1/kernel": pj.Channels(count=16, last=True)})  # a float32 master
     art = trainer.export(trainer.init(params), batch, target=target, out_dir=tmp_path / "a")
     stored = {p["name"]: p["dtype"] for p in art.manifest["parameters"]}
     assert stored["params/l0/kernel/@data"] == "int32", stored
-    assert stored["params/l1/kernel/@scale"] == "float32", stored
+    if formats == "int":
+        assert stored["params/l1/kernel/@scale"] == "float32", stored
     state = lowbit.in_words(trainer.init(params))
     for attempt in range(3):  # lavapipe's random device loss: see run_vulkan_against_jax
         try:
