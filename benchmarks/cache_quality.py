@@ -28,6 +28,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -62,8 +63,8 @@ def chosen_lr(cfg: dict, scheme: str) -> float:
     """The rate the quality benchmark chose for `scheme` on the domain task, else 1e-3."""
     if scheme not in METHOD_OF:
         return DEFAULT_LR
-    chosen = (Path(cfg["runs"]) / quality.slug(METHOD_OF[scheme]) / "domain" / "chosen.json")
-    return json.loads(chosen.read_text())["lr"] if chosen.is_file() else DEFAULT_LR
+    lr = quality.chosen_lr(cfg, quality.method_named(METHOD_OF[scheme]), "domain")
+    return DEFAULT_LR if math.isnan(lr) else lr
 
 
 def row(args) -> dict:

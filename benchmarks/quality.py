@@ -775,7 +775,7 @@ def collect(cfg: dict, methods) -> list[dict]:
             if method.kind != "pretrained" and cfg.get("time_steps"):
                 # Speed is measured once a method, on the domain task (both tasks' batches
                 # are padded to the same shape).
-                timing = run_dir(cfg, method, "domain", _chosen_lr(cfg, method, "domain"), 0,
+                timing = run_dir(cfg, method, "domain", chosen_lr(cfg, method, "domain"), 0,
                                  cfg["time_steps"]) / "train.json"
                 if timing.is_file():
                     row["timing"] = json.loads(timing.read_text())
@@ -783,7 +783,8 @@ def collect(cfg: dict, methods) -> list[dict]:
     return rows
 
 
-def _chosen_lr(cfg: dict, method: Method, task: str) -> float:
+def chosen_lr(cfg: dict, method: Method, task: str) -> float:
+    """The learning rate the sweep chose for `method` on `task`, or NaN before it ran."""
     chosen = Path(cfg["runs"]) / slug(method.name) / task / "chosen.json"
     return json.loads(chosen.read_text())["lr"] if chosen.is_file() else float("nan")
 

@@ -131,6 +131,14 @@ def low_bit(frozen_dtype: str) -> bool:
     return frozen_dtype.startswith("int")
 
 
+def written_dtype(q):
+    """The dtype a stored weight (`lowbit.Quantized`) is written back in: bfloat16 (what
+    a frozen weight holds), float32 for one with trained channels (written as trained)."""
+    import jax.numpy as jnp
+
+    return jnp.bfloat16 if q.channels is None else jnp.float32
+
+
 def stored_by_lowbit(frozen_dtype: str, loaded: "LoadedModel") -> bool:
     """Whether `finetune` stores the loaded model's frozen weights with `pockjax.lowbit`
     after loading: integer formats, and any narrow format for a `pockjax.torch` model
@@ -223,18 +231,12 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     except CheckpointError as e:
         raise FinetuneError(str(e)) from None
 
-    # One compiled computation a weight: its bfloat16 values, no float32 intermediates; a
-    # weight with trained channels in float32, so they are written as trained.
-    to_bf16 = jax.jit(lambda q: lowbit.dequantize(q, jnp.bfloat16))
-    to_f32 = jax.jit(lambda q: lowbit.dequantize(q, jnp.float32))
+    # One compiled computation a weight: its values, no float32 intermediates.
+    to_written = jax.jit(lambda q: lowbit.dequantize(q, written_dtype(q)))
 
-    def stored(x):
-        if not lowbit.is_quantized(x):
-            return x
-        return to_bf16(x) if x.channels is None else to_f32(x)
-
-    def save(p, out):  # frozen weights dequantized to bfloat16 tensor by tensor
-        save_llama_params(p, config, out, tokenizer=folder, convert=lambda _, x: stored(x))
+    def save(p, out):  # frozen weights dequantized tensor by tensor
+        save_llama_params(p, config, out, tokenizer=folder, convert=lambda _, x: (
+            to_written(x) if lowbit.is_quantized(x) else x))
 
     return _flax_loaded(graphdef, params, rest, config, save, scheme)
 
@@ -288,13 +290,11 @@ def write_final(loaded: LoadedModel, params, final: Path, frozen_dtype: str) -> 
         # Frozen weights dequantized to bfloat16 (what they hold); trained ones as trained.
         # (A model stored while read is written tensor by tensor: its own `save`.)
         import jax
-        import jax.numpy as jnp
 
         from pockjax import lowbit
-        # A weight with trained channels is written in float32.
         params = jax.tree_util.tree_map(
-            lambda x: lowbit.dequantize(x, jnp.bfloat16 if x.channels is None else jnp.float32)
-            if lowbit.is_quantized(x) else x, params, is_leaf=lowbit.is_quantized)
+            lambda x: lowbit.dequantize(x, written_dtype(x)) if lowbit.is_quantized(x) else x,
+            params, is_leaf=lowbit.is_quantized)
     loaded.save(params, tmp)
     if final.exists():
         shutil.rmtree(final)

@@ -406,9 +406,11 @@ def test_a_weight_trained_in_part_keeps_its_channels_in_float32_and_the_rest_low
 @pytest.mark.parametrize("axis", ["out", "in"])
 def test_a_weight_trained_in_part_gets_the_gradient_of_its_channels_only(axis):
     """The weight gradient of a low-bit weight's trained channels is the product
-    restricted to them: no product in the gradient computes the whole weight's."""
-    x = jax.random.normal(jax.random.key(0), (8, 128))
-    params = {"w": jax.random.normal(jax.random.key(1), (128, 256)) / 16}
+    restricted to them: no product in the gradient computes the whole weight's. Exact
+    zeros: rows of the batch, and trained and frozen channels of the weight."""
+    x = jax.random.normal(jax.random.key(0), (8, 128)).at[2:4].set(0.0)
+    w = jax.random.normal(jax.random.key(1), (128, 256)) / 16
+    params = {"w": w.at[:, -3:].set(0.0).at[-5:, :].set(0.0).at[:, :2].set(0.0)}
     scheme = pj.Scheme({"w": pj.Channels(ratio=0.25, axis=axis, last=True)})
     q = lowbit.quantize(params, scheme, "int4")
     loss = lambda p, x: jnp.sum(jnp.tanh(x @ p["w"]) ** 2)  # noqa: E731
