@@ -115,7 +115,7 @@ def row(args) -> dict:
     else:
         loaded = load_model(args.folder, frozen_dtype=args.frozen_dtype)
         scheme = scheme_from_spec(args.scheme, loaded.params, loaded.num_layers)
-        params = cast_frozen(loaded.params, scheme)
+        params = cast_frozen(loaded.params, scheme, native=True)  # plain bfloat16, then:
         params = lowbit.quantize(params, scheme, args.frozen_dtype, dtype=jnp.float32)
     del loaded
     seconds = time.perf_counter() - t0

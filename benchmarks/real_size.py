@@ -22,8 +22,9 @@ Random weights (uniform, std 0.02; norm scales 1), random tokens, batch 1, seque
 - `pockjax sparse last-k bf16-frozen upcast` / `bf16-matmul`: the same with every frozen
   weight stored in bfloat16 and the trained ones as float32 masters
   (`LlamaConfig(dtype=float32)` + `cast_frozen`); frozen weights are upcast per use
-  (float32 arithmetic, `narrow_matmul="upcast"`) or multiplied in bfloat16 with float32
-  accumulation (`narrow_matmul="native"`, autocast's numerics); `... bf16-matmul remat`
+  (`pockjax.lowbit`'s bfloat16 nodes, float32 arithmetic) or multiplied in bfloat16
+  with float32 accumulation (plain bfloat16 arrays and `narrow_matmul="native"`,
+  autocast's numerics); `... bf16-matmul remat`
   also recomputes each trained block's activations in the backward pass
   (`LlamaConfig(remat="blocks")`).
 - `pockjax paper last-2 bf16-frozen ...`: PockEngine's transformer scheme (attention and
@@ -202,8 +203,8 @@ def build_params(s: dict, scheme_fn, frozen_dtype=None, compute_dtype=None,
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, params, _ = pj.nnx.split(abstract)
     scheme = scheme_fn(params)
-    if frozen_dtype is not None:
-        params = cast_frozen(params, scheme, frozen_dtype)
+    if frozen_dtype is not None:  # pockjax.lowbit nodes; plain arrays for native products
+        params = cast_frozen(params, scheme, frozen_dtype, native=narrow == "native")
     make = jax.jit(_uniform, static_argnums=(1, 2, 3))
     ones = jax.jit(jnp.ones, static_argnums=(0, 1))
     floats = params

@@ -142,8 +142,9 @@ def written_dtype(q):
 def stored_by_lowbit(frozen_dtype: str, loaded: "LoadedModel") -> bool:
     """Whether `finetune` stores the loaded model's frozen weights with `pockjax.lowbit`
     after loading: integer formats, and any narrow format for a `pockjax.torch` model
-    (pockjax's Flax LLaMA stores bfloat16 itself); not for a model already stored while
-    it was read (`loaded.scheme`)."""
+    (pockjax's Flax LLaMA, loaded in bfloat16, is stored by `cast_frozen`, which uses
+    `pockjax.lowbit` too); not for a model already stored while it was read
+    (`loaded.scheme`)."""
     return loaded.scheme is None and (low_bit(frozen_dtype) or (
         frozen_dtype != "float32" and loaded.kind == "torch"))
 
@@ -201,7 +202,7 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     from pockjax.scheme import Frozen, leaves_with_paths
 
     fmt = lowbit.format_of(frozen_dtype)
-    # Frozen vectors (norms) and float formats' weights: a plain array in this dtype.
+    # Frozen vectors (norms): a plain array in this dtype.
     narrow = fmt.dtype if isinstance(fmt, lowbit.Cast) else jnp.bfloat16
     kw = dict(dtype=narrow, compute_dtype=jnp.float32)
     try:
@@ -217,13 +218,12 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     def convert(path, array):
         d = decided[path]
         try:  # as lowbit.quantize stores it (a weight trained in part: int codes + master)
-            stored = lowbit.store_leaf(array, d, None if isinstance(fmt, lowbit.Cast) else fmt,
-                                       path=path, dtype=jnp.float32)
+            stored = lowbit.store_leaf(array, d, fmt, path=path, dtype=jnp.float32)
         except lowbit.QuantizeError as e:
             raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
         if lowbit.is_quantized(stored):
             return stored
-        # Frozen vectors and a float format's weights narrow; trained ones float32.
+        # Frozen vectors narrow; trained leaves float32.
         return array.astype(narrow if isinstance(d, Frozen) else jnp.float32)
 
     try:
@@ -281,12 +281,12 @@ def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> Loade
                        f"{model_type} (pockjax.torch), {layers} layers")
 
 
-def write_final(loaded: LoadedModel, params, final: Path, frozen_dtype: str) -> None:
+def write_final(loaded: LoadedModel, params, final: Path) -> None:
     """The Hugging Face folder, written beside and renamed into place (a crash leaves the
     previous one or none, never half of one)."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    if stored_by_lowbit(frozen_dtype, loaded):
+    if loaded.scheme is None:
         # Frozen weights dequantized to bfloat16 (what they hold); trained ones as trained.
         # (A model stored while read is written tensor by tensor: its own `save`.)
         import jax

@@ -13,6 +13,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from pockjax import lowbit
 from pockjax._jaxpr import as_source, avals, bind, describe_source, inline_calls, is_var
 from pockjax.scheme import Frozen, Scheme
 from pockjax.transforms.sparse_grad import is_dynamic
@@ -93,11 +94,13 @@ class PrefixSplit:
         self.examples = int(np.shape(shaped[0])[0])
         out_def = []
 
+        stored = lowbit.at_use(loss_fn)  # weights stored in low precision: read at each use
+
         def flat(*args):
             ps, bs = args[:len(p_leaves)], list(self._static)
             for j, i in enumerate(self._dyn):
                 bs[i] = args[len(p_leaves) + j]
-            out = loss_fn(jax.tree_util.tree_unflatten(self._p_def, list(ps)),
+            out = stored(jax.tree_util.tree_unflatten(self._p_def, list(ps)),
                           jax.tree_util.tree_unflatten(self._b_def, bs))
             leaves, tree = jax.tree_util.tree_flatten(out)
             out_def.append(tree)

@@ -41,7 +41,8 @@ import numpy as np
 
 from pockjax._home import claim
 from pockjax._finetune_base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
-from pockjax._finetune_model import lm_loss, load_model, nll_sum, stored_by_lowbit, write_final
+from pockjax._finetune_model import (lm_loss, load_model, low_bit, nll_sum, stored_by_lowbit,
+                                     write_final)
 from pockjax._finetune_run import FINAL, RunFolder, close_prefix_cache, fingerprint, \
     options_of, plot_losses
 
@@ -375,7 +376,9 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         params = loaded.params
         if frozen_dtype != "float32" and loaded.kind == "flax" and loaded.scheme is None:
             from pockjax.models.llama import cast_frozen
-            params = cast_frozen(params, chosen)
+            # Trained leaves float32; frozen ones bfloat16 (Cast nodes), or plain bfloat16
+            # arrays that lowbit.quantize stores in the integer format below.
+            params = cast_frozen(params, chosen, native=low_bit(frozen_dtype))
         if stored_by_lowbit(frozen_dtype, loaded):
             import jax.numpy as jnp
 
@@ -518,7 +521,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                    else (evaluate(state) if held is not None else None))
     seconds = history.seconds
     final = Path(out) / FINAL
-    write_final(loaded, state.params, final, frozen_dtype)
+    write_final(loaded, state.params, final)
     if plot:
         plot_losses(Path(out))
     result = FinetuneResult(

@@ -50,7 +50,8 @@ from pockjax._jaxpr import bind, call_body, interpret
 
 __all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
            "formats_by_path", "quantize", "quantize_leaf", "store_leaf", "dequantize",
-           "at_use", "is_quantized", "stored_bytes", "in_words"]
+           "at_use", "reads_stored", "one_after", "is_quantized", "stored_bytes",
+           "in_words"]
 
 
 class QuantizeError(ValueError):
@@ -497,11 +498,16 @@ def quantize(params, scheme=None, formats: Any = "int8", *, layouts: Mapping | N
       are.
 
     Raises:
-      QuantizeError: a format does not fit a leaf (see `quantize_leaf`), or an unknown
-        format name.
+      QuantizeError: a format does not fit a leaf (see `quantize_leaf`), an unknown
+        format name, or `params` holds `Quantized` nodes already.
     """
-    from pockjax.scheme import Frozen, layouts_of, leaves_with_paths
+    from pockjax.scheme import Frozen, layouts_of, leaves_with_paths, path_str
 
+    stored = [path_str(p) for p, x in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=is_quantized)[0] if is_quantized(x)]
+    if stored:
+        raise QuantizeError(f"{stored[0]!r} is stored already ({len(stored)} weights are): "
+                            f"quantize the float weights (`dequantize` gives them back)")
     named, treedef = leaves_with_paths(params)
     if scheme is None:
         decisions = [Frozen()] * len(named)
@@ -575,9 +581,24 @@ class _Lazy:
         return w
 
 
-def _tie_one(tie, dtype):
-    """Exactly 1 in `dtype`, computed from one element of `tie` (0 where it is not
-    finite), so what it multiplies is computed after `tie` exists."""
+def one_after(tie: jax.Array, dtype) -> jax.Array:
+    """Exactly 1 in `dtype`, computed from one element of `tie`, so that what it
+    multiplies is computed only once `tie` exists.
+
+    This is how a weight is dequantized at its use: XLA's CPU scheduler would convert
+    every stored weight at the top of the step (a conversion of a parameter depends on
+    nothing else), keeping all the float copies alive at once, and it drops
+    `optimization_barrier`s before scheduling; a product with this 1 ties the
+    conversion to the using operation's other input by data. The element is replaced
+    by 0 where it is not finite, so an inf or NaN in `tie` does not spread.
+
+    Args:
+      tie: the array the result waits for (any shape, float).
+      dtype: the result's dtype.
+
+    Returns:
+      A scalar 1 of `dtype`.
+    """
     first = jax.lax.slice(tie, (0,) * tie.ndim, (1,) * tie.ndim).reshape(()).astype(dtype)
     return 1 + 0 * jnp.where(jnp.isfinite(first), first, 0)
 
@@ -586,9 +607,9 @@ def _materialize(node, tie):
     """`node` dequantized once `tie` exists: the tie multiplies the scales (small), so the
     float weight is one fusion of the stored arrays, computed again at each use."""
     if tie is not None and isinstance(node.fmt, Cast):  # no scales: the weight itself
-        node = node.replace(data=node.data * _tie_one(tie, node.data.dtype))  # (or its words)
+        node = node.replace(data=node.data * one_after(tie, node.data.dtype))  # (or its words)
     elif tie is not None:
-        one = _tie_one(tie, jnp.float32)
+        one = one_after(tie, jnp.float32)
         node = node.replace(scale=(node.scale.astype(jnp.float32) * one).astype(node.scale.dtype))
     return node.dequantize()
 
@@ -688,6 +709,25 @@ def _override(e, ins, read):
     return outs if e.primitive.multiple_results else [outs]
 
 
+def reads_stored(fun: Callable) -> Callable:
+    """`fun` marked as reading `Quantized` nodes' arrays itself, so that `at_use(fun)`
+    (and the trainers, which apply it) is `fun`: for a function made from a step that
+    was traced through `at_use` already, e.g. the part of a step after a prefix cache.
+
+    Args:
+      fun: a function of pytrees that may hold `Quantized` nodes.
+
+    Returns:
+      A function calling `fun`, with the mark.
+    """
+    @functools.wraps(fun)
+    def marked(*args, **kwargs):
+        return fun(*args, **kwargs)
+
+    marked.reads_stored = True
+    return marked
+
+
 def at_use(fun: Callable) -> Callable:
     """`fun` (written for float parameters) as a function of trees holding `Quantized`
     nodes (and narrower float leaves, which it reads as they are stored).
@@ -700,12 +740,16 @@ def at_use(fun: Callable) -> Callable:
     their arrays' gradients are zero.
 
     Args:
-      fun: a function of pytrees of arrays.
+      fun: a function of pytrees of arrays (one marked by `reads_stored` is returned as
+        it is).
 
     Returns:
       A function of the same arguments in which any float array may be a `Quantized`
       node; it returns what `fun` returns on the dequantized values.
     """
+    if getattr(fun, "reads_stored", False):
+        return fun
+
     @functools.wraps(fun)
     def wrapped(*args, **kwargs):
         flat, tree = jax.tree_util.tree_flatten((args, kwargs), is_leaf=is_quantized)

@@ -41,6 +41,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from pockjax import lowbit
 from pockjax._home import claim
 from pockjax._prefix_cache import PrefixCache, example_keys, whole_digest
 from pockjax._prefix_cut import CutValue, PrefixCacheError, PrefixSplit, find_cut
@@ -236,9 +237,9 @@ class PrefixCachedTrainer:
             return None
         if self._scheduled():
             from pockjax.schedule import ScheduledTrainer
-            suffix = ScheduledTrainer(t.replace(loss_fn=split.suffix_loss), self.trainer.schedule)
+            suffix = ScheduledTrainer(t.replace(loss_fn=_suffix(split)), self.trainer.schedule)
         else:
-            suffix = t.replace(loss_fn=split.suffix_loss)
+            suffix = t.replace(loss_fn=_suffix(split))
         cache = PrefixCache(split.values, self.budget_bytes, self.spill_dir, self.dtype)
         return split, prefix, suffix, cache
 
@@ -250,7 +251,7 @@ class PrefixCachedTrainer:
         prefix_flops = count_flops(split.prefix_jaxpr()) if split.values else 0.0
         step_flops = count_flops(trainer.trace(state, batch))
         cut = [jax.ShapeDtypeStruct((split.examples, *v.shape), v.dtype) for v in split.values]
-        suffix_flops = count_flops(trainer.replace(loss_fn=split.suffix_loss).trace(
+        suffix_flops = count_flops(trainer.replace(loss_fn=_suffix(split)).trace(
             state, {"batch": batch, "cut": cut}))
         share = prefix_flops / step_flops if step_flops else 0.0
         per_byte = prefix_flops / max(split.examples * split.bytes_per_example, 1)
@@ -384,6 +385,12 @@ class PrefixCachedTrainer:
         for cache in self.caches():
             cache.close()
         self._splits.clear()
+
+
+def _suffix(split: PrefixSplit):
+    """The split's suffix as a trainer's loss: it reads stored (`pockjax.lowbit`) weights
+    as the traced step did, so the trainer does not dequantize them around it again."""
+    return lowbit.reads_stored(split.suffix_loss)
 
 
 def _check_per_example(split: PrefixSplit, prefix, params, batch) -> None:

@@ -39,6 +39,24 @@ def dense_view(fun, scheme, params, *args, argnums=0, has_aux=False):
     return pj.trainable_view(g, scheme)
 
 
+def no_nodes(grad):
+    """A sparse gradient of stored weights with each `pockjax.lowbit.Quantized` node (all
+    of whose arrays are frozen: None) as one None, as the float model's gradient has it."""
+    from pockjax import lowbit
+
+    return jax.tree.map(lambda x: None if lowbit.is_quantized(x) else x, grad,
+                        is_leaf=lambda x: x is None or lowbit.is_quantized(x))
+
+
+def dequantized(params, dtype=np.float32):
+    """`params` with every stored weight (`pockjax.lowbit.Quantized`) and every other
+    leaf in `dtype`: the float model holding the stored values."""
+    from pockjax import lowbit
+
+    return jax.tree.map(lambda x: lowbit.dequantize(x, dtype), params,
+                        is_leaf=lowbit.is_quantized)
+
+
 def assert_trees_close(got, want, rtol=1e-5, atol=1e-6):
     got_leaves, got_def = jax.tree_util.tree_flatten(got, is_leaf=lambda x: x is None)
     want_leaves, want_def = jax.tree_util.tree_flatten(want, is_leaf=lambda x: x is None)

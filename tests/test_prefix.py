@@ -13,6 +13,7 @@ from flax import nnx
 
 import pockjax as pj
 import pockjax.nnx  # noqa: F401  (registers the nnx converters)
+from pockjax import lowbit
 from pockjax.finetuning import lm_loss
 from pockjax.models.llama import Llama, LlamaConfig, cast_frozen
 from pockjax.prefix import PrefixCachedTrainer, PrefixCacheError, find_cut
@@ -59,7 +60,7 @@ def _llama(remat=None, frozen_bf16=False):
     return loss, params, data
 
 
-@pytest.mark.parametrize("case", ["last-2", "paper", "remat", "bf16-frozen"])
+@pytest.mark.parametrize("case", ["last-2", "paper", "remat", "bf16-frozen", "int4-frozen"])
 def test_llama_cached_epochs_equal_the_uncached_run(case):
     loss, params, data = _llama(remat="block" if case == "remat" else None,
                                 frozen_bf16=case == "bf16-frozen")
@@ -67,6 +68,8 @@ def test_llama_cached_epochs_equal_the_uncached_run(case):
               else pj.schemes.last_blocks(params, 2))
     if case == "bf16-frozen":
         params = cast_frozen(params, scheme, jnp.bfloat16)
+    if case == "int4-frozen":  # the prefix and the suffix read them as the step does
+        params = lowbit.quantize(params, scheme, "int4")
     trainer = pj.sparse_train(loss, optimizer=optax.adamw(1e-2), scheme=scheme)
     split = find_cut(loss, params, jax.tree_util.tree_map(lambda x: x[:BATCH], data), scheme)
     # The residual stream entering block 2, nothing else.

@@ -1,7 +1,9 @@
 """Mixed precision for the LLaMA-family decoder: products with weights stored narrower
 than the compute dtype (`upcast_matmul`, which upcasts each weight at its use only;
 `narrow_matmul`, which multiplies it as it is, autocast's numerics), the `project` the
-layers call, and `cast_frozen`, the parameter layout that stores frozen weights narrow.
+layers call, and `cast_frozen`, the parameter layout that stores frozen weights narrow
+(as `pockjax.lowbit` nodes, upcast at each use by the library; plain narrow arrays for
+the native products).
 `pockjax.models.llama` re-exports the public names; `LlamaConfig.narrow_matmul` picks an
 entry of `NARROW_MATMUL`.
 """
@@ -12,18 +14,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pockjax import lowbit
+
 
 def _upcast_after(w: jax.Array, x: jax.Array) -> jax.Array:
-    """`w` upcast to `x`'s dtype, computed only once `x` exists.
-
-    XLA's CPU scheduler would convert every parameter at the top of the step (a convert
-    of a parameter depends on nothing else), keeping all the float32 copies alive at
-    once, and it drops `optimization_barrier`s before scheduling; so the copy is tied to
-    the layer's input by data: times `1 + 0 * x[0, ..., 0]` (that element replaced by 0
-    when it is not finite, so an inf or NaN there stays where it is), exactly 1, fused
-    into the conversion."""
-    first = jax.lax.slice(x, (0,) * x.ndim, (1,) * x.ndim).reshape(())
-    return w.astype(x.dtype) * (1 + 0 * jnp.where(jnp.isfinite(first), first, 0))
+    """`w` upcast to `x`'s dtype, computed only once `x` exists (`lowbit.one_after`: the
+    tie that keeps XLA from converting every weight at the top of the step)."""
+    return w.astype(x.dtype) * lowbit.one_after(x, x.dtype)
 
 
 def _matmul(x: jax.Array, w: jax.Array, transposed: bool) -> jax.Array:
@@ -125,40 +122,64 @@ def project(x: jax.Array, w: jax.Array, dtype, transposed: bool = False,
     return _matmul(x, w.astype(dtype), transposed)
 
 
-def cast_frozen(params, scheme, dtype=jnp.bfloat16, trained_dtype=jnp.float32):
-    """`params` with the leaves `scheme` freezes in `dtype` and the rest in `trained_dtype`.
+def cast_frozen(params, scheme, dtype=jnp.bfloat16, trained_dtype=jnp.float32, *,
+                native: bool = False):
+    """`params` with the leaves `scheme` freezes stored in `dtype` and the rest in
+    `trained_dtype`.
 
     This is the mixed-precision layout for sparse fine-tuning (use it with a
-    `LlamaConfig(dtype=jnp.float32)` model). Trained leaves stay float32 masters, so the
-    optimizer state `SparseTrainer.init` makes for them is float32 too. Works on arrays
-    and on `jax.ShapeDtypeStruct`s (to lower or size a step without allocating it).
+    `LlamaConfig(dtype=jnp.float32)` model). Frozen weights are `pockjax.lowbit` nodes
+    in the `Cast(dtype)` format: the step (`sparse_train`, `nnx.Trainer`, or a loss
+    wrapped in `lowbit.at_use`) upcasts each at its use, again in the backward pass,
+    and never holds a float32 copy of the frozen model. A weight trained in part
+    (`Channels`) keeps its trained channels as a float32 master (`lowbit.quantize`).
+    Frozen vectors (norm scales) are plain `dtype` arrays, read as they are. Trained
+    leaves stay `trained_dtype` masters, so the optimizer state `SparseTrainer.init`
+    makes for them is float32 too. Works on arrays and on `jax.ShapeDtypeStruct`s (to
+    lower or size a step without allocating it).
 
     Args:
       params: the parameter pytree.
       scheme: the `Scheme` that says which leaves are frozen.
       dtype: the dtype of frozen leaves (default bfloat16).
       trained_dtype: the dtype of trained leaves (default float32).
+      native: store frozen weights as plain `dtype` arrays instead (as they are when
+        `dtype` is not narrower than `trained_dtype`), for a model that
+        multiplies them as they are (`LlamaConfig(narrow_matmul="native")`, whose
+        products round activations to `dtype`); such a model also runs without
+        `lowbit.at_use`.
 
     Returns:
-      A pytree of the same structure; leaves already of the wanted dtype are returned
-      as they are.
+      A pytree of the same structure, each frozen weight a `lowbit.Quantized` node (a
+      plain array with `native`); leaves already of the wanted dtype are returned as
+      they are.
 
     Examples:
       >>> import pockjax as pj
       >>> model = Llama(LlamaConfig.tiny(dtype=jnp.float32), rngs=nnx.Rngs(0))
       >>> _, params, _ = pj.nnx.split(model)
       >>> layers = cast_frozen(params, pj.schemes.last_blocks(params, 1))["layers"]
-      >>> layers[0]["mlp"]["up_proj"]["kernel"].dtype, layers[1]["mlp"]["up_proj"]["kernel"].dtype
+      >>> layers[0]["mlp"]["up_proj"]["kernel"]
+      Quantized(bfloat16, shape=(64, 172))
+      >>> layers[0]["mlp"]["up_proj"]["kernel"].data.dtype, layers[1]["mlp"]["up_proj"]["kernel"].dtype
       (dtype(bfloat16), dtype('float32'))
     """
     from pockjax.scheme import Frozen
 
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        return jax.eval_shape(functools.partial(cast_frozen, scheme=scheme, dtype=dtype,
+                                                trained_dtype=trained_dtype, native=native),
+                              params)
     decisions = scheme.resolve(params)
+    stored = not native and _narrower(dtype, trained_dtype)
+    fmt = lowbit.Cast(jnp.dtype(dtype)) if stored else None
 
     def cast(x, decision):
-        want = jnp.dtype(dtype if isinstance(decision, Frozen) else trained_dtype)
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return jax.ShapeDtypeStruct(x.shape, want)
+        frozen = isinstance(decision, Frozen)
+        stored = lowbit.store_leaf(x, decision, fmt, dtype=trained_dtype)
+        if lowbit.is_quantized(stored):
+            return stored
+        want = jnp.dtype(dtype if frozen else trained_dtype)
         return x if x.dtype == want else x.astype(want)
 
     return jax.tree.map(cast, params, decisions)

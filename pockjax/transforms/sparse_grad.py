@@ -31,6 +31,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from pockjax import lowbit
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.view import (apply_sparse_updates, resolved_decisions,  # noqa: F401
                           trainable_view)
@@ -226,6 +227,8 @@ class SparseGradFn:
         elif not isinstance(argnums, (int, np.integer)):
             raise TypeError(f"argnums must be an int or a tuple of ints, got {argnums!r}")
         self.fun, self.scheme, self.argnums = fun, scheme, argnums
+        # Frozen weights stored by pockjax.lowbit are dequantized at each use.
+        self._on_stored = lowbit.at_use(fun)
         self.has_aux, self.with_value = has_aux, with_value
         self._cache: dict = {}
         functools.update_wrapper(self, fun)
@@ -307,7 +310,7 @@ class SparseGradFn:
         else:
             args[nums[0]] = diff
         try:
-            return self.fun(*args, **kwargs)
+            return self._on_stored(*args, **kwargs)
         except tuple(kind for kind, _ in _CONCRETIZATION) as err:
             raise _traced_value_error(err, self.fun) from err
 
@@ -371,7 +374,9 @@ def sparse_grad(fun: Callable, scheme: Scheme, argnums: int | Sequence[int] = 0,
 
     The gradient has the parameters' tree structure: Frozen leaves are `None`, Channels
     leaves hold the kept slice only, Full leaves are whole. It equals `jax.grad(fun)`
-    sliced the same way (see `trainable`). Works inside and outside `jax.jit`; the
+    sliced the same way (see `trainable`). Frozen weights stored by `pockjax.lowbit`
+    (`Quantized` nodes) are dequantized at each use (`lowbit.at_use`), so `fun` is
+    written for float parameters. Works inside and outside `jax.jit`; the
     returned function has `.explain(*args)` describing the rewrite and `.trace(*args)`
     giving the gradient program. Non-array leaves of the other arguments are static
     (each new value traces again) and must be hashable.
