@@ -177,12 +177,14 @@ class Quantized:
                    words=words, master=master, channels=channels)
 
     def replace(self, **changes) -> "Quantized":
-        """A copy with some arrays changed (`data`, `scale`, `zero`, `master`)."""
-        fields = dict(data=self.data, scale=self.scale, zero=self.zero, master=self.master)
+        """A copy with some arrays changed (`data`, `scale`, `zero`, `master`; `shape`
+        for a piece of the weight)."""
+        fields = dict(data=self.data, scale=self.scale, zero=self.zero, master=self.master,
+                      shape=self.shape)
         fields.update(changes)
         return Quantized(fields["data"], fields["scale"], fields["zero"], fmt=self.fmt,
-                         shape=self.shape, dtype=self.dtype, axis=self.axis, words=self.words,
-                         master=fields["master"], channels=self.channels)
+                         shape=tuple(fields["shape"]), dtype=self.dtype, axis=self.axis,
+                         words=self.words, master=fields["master"], channels=self.channels)
 
     @property
     def data_shape(self) -> tuple[int, ...]:
@@ -606,6 +608,9 @@ def one_after(tie: jax.Array, dtype) -> jax.Array:
 def _materialize(node, tie):
     """`node` dequantized once `tie` exists: the tie multiplies the scales (small), so the
     float weight is one fusion of the stored arrays, computed again at each use."""
+    if (tie is not None and isinstance(node.fmt, Cast) and not node.words
+            and node.channels is None):  # upcast and tied in one fusion
+        return node.dequantize() * one_after(tie, node.dtype)
     if tie is not None and isinstance(node.fmt, Cast):  # no scales: the weight itself
         node = node.replace(data=node.data * one_after(tie, node.data.dtype))  # (or its words)
     elif tie is not None:
@@ -620,8 +625,71 @@ def _dot(spec, other, w):
     return jax.lax.dot_general(*args, dims, precision=precision, preferred_element_type=preferred)
 
 
+# A stored weight whose float copy would be larger than this is multiplied in pieces
+# along its output axis, each dequantized once the previous piece's product exists, so at
+# most one piece's float copy is alive (an output head of a 32,000-token vocabulary is
+# 0.5 GiB in float32 at LLaMA-2-7B's width).
+PIECE_BYTES = 64 << 20
+
+
+def _pieces(spec, lazy, leaves, other_ndim: int):
+    """`(free, position, bounds)` for a product whose stored 2-D weight dequantizes to
+    more than `PIECE_BYTES`: the weight's axis that is not contracted, where that axis
+    sits in the product's output, and each piece's `(start, stop)` on it; None for a
+    product in one piece (a small weight, one reshaped or transposed first, one with
+    trained channels or in 32-bit words)."""
+    node = lazy.node(leaves)
+    if lazy.ops or node.channels is not None or node.words or len(node.shape) != 2:
+        return None
+    side, ((lc, rc), (lb, rb)), _, _ = spec
+    (w_c, w_b), (o_c, o_b) = ((rc, rb), (lc, lb)) if side == 1 else ((lc, lb), (rc, rb))
+    if w_b or o_b or len(w_c) != 1:
+        return None
+    free = 1 - w_c[0]
+    if isinstance(node.fmt, Int4) and free == node.axis:  # packed along that axis
+        return None
+    size = int(np.prod(node.shape)) * jnp.dtype(node.dtype).itemsize
+    n = node.shape[free]
+    count = min(-(-size // PIECE_BYTES), n)
+    if count < 2:
+        return None
+    step = -(-n // count)
+    # dot_general's output: batch axes, the left operand's free axes, the right one's.
+    position = other_ndim - len(o_c) if side == 1 else 0
+    return free, position, [(a, min(a + step, n)) for a in range(0, n, step)]
+
+
+def _piece(node, free: int, start: int, stop: int):
+    """Columns (or rows) `start:stop` of `node` along its axis `free`: each stored array
+    sliced where it spans that axis."""
+    n = node.shape[free]
+
+    def cut(a):
+        if a is None or a.shape[free] != n:
+            return a  # a scale shared along that axis
+        return jax.lax.slice_in_dim(a, start, stop, axis=free)
+
+    shape = list(node.shape)
+    shape[free] = stop - start
+    return node.replace(data=cut(node.data), scale=cut(node.scale), zero=cut(node.zero),
+                        shape=shape)
+
+
+def _dot_in_pieces(spec, node, other, pieces):
+    free, position, bounds = pieces
+    outs, tie = [], other
+    for a, b in bounds:
+        y = _dot(spec, other, _materialize(_piece(node, free, a, b), tie))
+        outs.append(y)
+        tie = y  # the next piece is dequantized once this product exists
+    return jax.lax.concatenate(outs, position)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _qdot(spec, lazy, other, *leaves):
+    pieces = _pieces(spec, lazy, leaves, np.ndim(other))
+    if pieces is not None:
+        return _dot_in_pieces(spec, lazy.node(leaves), other, pieces)
     return _dot(spec, other, lazy.value(leaves, other))
 
 
@@ -634,8 +702,18 @@ def _qdot_fwd(spec, lazy, other, *leaves):
 
 def _qdot_bwd(spec, lazy, residuals, g):
     shape, leaves, other = residuals
-    w = lazy.value(leaves, g)  # dequantized again, once the output's gradient exists
-    (d_other,) = jax.linear_transpose(lambda o: _dot(spec, o, w), shape)(g)
+    pieces = _pieces(spec, lazy, leaves, len(shape.shape))
+    if pieces is None:
+        w = lazy.value(leaves, g)  # dequantized again, once the output's gradient exists
+        (d_other,) = jax.linear_transpose(lambda o: _dot(spec, o, w), shape)(g)
+    else:  # piece by piece, each once the sum of the previous pieces' gradients exists
+        free, position, bounds = pieces
+        node, d_other = lazy.node(leaves), None
+        for a, b in bounds:
+            w = _materialize(_piece(node, free, a, b), g if d_other is None else d_other)
+            g_piece = jax.lax.slice_in_dim(g, a, b, axis=position)
+            (d,) = jax.linear_transpose(lambda o, w=w: _dot(spec, o, w), shape)(g_piece)
+            d_other = d if d_other is None else d_other + d
     grads = [np.zeros(x.shape, jax.dtypes.float0) if not jnp.issubdtype(x.dtype, jnp.inexact)
              else jnp.zeros_like(x) for x in leaves]
     if other is not None:
@@ -683,6 +761,55 @@ def _master_grad(spec, lazy, leaves, other, g):
 _qdot.defvjp(_qdot_fwd, _qdot_bwd)
 
 
+def _stored_rows(node, rows):
+    """Rows `rows` (an integer array, in range) of the stored 2-D weight `node`, as
+    floats `[*rows.shape, columns]`: only those rows are dequantized."""
+    take = lambda a, i: jnp.take(a, i, axis=0, mode="clip")  # noqa: E731
+    fmt, n = node.fmt, node.shape[1]
+    if isinstance(fmt, Cast):
+        return take(node.data, rows).astype(node.dtype)
+    if isinstance(fmt, Int8):
+        scale = node.scale[0] if node.axis == 0 else take(node.scale, rows)
+        return (take(node.data, rows).astype(jnp.float32) *
+                scale.astype(jnp.float32)).astype(node.dtype)
+    if node.axis == 1:  # int4 packed along the row: the rows' own bytes and scales
+        flat = rows.reshape(-1)
+        piece = node.replace(data=take(node.data, flat), scale=take(node.scale, flat),
+                             zero=None if node.zero is None else take(node.zero, flat),
+                             shape=(flat.shape[0], n))
+        return _dequantize_stored(piece, node.dtype).reshape(rows.shape + (n,))
+    # int4 packed along the rows: row r is one half of byte r // 2, group r // group.
+    group = node.shape[0] // node.scale.shape[0]
+    packed = jax.lax.bitcast_convert_type(take(node.data, rows // 2), jnp.uint8)
+    codes = jnp.where((rows % 2 == 0)[..., None], packed & 15, packed >> 4)
+    offset = 8.0 if node.zero is None else take(node.zero, rows // group).astype(jnp.float32)
+    scale = take(node.scale, rows // group).astype(jnp.float32)
+    return ((codes.astype(jnp.float32) - offset) * scale).astype(node.dtype)
+
+
+def _gather_rows(e, lazy, indices):
+    """A gather of whole rows from a stored 2-D weight (an embedding lookup) computed
+    from the rows' stored values, not from the whole dequantized table; None for any
+    other gather."""
+    node = lazy.node()
+    dn = e.params["dimension_numbers"]
+    if (lazy.ops or node.channels is not None or node.words or len(node.shape) != 2
+            or tuple(dn.collapsed_slice_dims) != (0,) or tuple(dn.start_index_map) != (0,)
+            or tuple(dn.offset_dims) != (np.ndim(indices) - 1,) or dn.operand_batching_dims
+            or tuple(e.params["slice_sizes"]) != (1, node.shape[1])
+            or np.shape(indices)[-1:] != (1,)):
+        return None
+    rows = indices[..., 0]
+    n = node.shape[0]
+    got = _stored_rows(node, jnp.clip(rows, 0, n - 1))
+    if e.params["mode"] == jax.lax.GatherScatterMode.FILL_OR_DROP:
+        fill = e.params.get("fill_value")
+        fill = jnp.nan if fill is None else fill
+        got = jnp.where(((rows >= 0) & (rows < n))[..., None], got,
+                        jnp.asarray(fill, got.dtype))
+    return got
+
+
 def _float_operand(ins):
     return next((x for x in ins if not isinstance(x, _Lazy) and hasattr(x, "dtype")
                  and np.ndim(x) > 0), None)
@@ -697,6 +824,10 @@ def _override(e, ins, read):
         return interpret(sub.jaxpr, sub.consts, ins, _override)
     if len(ins) == 1 and len(e.outvars) == 1 and not e.primitive.multiple_results:
         return [ins[0].then(e)]  # transpose, reshape, convert...: deferred to the use
+    if e.primitive is P.gather_p and isinstance(ins[0], _Lazy) and len(lazy) == 1:
+        got = _gather_rows(e, ins[0], ins[1])
+        if got is not None:
+            return [got]
     if e.primitive is P.dot_general_p and len(lazy) == 1 and len(ins) == 2:
         side = 1 if isinstance(ins[1], _Lazy) else 0
         other = ins[1 - side]

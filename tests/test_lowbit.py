@@ -465,3 +465,45 @@ def test_finetune_trains_channels_on_an_int4_base(tmp_path):
     q = lowbit.quantize_leaf(jnp.asarray(before[up].T, jnp.float32), "int4")
     np.testing.assert_array_equal(after[up][kept:], np.asarray(lowbit.dequantize(q)).T[kept:])
     assert after["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
+
+
+@pytest.mark.parametrize("rows_packed", [True, False], ids=["table-in-rows", "table-in-columns"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_large_products_go_in_pieces_and_lookups_read_their_rows(fmt, rows_packed, monkeypatch):
+    """A product with a stored weight larger than `lowbit.PIECE_BYTES` (on either side of
+    the product) dequantizes it a piece at a time, forward and backward; a lookup in a
+    stored table dequantizes only the rows it reads, ids out of range giving NaN rows as
+    `jnp.take` does. The gradient equals `jax.grad` on the dequantized weights, and the
+    compiled gradient holds no float copy of the table or of either head."""
+    vocab, width = 512, 64
+    keys = jax.random.split(jax.random.key(3), 4)
+    params = {"embed": jax.random.normal(keys[0], (vocab, width)),
+              "w": jax.random.normal(keys[1], (width, width)) / 8,
+              "head": jax.random.normal(keys[2], (width, vocab)) / 8,
+              "head_t": jax.random.normal(keys[3], (vocab, width)) / 8}
+    ids = jnp.asarray([[0, 5, vocab - 1, 17, 2], [vocab, -1, 3, 3, 64]], jnp.int32)
+
+    def loss(p, ids):
+        h = jnp.take(p["embed"], ids, axis=0)             # NaN rows for ids out of range
+        h = jnp.tanh(jnp.where(jnp.isnan(h), 0.5, h) @ p["w"])
+        logits = h @ p["head"]                              # the weight on the right
+        back = jax.lax.dot_general(p["head_t"], h, (((1,), (2,)), ((), ())))  # on the left
+        return jnp.mean(jnp.sin(logits)) + jnp.mean(back ** 2)
+
+    scheme = pj.Scheme({"w": pj.Full()}, default=pj.Frozen())
+    layouts = {"head_t": {"in": 1, "out": 0}, "embed": {"in": 0 if rows_packed else 1,
+                                                        "out": 1 if rows_packed else 0}}
+    q = lowbit.quantize(params, scheme, fmt, layouts=layouts)
+    frozen = {k: v for k, v in q.items() if k != "w"}
+    float_copy = vocab * width * 4
+    monkeypatch.setattr(lowbit, "PIECE_BYTES", float_copy // 8)
+    grad = jax.jit(jax.grad(lambda t, f, ids: lowbit.at_use(loss)({**f, "w": t}, ids)))
+    want = jax.grad(lambda t: loss({**_deq(frozen), "w": t}, ids))(q["w"])
+    got = grad(q["w"], frozen, ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+    rows = lowbit.at_use(lambda p, ids: jnp.take(p["embed"], ids, axis=0))(q, ids)
+    np.testing.assert_array_equal(rows, jnp.take(_deq(q)["embed"], ids, axis=0))
+    # (jnp.take counts a negative id from the end; one past the end reads NaN)
+    assert np.isnan(rows[1, 0]).all() and not np.isnan(rows[1, 1:]).any()
+    temp = grad.lower(q["w"], frozen, ids).compile().memory_analysis().temp_size_in_bytes
+    assert temp < float_copy, (temp, float_copy)  # without pieces: 2.4-2.5 copies

@@ -403,8 +403,8 @@ def test_upstream_xla_cpu_early_converts_still_needs_workaround():
         temp = _compiled(forward(upcast), ws, x).memory_analysis().temp_size_in_bytes
         assert temp >= every_copy, (
             f"XLA now converts each weight when its layer runs ({upcast.__name__}: {temp} "
-            f"bytes of temporaries, all copies are {every_copy}): review _upcast_after in "
-            "pockjax/models/_llama_precision.py")
+            f"bytes of temporaries, all copies are {every_copy}): review one_after in "
+            "pockjax/lowbit.py")
 
 
 def test_upstream_xla_cpu_reduction_fused_into_dot_still_needs_workaround():
