@@ -629,7 +629,7 @@ def _dot(spec, other, w):
 # along its output axis, each dequantized once the previous piece's product exists, so at
 # most one piece's float copy is alive (an output head of a 32,000-token vocabulary is
 # 0.5 GiB in float32 at LLaMA-2-7B's width).
-PIECE_BYTES = 64 << 20
+PIECE_BYTES = 256 << 20
 
 
 def _pieces(spec, lazy, leaves, other_ndim: int):
@@ -866,9 +866,11 @@ def at_use(fun: Callable) -> Callable:
     Each quantized weight is dequantized at each use, tied by data to the using
     operation's other input; in a matrix product (`dot_general`, after any transposes,
     reshapes or casts of the weight) the backward pass dequantizes it again rather than
-    keeping the forward pass's float copy. Inside loops (`scan`, `while`, `cond`) a
-    quantized weight is dequantized whole before the loop. Quantized weights are frozen:
-    their arrays' gradients are zero.
+    keeping the forward pass's float copy; a weight larger than `PIECE_BYTES` as float
+    is multiplied in pieces along its output axis, one piece's float copy alive at a
+    time. A lookup of whole rows (an embedding) dequantizes the rows it reads only.
+    Inside loops (`scan`, `while`, `cond`) a quantized weight is dequantized whole
+    before the loop. Quantized weights are frozen: their arrays' gradients are zero.
 
     Args:
       fun: a function of pytrees of arrays (one marked by `reads_stored` is returned as
