@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pockjax as pj
+from pockjax import lowbit
 from benchmarks.common import malloc_env
 from benchmarks.real_size import PRESETS, _uniform, build_params, guarded, scheme_for
 
@@ -54,7 +55,9 @@ def test_params_are_made_in_their_storage_dtypes():
     for x, a, d in zip(jax.tree.leaves(params), jax.tree.leaves(abstract),
                        jax.tree.leaves(scheme.resolve(params))):
         assert x.dtype == a.dtype == (jnp.bfloat16 if isinstance(d, pj.Frozen) else jnp.float32)
-    w = np.asarray(params["layers"][0]["mlp"]["up_proj"]["kernel"], np.float32)
+    kernel = params["layers"][0]["mlp"]["up_proj"]["kernel"]   # frozen: a lowbit node
+    assert lowbit.is_quantized(kernel) and kernel.data.dtype == jnp.bfloat16
+    w = np.asarray(lowbit.dequantize(kernel, jnp.float32))
     assert abs(w.std() - 0.02) < 1e-3 and abs(w.mean()) < 1e-3
     assert np.all(np.asarray(params["norm"]["scale"]) == 1)
 
