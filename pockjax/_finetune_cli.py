@@ -33,8 +33,8 @@ def add_arguments(p) -> None:
     g.add_argument("--steps", type=int, help="training steps")
     g.add_argument("--epochs", type=float, help="passes over the data (default 1)")
     p.add_argument("--batch", type=int, default=4, help="examples per step (default 4)")
-    p.add_argument("--seq", type=int, default=512, help="tokens per example; longer ones are "
-                   "cut (default 512)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per example; longer ones are "
+                   "cut (default 512, or the model's max_position_embeddings where fewer)")
     p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
     p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default 0)")
     p.add_argument("--schedule", default="cosine", choices=SCHEDULES,

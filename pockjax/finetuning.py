@@ -215,8 +215,27 @@ def _say(progress: bool, text: str) -> None:
         tqdm.write(f"pockjax finetune: {text}", file=sys.stderr)
 
 
+def _check_positions(model, seq: int | None) -> int:
+    """`--seq` (None: 512, or fewer where the model takes fewer), checked against the
+    positions the model was built for (its config's `max_position_embeddings`, GPT-2's
+    `n_positions`)."""
+    from pockjax.models.hf import read_config
+
+    config = read_config(model)
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    limit = limit if isinstance(limit, int) and limit >= 2 else None
+    if seq is None:
+        return 512 if limit is None else min(512, limit)
+    if limit is not None and seq > limit:
+        raise FinetuneError(f"--seq {seq}: the model in '{model}' takes at most {limit} "
+                            f"positions (max_position_embeddings in its config.json); pass "
+                            f"--seq {limit} or less")
+    return seq
+
+
 def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int | None = None,
-             epochs: float | None = None, batch: int = 4, seq: int = 512, lr: float = 1e-4,
+             epochs: float | None = None, batch: int = 4, seq: int | None = None,
+             lr: float = 1e-4,
              warmup: int = 0, schedule: str = "cosine", weight_decay: float = 0.0,
              eval_every: int | None = None, save_every: int | None = None, keep: int = 3,
              resume: bool = False, overwrite: bool = False, seed: int = 0,
@@ -248,7 +267,9 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
       epochs: passes over the data instead of `steps` (a positive number, rounded up to
         whole steps); with neither, 1 epoch.
       batch: examples per step; default 4.
-      seq: tokens per example, at least 2 (longer examples are cut); default 512.
+      seq: tokens per example, at least 2 (longer examples are cut), at most the
+        model's positions (`max_position_embeddings`); default 512, or the model's
+        positions where fewer.
       lr: AdamW's peak learning rate, positive; default 1e-4.
       warmup: linear warm-up steps from 0 to `lr`; default 0.
       schedule: the decay after the warm-up: "cosine" (the default, to 0 at the last
@@ -303,9 +324,11 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     if steps is not None and epochs is not None:
         raise FinetuneError("give --steps or --epochs, not both")
     for name, value in (("batch", batch), ("seq", seq), ("keep", keep)):
+        if name == "seq" and value is None:
+            continue
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise FinetuneError(f"--{name} must be a positive whole number, got {value!r}")
-    if seq < 2:
+    if seq is not None and seq < 2:
         raise FinetuneError(f"--seq must be at least 2 (a token and the one it predicts), "
                             f"got {seq}")
     for name, value in (("steps", steps), ("eval-every", eval_every), ("save-every", save_every)):
@@ -337,6 +360,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                               scheme, shapes, layers)) if known else None)
 
     loaded = load()
+    seq = _check_positions(model, seq)
     try:
         tokenizer = Tokenizer.from_folder(model)
     except TokenizerError as e:

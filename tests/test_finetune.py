@@ -326,6 +326,8 @@ def test_bad_inputs_get_messages(folders, data, tmp_path, capsys):
     fails("is not empty and holds no pockjax run", *base, "--out", used)
     fails("--seq must be a positive whole number, got 0", *base[:-1], "0", "--out", tmp_path / "e")
     fails("--seq must be at least 2", *base[:-1], "1", "--out", tmp_path / "e2")
+    fails("takes at most 128 positions (max_position_embeddings in its config.json); pass "
+          "--seq 128 or less", *base[:-1], "512", "--out", tmp_path / "e3")
     fails("--scheme 'nothing'", *base, "--scheme", "nothing", "--out", tmp_path / "f")
     fails("last:N takes a positive", *base, "--scheme", "last:0", "--out", tmp_path / "g")
     scheme = tmp_path / "scheme.json"
@@ -343,6 +345,7 @@ def test_bad_inputs_get_messages(folders, data, tmp_path, capsys):
           "--frozen-dtype", "int3", "--out", tmp_path / "l2")
     gpt2 = ["--model", folders["gpt2"], *base[2:]]
     fails("use --frontend torch", *gpt2, "--frontend", "flax", "--out", tmp_path / "m")
+    fails("takes at most 128 positions", *gpt2[:-1], "129", "--out", tmp_path / "m2")
     fails("implemented for pockjax's Flax models", *gpt2, "--scheme", "lora:4",
           "--out", tmp_path / "n")
 
@@ -529,6 +532,14 @@ def test_prefix_cache_gives_the_same_run_and_says_so(folders, data, tmp_path, ca
     a, b = _params(Path(a.final)), _params(Path(b.final))
     for k in a:
         np.testing.assert_array_equal(b[k], a[k], err_msg=k)
+
+
+def test_seq_defaults_to_the_models_positions_where_fewer(folders, data, tmp_path, capsys):
+    """Without --seq a model built for 128 positions trains on 128 tokens, not 512 (its
+    forward pass would refuse them)."""
+    pj.finetune(folders["gpt2"], data["train"], tmp_path / "run", steps=1, batch=2,
+                scheme="last:1", progress=True, plot=False)
+    assert "1 steps of 2 x 128 tokens" in capsys.readouterr().err
 
 
 def test_a_tokenizer_larger_than_its_model_is_a_finetune_error(folders, data, tmp_path):
