@@ -608,11 +608,10 @@ def one_after(tie: jax.Array, dtype) -> jax.Array:
 def _materialize(node, tie):
     """`node` dequantized once `tie` exists: the tie multiplies the scales (small), so the
     float weight is one fusion of the stored arrays, computed again at each use."""
-    if (tie is not None and isinstance(node.fmt, Cast) and not node.words
-            and node.channels is None):  # upcast and tied in one fusion
-        return node.dequantize() * one_after(tie, node.dtype)
-    if tie is not None and isinstance(node.fmt, Cast):  # no scales: the weight itself
-        node = node.replace(data=node.data * one_after(tie, node.data.dtype))  # (or its words)
+    if tie is not None and isinstance(node.fmt, Cast) and not node.words:
+        return node.dequantize() * one_after(tie, node.dtype)  # upcast and tied in one fusion
+    if tie is not None and isinstance(node.fmt, Cast):  # its words: no scales to tie
+        node = node.replace(data=node.data * one_after(tie, node.data.dtype))
     elif tie is not None:
         one = one_after(tie, jnp.float32)
         node = node.replace(scale=(node.scale.astype(jnp.float32) * one).astype(node.scale.dtype))
@@ -632,6 +631,14 @@ def _dot(spec, other, w):
 PIECE_BYTES = 256 << 20
 
 
+def _whole_2d(lazy, node) -> bool:
+    """Whether `node` is read as it is stored (no transpose or reshape first), has rank 2,
+    no trained channels and no 32-bit words: a weight a product can take in pieces and
+    a lookup row by row."""
+    return (not lazy.ops and node.channels is None and not node.words
+            and len(node.shape) == 2)
+
+
 def _pieces(spec, lazy, leaves, other_ndim: int):
     """`(free, position, bounds)` for a product whose stored 2-D weight dequantizes to
     more than `PIECE_BYTES`: the weight's axis that is not contracted, where that axis
@@ -639,7 +646,7 @@ def _pieces(spec, lazy, leaves, other_ndim: int):
     product in one piece (a small weight, one reshaped or transposed first, one with
     trained channels or in 32-bit words)."""
     node = lazy.node(leaves)
-    if lazy.ops or node.channels is not None or node.words or len(node.shape) != 2:
+    if not _whole_2d(lazy, node):
         return None
     side, ((lc, rc), (lb, rb)), _, _ = spec
     (w_c, w_b), (o_c, o_b) = ((rc, rb), (lc, lb)) if side == 1 else ((lc, lb), (rc, rb))
@@ -793,9 +800,8 @@ def _gather_rows(e, lazy, indices):
     other gather."""
     node = lazy.node()
     dn = e.params["dimension_numbers"]
-    if (lazy.ops or node.channels is not None or node.words or len(node.shape) != 2
-            or tuple(dn.collapsed_slice_dims) != (0,) or tuple(dn.start_index_map) != (0,)
-            or tuple(dn.offset_dims) != (np.ndim(indices) - 1,) or dn.operand_batching_dims
+    if (not _whole_2d(lazy, node) or tuple(dn.collapsed_slice_dims) != (0,)
+            or tuple(dn.start_index_map) != (0,) or tuple(dn.offset_dims) != (np.ndim(indices) - 1,) or dn.operand_batching_dims
             or tuple(e.params["slice_sizes"]) != (1, node.shape[1])
             or np.shape(indices)[-1:] != (1,)):
         return None

@@ -481,6 +481,11 @@ def test_large_products_go_in_pieces_and_lookups_read_their_rows(fmt, rows_packe
               "w": jax.random.normal(keys[1], (width, width)) / 8,
               "head": jax.random.normal(keys[2], (width, vocab)) / 8,
               "head_t": jax.random.normal(keys[3], (vocab, width)) / 8}
+    # Exact zeros: a zero row of the table, zero columns of both heads (a whole piece of
+    # `head`), an all-zero output channel of `head_t`.
+    params["embed"] = params["embed"].at[5].set(0.0)
+    params["head"] = params["head"].at[:, 64:128].set(0.0).at[:, 300].set(0.0)
+    params["head_t"] = params["head_t"].at[7].set(0.0)
     ids = jnp.asarray([[0, 5, vocab - 1, 17, 2], [vocab, -1, 3, 3, 64]], jnp.int32)
 
     def loss(p, ids):
@@ -507,3 +512,10 @@ def test_large_products_go_in_pieces_and_lookups_read_their_rows(fmt, rows_packe
     assert np.isnan(rows[1, 0]).all() and not np.isnan(rows[1, 1:]).any()
     temp = grad.lower(q["w"], frozen, ids).compile().memory_analysis().temp_size_in_bytes
     assert temp < float_copy, (temp, float_copy)  # without pieces: 2.4-2.5 copies
+
+
+def test_quantize_refuses_a_tree_stored_already():
+    q = lowbit.quantize(_mlp(), pj.Scheme({"l3/**": pj.Full()}, default=pj.Frozen()), "int8")
+    with pytest.raises(lowbit.QuantizeError, match=r"'embed' is stored already \(4 weights "
+                                                   r"are\): quantize the float weights"):
+        lowbit.quantize(q, None, "int4")
