@@ -134,6 +134,7 @@ def prepare(args) -> None:
 
 LOWBIT_MODEL = "lowbit-mlp"
 QUALITY_WORK = "/tmp/pockjax-quality"
+QUALITY_PACK = "quality.tar.xz"
 
 
 def _lowbit_model():
@@ -150,7 +151,8 @@ def prepare_quality(args) -> None:
     """The quality benchmark's runs, made ready to train on the GPU: the pretraining
     corpus and its tokenizer, the tasks and the runs' `config.json`, built here under
     `--work` (the same absolute path there, so the runs' folder has the same name) and
-    packed into `<dir>/quality.tar.gz`."""
+    packed into `<dir>/quality.tar.xz` (xz: the medium preset's corpus is 250 MB of
+    Python, 40 MB packed, and a device run takes 64 MiB)."""
     import tarfile
 
     from benchmarks import quality
@@ -160,15 +162,19 @@ def prepare_quality(args) -> None:
     pretrained = Path(cfg["pretrained"])
     packed = [Path(cfg["corpus_heldout"]).parent, Path(cfg["tasks"]["domain"]["train"]).parents[1],
               config]
-    dst = os.path.join(args.dir, "quality.tar.gz")
-    with tarfile.open(dst, "w:gz") as tar:
+    dst = os.path.join(args.dir, QUALITY_PACK)
+    for old in ("quality.tar.gz", QUALITY_PACK):
+        Path(args.dir, old).unlink(missing_ok=True)
+    t0 = time.perf_counter()
+    with tarfile.open(dst + ".tmp", "w:xz", preset=6) as tar:
         for path in packed:
             tar.add(path, arcname=str(path).lstrip("/"))
+    os.replace(dst + ".tmp", dst)
     with open(os.path.join(args.dir, "quality.json"), "w") as f:
         json.dump({"config": str(config), "preset": args.quality,
                    "pretrained": str(pretrained)}, f, indent=1)
-    print(f"quality: {dst} ({os.path.getsize(dst) / 2**20:.1f} MiB): the corpus, the tasks "
-          f"and {config}")
+    print(f"quality: {dst} ({os.path.getsize(dst) / 2**20:.1f} MiB, "
+          f"{time.perf_counter() - t0:.0f} s): the corpus, the tasks and {config}")
 
 
 def _rel(got, want) -> float:
@@ -342,32 +348,78 @@ def prefix7b(args) -> None:
         json.dump(out, f, indent=1)
 
 
-def _shard(weights: str, out: str) -> None:
-    """`weights` (a safetensors file) as `part<i>.safetensors` files of at most
-    SHARD_BYTES each in `out` (a device run brings back files under 16 MB)."""
+def _shard(weights: str, out: str, bfloat16: bool = False) -> None:
+    """`weights` (a safetensors file) as parts of at most SHARD_BYTES each in `out` (a
+    device run brings back files under 16 MB, 64 MiB in all): `part<i>.safetensors`, or
+    with `bfloat16` (float32 weights whose values are bfloat16's) `part<i>.npz`, each
+    tensor's bfloat16 bits as two compressed byte planes (the high bytes, sign and
+    exponent, compress to about half: 30% smaller in all)."""
+    import numpy as np
     from safetensors.numpy import load_file, save_file
 
     os.makedirs(out, exist_ok=True)
     tensors = load_file(weights)
+    if bfloat16:
+        for k, x in tensors.items():
+            bits = x.view(np.uint32)
+            if x.dtype != np.float32 or np.any(bits & 0xFFFF):
+                raise ValueError(f"{weights}: {k} is not bfloat16 values stored as float32")
     part, size, parts = {}, 0, 0
-    for k in sorted(tensors):
-        if part and size + tensors[k].nbytes > SHARD_BYTES:
+
+    def flush():
+        if bfloat16:
+            planes = {}
+            for k, x in part.items():
+                high = (x.view(np.uint32) >> 16).astype(np.uint16)
+                planes[f"{k}@hi"] = (high >> 8).astype(np.uint8)
+                planes[f"{k}@lo"] = (high & 0xFF).astype(np.uint8)
+            np.savez_compressed(os.path.join(out, f"part{parts}.npz"), **planes)
+        else:
             save_file(part, os.path.join(out, f"part{parts}.safetensors"))
+
+    for k in sorted(tensors):
+        nbytes = tensors[k].nbytes // (2 if bfloat16 else 1)
+        if part and size + nbytes > SHARD_BYTES:
+            flush()
             part, size, parts = {}, 0, parts + 1
         part[k] = tensors[k]
-        size += tensors[k].nbytes
-    save_file(part, os.path.join(out, f"part{parts}.safetensors"))
+        size += nbytes
+    flush()
 
 
 def _unshard(src: str, weights: str) -> None:
-    """The `part<i>.safetensors` files in `src` joined into `weights`."""
+    """The parts `_shard` wrote in `src` joined into `weights` (float32)."""
+    import numpy as np
     from safetensors.numpy import load_file, save_file
 
     tensors = {}
     for part in sorted(os.listdir(src)):
         if part.startswith("part") and part.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(src, part)))
+        elif part.startswith("part") and part.endswith(".npz"):
+            with np.load(os.path.join(src, part)) as planes:
+                for name in planes.files:
+                    if name.endswith("@hi"):
+                        k = name[:-3]
+                        high = (planes[name].astype(np.uint32) << 8) | planes[f"{k}@lo"]
+                        tensors[k] = (high << 16).view(np.float32)
     save_file(tensors, weights, metadata={"format": "pt"})
+
+
+def weights_digest(weights: str) -> str:
+    """The sha256 of a safetensors file's tensors (names, shapes, dtypes and bytes, in
+    name order): equal for the same weights whatever the file's header order."""
+    import hashlib
+
+    from safetensors.numpy import load_file
+
+    h = hashlib.sha256()
+    tensors = load_file(weights)
+    for k in sorted(tensors):
+        x = tensors[k]
+        h.update(f"{k}{x.shape}{x.dtype}".encode())
+        h.update(x.tobytes())
+    return h.hexdigest()
 
 
 def _trained_on() -> dict:
@@ -379,60 +431,91 @@ def _trained_on() -> dict:
 
 def quality_on_gpu(args) -> None:
     """There: the quality benchmark's pretraining and training runs, from what
-    `prepare --quality` packed. The model is pretrained first; then every row
-    (`benchmarks/quality.py --row`, one process each, `--workers` at a time, the two
-    searches one after the other since they share their candidates) until `--deadline`
-    seconds from the start, when unfinished rows are stopped. PyTorch's rows run on the
-    GPU too. Into `--out`: the model's weights in parts and `quality-runs.tar.gz` (every
-    finished run's records, the model folder's other files, each row's log);
-    `adopt-quality` puts them in place here, where `python -m benchmarks quality` then
-    finds the runs done and times each row on this machine."""
+    `prepare --quality` packed. The model is pretrained first (a packed preset for its
+    time budget, `benchmarks/pretrain.py`'s `train_packed`); then every row
+    (`benchmarks/quality.py --row`, one process each, `--workers` at a time, the searches
+    one after the other since they share their candidates) until `--deadline` seconds
+    from the start, when unfinished rows are stopped. PyTorch's rows run on the GPU too;
+    every row multiplies float32 in float32 (`JAX_DEFAULT_MATMUL_PRECISION=highest`; no
+    TF32 in PyTorch either), so both frameworks compute what they do on the CPU. Into
+    `--out`: the model's weights in parts and `quality-runs.tar.gz` (every finished run's
+    records, the model folder's other files, each row's log); `adopt-quality` puts them
+    in place here, where `python -m benchmarks quality` then finds the runs done, trains
+    what is left and times each row on this machine."""
     import concurrent.futures
     import subprocess
     import tarfile
 
     t_start = time.perf_counter()
+    deadline = t_start + args.deadline
     with open(os.path.join(args.dir, "quality.json")) as f:
         info = json.load(f)
-    with tarfile.open(os.path.join(args.dir, "quality.tar.gz")) as tar:
+    packed = os.path.join(args.dir, QUALITY_PACK)
+    if not os.path.isfile(packed):
+        packed = os.path.join(args.dir, "quality.tar.gz")  # an older prepare's
+    with tarfile.open(packed) as tar:
         tar.extractall("/", filter="data")
     cfg = json.loads(Path(info["config"]).read_text())
     from benchmarks import pretrain, quality
 
-    preset = quality.PRESETS[info["preset"]]["pretrain"]
-    s = pretrain.PRESETS[preset]
+    name = quality.PRESETS[info["preset"]]["pretrain"]
+    s = dict(pretrain.PRESETS[name])
     model, corpus = Path(cfg["pretrained"]), Path(cfg["corpus_heldout"]).parent
     os.makedirs(args.out, exist_ok=True)
+    print(f"quality: unpacked {packed} in {time.perf_counter() - t_start:.0f} s", flush=True)
     if not (model / "pretrain.json").is_file():
         manifest = json.loads((corpus / "manifest.json").read_text())
         init = model.parent / "init"
         pretrain.save_init(init, corpus, manifest, s)
-        result = pretrain.train(init, corpus, "/tmp/pretrain-run", s, steps=args.steps,
-                                save_every=None, overwrite=True, plot=False, progress=False)
+        if s.get("packed"):
+            if args.pretrain_seconds is not None:
+                s["seconds"] = args.pretrain_seconds
+            result = pretrain.train_packed(
+                init, corpus, "/tmp/pretrain-run", s, seconds=s.get("seconds"),
+                steps=None if s.get("seconds") else (args.steps or s["steps"]))
+        else:
+            result = pretrain.train(init, corpus, "/tmp/pretrain-run", s, steps=args.steps,
+                                    save_every=None, overwrite=True, plot=False,
+                                    progress=False)
         tmp = model.with_name("model.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(result.final, tmp)
         shutil.copy(os.path.join(result.out, "metrics.jsonl"), tmp / "pretrain_metrics.jsonl")
-        record = pretrain.pretrain_record(preset, manifest, result, trained_on=_trained_on())
+        record = pretrain.pretrain_record(name, manifest, result, trained_on=_trained_on())
+        record["settings"] = s
         (tmp / "pretrain.json").write_text(json.dumps(record, indent=2) + "\n")
         os.replace(tmp, model)
         print(f"pretrained in {result.seconds:.0f} s: held-out {result.valid_loss_before:.3f} -> "
               f"{result.valid_loss:.3f}", flush=True)
-    _shard(str(model / "model.safetensors"), args.out)
+    weights = str(model / "model.safetensors")
+    (model / "weights.sha256").write_text(weights_digest(weights) + "\n")
+    _shard(weights, args.out, bfloat16=s.get("store") == "bfloat16")
 
     import torch
     runs = Path(cfg["runs"])
     gpu_config = runs / "config-gpu.json"
     gpu_config.write_text(json.dumps(
         {**cfg, "torch_device": "cuda" if torch.cuda.is_available() else "cpu"}, indent=1))
-    names = [m.name for m in quality.METHODS
-             if m.kind != "pretrained" and (m.quick or info["preset"] == "full")]
+    names = [m.name for m in quality.preset_methods(info["preset"]) if m.kind != "pretrained"]
     if args.methods:
         names = [quality.method_named(n).name for n in args.methods.split(",")]
     searches = [n for n in names if "search" in n]
     groups = ([searches] if searches else []) + [[n] for n in names if n not in searches]
     groups.append([quality.METHODS[0].name])  # the pretrained model, scored
-    deadline = t_start + args.deadline
+    env = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest",
+           "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                       "/tmp/pockjax-jax-cache"),
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+    if torch.cuda.is_available():
+        # Compiling is most of a row's time on a GPU; GEMM autotuning only changes which
+        # kernel computes a product, not its float32 result's precision. Kept only where
+        # this XLA still knows the flag (an unknown one aborts every process).
+        flag = os.environ.get("XLA_FLAGS", "") + " --xla_gpu_autotune_level=0"
+        probe = subprocess.run([sys.executable, "-c", "import jax.numpy as j; j.zeros(1)"],
+                               env={**env, "XLA_FLAGS": flag}, capture_output=True)
+        if probe.returncode == 0:
+            env["XLA_FLAGS"] = flag
 
     def run(group):
         out = {}
@@ -446,7 +529,7 @@ def quality_on_gpu(args) -> None:
                 try:
                     rc = subprocess.run([sys.executable, "-m", "benchmarks.quality", "--row",
                                          name, "--config", str(gpu_config)], cwd=ROOT,
-                                        stdout=log, stderr=subprocess.STDOUT,
+                                        stdout=log, stderr=subprocess.STDOUT, env=env,
                                         timeout=left).returncode
                     out[name] = f"exit {rc} after {time.perf_counter() - t0:.0f} s"
                 except subprocess.TimeoutExpired:
@@ -492,7 +575,13 @@ def adopt_quality(args) -> None:
     if any(n.startswith("part") for n in os.listdir(args.src)):
         _unshard(args.src, str(model / "model.safetensors"))
     if not (model / "model.safetensors").is_file():
-        sys.exit(f"{args.src}: no part*.safetensors, and no weights at {model} yet")
+        sys.exit(f"{args.src}: no part*.safetensors or part*.npz, and no weights at {model} yet")
+    digest = model / "weights.sha256"
+    if digest.is_file() and digest.read_text().strip() != weights_digest(
+            str(model / "model.safetensors")):
+        (model / "model.safetensors").unlink()
+        sys.exit(f"{args.src}: the joined weights differ from the ones the device run "
+                 f"trained (weights.sha256); bring back every part of that run again")
     print(f"adopted the runs and the model {model}")
 
 
@@ -600,7 +689,7 @@ def main(argv=None) -> None:
     p.add_argument("--target", default="jetson-cuda")
     p.add_argument("--models", help="comma-separated names from tests/export/models.py "
                                     "(default: all)")
-    p.add_argument("--quality", choices=["quick", "full"],
+    p.add_argument("--quality", choices=["quick", "small", "full", "medium", "medium-quick"],
                    help="also pack the quality benchmark's corpus, tasks and runs' "
                         "configuration of this preset")
     p.add_argument("--work", default=QUALITY_WORK,
@@ -628,6 +717,8 @@ def main(argv=None) -> None:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--methods", help="comma-separated rows (default: the preset's)")
     p.add_argument("--steps", type=int, help="pretraining steps instead of the preset's")
+    p.add_argument("--pretrain-seconds", type=float,
+                   help="a packed preset's pretraining time instead of the preset's")
     p = sub.add_parser("adopt-quality")
     p.add_argument("src", help="a device run's `quality` output folder")
     p = sub.add_parser("report")

@@ -1,8 +1,8 @@
 """Quality of sparse fine-tuning: every method from the same pretrained model, on the
 same batches and token budget, on two tasks the pretraining never saw.
 
-    python -m benchmarks quality [--quick] [--out FILE] [--work DIR] [--task-dir PATH]
-        [--methods NAME,NAME]
+    python -m benchmarks quality [--preset small|medium|quick|medium-quick] [--out FILE]
+        [--work DIR] [--task-dir PATH] [--methods NAME,NAME]
 
 The model is `benchmarks/pretrain.py`'s LLaMA pretrained on the Python standard library;
 the tasks (`benchmarks/quality_data.py`) are domain adaptation to numpy's sources
@@ -81,13 +81,33 @@ PRESETS = {
     # search's candidates are the weights of the last half of the blocks, each in full
     # and at 1/4 of its input channels: the library's default (every weight, at 1/8,
     # 1/4 and 1/2 too) would take about an hour a task.
-    "full": dict(pretrain="full", steps=80, sweep_steps=30, seeds=3, rates_in_sweep=3,
-                 blockwise_every=4,
-                 eval_points=8, batch=8, warmup_frac=0.1, sample_pct=100,
-                 caps={"train": 4000, "valid": 32, "test": 128}, eval_batch=16,
-                 search=dict(steps=10, lr=1e-3, last_blocks=3, parts=("**",), ratios=(0.25,)),
-                 time_steps=16, row_timeout=4 * 3600),
+    "small": dict(pretrain="small", steps=80, sweep_steps=30, seeds=3, rates_in_sweep=3,
+                  blockwise_every=4,
+                  eval_points=8, batch=8, warmup_frac=0.1, sample_pct=100,
+                  caps={"train": 4000, "valid": 32, "test": 128}, eval_batch=16,
+                  search=dict(steps=10, lr=1e-3, last_blocks=3, parts=("**",), ratios=(0.25,)),
+                  time_steps=16, row_timeout=4 * 3600),
+    # The 31.6M-parameter model (`benchmarks/pretrain.py`'s medium preset), the same tasks,
+    # the rows of `MEDIUM_METHODS`. Sweep runs are as long as the seeds' runs, so seed 0 at
+    # the chosen rate is its sweep run; 2 seeds. The search's candidates cover the whole
+    # model at the granularity of a block's attention or MLP (`whole_model_candidates`),
+    # 48 candidates instead of the library default's 200-odd single weights.
+    "medium": dict(pretrain="medium", steps=80, sweep_steps=80, seeds=2, rates_in_sweep=3,
+                   blockwise_every=2,
+                   eval_points=8, batch=8, warmup_frac=0.1, sample_pct=100,
+                   caps={"train": 4000, "valid": 32, "test": 128}, eval_batch=16,
+                   search=dict(steps=10, lr=1e-3, whole_model=True, ratios=(0.25,)),
+                   time_steps=16, row_timeout=8 * 3600),
+    # The medium preset's code path (its corpus source, packed pretraining, whole-model
+    # search, method list) at the quick preset's size: a test of the pipeline.
+    "medium-quick": dict(pretrain="medium-quick", steps=8, sweep_steps=8, seeds=2,
+                         rates_in_sweep=1, blockwise_every=2,
+                         eval_points=4, batch=8, warmup_frac=0.1, sample_pct=30,
+                         caps={"train": 2000, "valid": 16, "test": 32}, eval_batch=16,
+                         search=dict(steps=4, lr=1e-3, whole_model=True, ratios=(0.25,)),
+                         time_steps=4, row_timeout=900),
 }
+PRESETS["full"] = PRESETS["small"]  # the small preset's former name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,6 +162,29 @@ METHODS = [
            frozen="int4"),
 ]
 REFERENCE = "torch full (AdamW)"
+# The medium preset's rows: the references, LoRA, and pockjax's whole-block, channel,
+# searched and scheduled schemes.
+MEDIUM_METHODS = ("pretrained (no fine-tuning)", "torch full (AdamW)", "peft LoRA r8",
+                  "peft LoRA r16", "pockjax full", "pockjax last:1", "pockjax last:2",
+                  "pockjax paper", "pockjax paper+head", "pockjax search:LoRA-r8",
+                  "pockjax channels in 1/4", "pockjax blockwise")
+
+
+PRESET_TITLES = {"quick": "quick preset", "small": "small preset, 8.9M parameters",
+                 "full": "small preset, 8.9M parameters",
+                 "medium": "medium preset, 31.6M parameters",
+                 "medium-quick": "medium-quick preset"}
+# Each preset's results page (the .json and .png beside it).
+RESULTS = {"quick": "quality_quick.md", "small": "quality.md", "medium": "quality_medium.md",
+           "medium-quick": "quality_medium-quick.md"}
+
+
+def preset_methods(preset: str) -> list[Method]:
+    """The rows a preset runs: the quick preset's marked ones, the small preset's all,
+    the medium presets' `MEDIUM_METHODS`."""
+    if preset.startswith("medium"):
+        return [m for m in METHODS if m.name in MEDIUM_METHODS]
+    return [m for m in METHODS if m.quick or preset in ("small", "full")]
 
 
 def slug(name: str) -> str:
@@ -457,6 +500,41 @@ def lora_budget_bytes(cfg: dict, rank: int = 8) -> int:
     return pj.compiled_memory(traced.lower().compile())["peak"]
 
 
+def whole_model_candidates(params, ratios) -> list:
+    """The medium preset's search candidates, over the whole model: each block's attention
+    and MLP in full (`find_candidates(unit="module")`), the last half of the blocks' also
+    at `ratios` of their input channels, the embedding (in full, and the rows of the first
+    quarter of the vocabulary), the output head (in full and at a quarter of its input
+    channels), the final norm, and the block norms of the last block, of the last half
+    of the blocks and of all blocks."""
+    import pockjax as pj
+
+    names = pj.schemes.blocks(params)
+    late = set(names[len(names) // 2:])
+    keep_vectors = {1, max(1, len(names) // 2), len(names)}
+    out = []
+    for c in pj.scheme_search.find_candidates(params, ratios=ratios, unit="module"):
+        block = next((b for b in names if c.group.startswith(b + "/")), None)
+        if c.group == "vectors":
+            if int(c.name.split()[-2]) not in keep_vectors:
+                continue
+        elif block is not None and not c.name.endswith(" full") and block not in late:
+            continue
+        out.append(c)
+    return out
+
+
+def full_step_bytes(factory, params, batch) -> int:
+    """Full fine-tuning's compiled step memory (the search's 100%)."""
+    import jax
+
+    import pockjax as pj
+
+    trainer = factory(pj.Scheme(default=pj.Full()))
+    traced = trainer.trace(jax.eval_shape(trainer.init, params), batch)
+    return pj.compiled_memory(traced.lower().compile())["peak"]
+
+
 def search_scheme(cfg: dict, budget: str, task: str) -> str:
     """`pockjax.search_scheme` under `budget` ("lora-r8": LoRA r8's step memory; else a
     finetune budget such as "50%"), run once per task as `pockjax.finetune`'s
@@ -496,12 +574,33 @@ def search_scheme(cfg: dict, budget: str, task: str) -> str:
     def factory(scheme):
         return pj.sparse_train(loss, optimizer=optax.adamw(settings["lr"]), scheme=scheme)
 
-    last = pj.schemes.blocks(loaded.params)[-settings["last_blocks"]:]
-    include = [f"{b}/{part}" for b in last for part in settings["parts"]]
+    if settings.get("whole_model"):
+        options = {"candidates": whole_model_candidates(loaded.params, settings["ratios"])}
+    else:
+        last = pj.schemes.blocks(loaded.params)[-settings["last_blocks"]:]
+        options = {"include": [f"{b}/{part}" for b in last for part in settings["parts"]],
+                   "ratios": settings["ratios"]}
+    import jax
+
+    if budget == "lora-r8" and value >= full_step_bytes(factory, loaded.params, train_batches[0]):
+        # LoRA on every linear layer keeps every layer's activations for its adapters'
+        # backward pass, so its compiled step can need as much as full fine-tuning's: a
+        # budget that admits every weight. Said in the table's notes, not searched.
+        full = full_step_bytes(factory, loaded.params, train_batches[0])
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{slug(budget)}.info.json").write_text(json.dumps(
+            {"budget": budget, "budget_bytes": value, "full_bytes": full, "chosen": ["every weight"],
+             "candidates": 0, "seconds": 0.0, "admits_full": True}, indent=1) + "\n")
+        path.write_text(pj.Scheme(default=pj.Full()).to_json())
+        return str(path)
     t0 = time.perf_counter()
-    scheme, report = pj.search_scheme(factory, loaded.params, (train_batches, heldout), budget=value,
-                               steps=settings["steps"], cache=str(folder / "cache"),
-                               progress=False, include=include, ratios=settings["ratios"])
+    # The backend is part of the cache's key: compiled memory differs between a GPU and
+    # this CPU, so candidates measured on one are not mixed with the other's.
+    scheme, report = pj.search_scheme(factory, loaded.params, (train_batches, heldout),
+                                      budget=value, steps=settings["steps"],
+                                      cache=str(folder / "cache"),
+                                      cache_key=jax.default_backend(), progress=False,
+                                      **options)
     folder.mkdir(parents=True, exist_ok=True)
     info = {"budget": budget, "budget_bytes": report.budget_bytes,
             "full_bytes": report.full_bytes, "forward_bytes": report.forward_bytes,
@@ -802,6 +901,14 @@ def summarize(rows: list[dict]) -> None:
         s["corpus_loss"], s["corpus_loss_sd"] = _mean_sd([x["corpus_loss"] for x in runs])
         if r["task"] in base:
             s["forgetting"] = s["corpus_loss"] - base[r["task"]]["runs"][0]["corpus_loss"]
+            if r["task"] in ref:
+                # Learning as a share of the reference's: its test-loss drop from the
+                # pretrained model's, per seed, over the reference's mean drop.
+                start = base[r["task"]]["runs"][0]["test_loss"]
+                full = start - statistics.mean(x["test_loss"] for x in ref[r["task"]]["runs"])
+                if full > 0:
+                    s["gain_share"], s["gain_share_sd"] = _mean_sd(
+                        [(start - x["test_loss"]) / full for x in runs])
         if r["task"] == "instruct":
             s["exact_match"], s["exact_match_sd"] = _mean_sd([x["exact_match"] for x in runs])
         if r["kind"] != "pretrained":
@@ -840,22 +947,35 @@ def _fmt(mean, sd, digits=4, seeds=1) -> str:
 def markdown(rows, meta) -> str:
     p, cfg = meta["preset"], meta["config"]
     pre = meta["pretrain"]
+    packages = pre["corpus"]["settings"].get("source") == "packages"
+    corpus = (f"the standard library and every installed package's sources except "
+              f"{', '.join(pre['corpus']['settings']['exclude'])} under "
+              if packages else "the standard library of ")
+    head = pre["settings"]["hidden"] * pre["corpus"]["vocab_size"]
     lines = [
         f"# Fine-tuning quality: pockjax's schemes against PyTorch and peft "
-        f"({'quick preset' if p == 'quick' else 'full preset'})", "",
+        f"({PRESET_TITLES.get(p, p + ' preset')})", "",
         f"Run {meta['date']}, commit {meta['commit']}. {meta['cpu']}, {meta['cores']} cores; "
         f"{meta['versions']}.", "",
         f"**Model**: pockjax's LLaMA, {pre['settings']['layers']} blocks, width "
         f"{pre['settings']['hidden']}, vocabulary {pre['corpus']['vocab_size']} "
-        f"({pre['parameters']:,} parameters), pretrained by `python -m benchmarks pretrain"
-        f"{' --quick' if p == 'quick' else ''}` for {pre['steps']} steps of "
-        f"{pre['settings']['batch']} x {pre['settings']['seq']} tokens on the standard library "
-        f"of {pre['corpus']['interpreter']} ({pre['corpus']['pretraining_files']['files']} files, "
+        f"({pre['parameters']:,} parameters, the output head {head / pre['parameters']:.1%} of "
+        f"them), pretrained by `python -m benchmarks pretrain --preset "
+        f"{ {'full': 'small'}.get(pre['preset'], pre['preset'])}` for "
+        f"{pre['steps']:,} steps of "
+        f"{pre['settings']['batch']} x {pre['settings']['seq']} tokens "
+        + (f"({pre['tokens_per_parameter']:.1f} tokens a parameter, {pre['passes']:.2f} passes) "
+           if "tokens_per_parameter" in pre else "")
+        + f"on {corpus}{pre['corpus']['interpreter']} "
+        f"({pre['corpus']['pretraining_files']['files']:,} files, "
         f"{pre['corpus']['tokens']['train_files']:,} tokens, file list sha256 "
         f"`{pre['corpus']['pretraining_files']['list_sha256'][:16]}`)"
-        + (f", on {pre['trained_on']['device']} (JAX {pre['trained_on']['jax']})"
-           if "trained_on" in pre else "")
-        + f"; its held-out loss {pre['heldout_loss']:.4f}.",
+        + (f", on {pre['trained_on']['device']} (JAX {pre['trained_on']['jax']}"
+           + (f", {pre['settings']['matmul']} matmuls" if pre["settings"].get("matmul") else "")
+           + ")" if "trained_on" in pre else "")
+        + f"; its held-out loss {pre['heldout_loss']:.4f}"
+        + (f" (weights rounded to bfloat16 after training; {pre['heldout_loss_unrounded']:.4f} "
+           f"before)" if pre.get("heldout_loss_unrounded") else "") + ".",
         f"**Tasks** (held out from pretraining, split by file): *domain*, the sources of "
         f"{meta['tasks']['domain']['source']} {meta['tasks']['domain']['version']} "
         f"(test: {meta['tasks']['domain']['records']['test']} records of up to {cfg['seq']} "
@@ -871,7 +991,9 @@ def markdown(rows, meta) -> str:
         f"seeds." + (f" The training runs ran on: {meta['trained_on']}; the speed and memory "
                      f"columns are this machine's timing runs."
                      if meta.get("trained_on") else ""), "",
-        "Columns: *test loss* on the task's test split (nats/token); *corpus loss*: the "
+        "Columns: *test loss* on the task's test split (nats/token); *share of full FT's "
+        f"gain*: the test loss's drop from the pretrained model's over {REFERENCE}'s (mean "
+        "over seeds; the learning axis of the figure); *corpus loss*: the "
         "pretraining corpus's held-out files after fine-tuning, and its change from the "
         "pretrained model's (forgetting); *exact match*: the body's first line under greedy "
         "decoding; *s/step*: the median of the steps after the first (pockjax's first step "
@@ -890,18 +1012,21 @@ def markdown(rows, meta) -> str:
     for task in TASKS:
         em = task == "instruct"
         lines += [f"## Task: {task}", "",
-                  "| method | lr | test loss | corpus loss (forgetting) | "
+                  "| method | lr | test loss | share of full FT's gain | "
+                  "corpus loss (forgetting) | "
                   + ("exact match | " if em else "")
                   + "s/step | tokens/s | peak RSS MiB | trained params | time to quality |",
-                  "|---|---:|---:|---:|" + ("---:|" if em else "") + "---:|---:|---:|---:|---:|"]
+                  "|---|---:|---:|---:|---:|" + ("---:|" if em else "") + "---:|---:|---:|---:|---:|"]
         for r in (r for r in rows if r["task"] == task):
             if "runs" not in r:
-                lines.append(f"| {r['method']} | {r['error']} |" + " |" * (7 + em))
+                lines.append(f"| {r['method']} | {r['error']} |" + " |" * (8 + em))
                 continue
             s, n = r["summary"], len(r["runs"])
             forget = (f" ({s['forgetting']:+.4f})" if "forgetting" in s else "")
+            share = ("-" if r["kind"] == "pretrained" or "gain_share" not in s else
+                     _fmt(100 * s["gain_share"], 100 * s["gain_share_sd"], 0, n) + "%")
             cells = [r["method"], f"{r['lr']:g}" if r["lr"] else "-",
-                     _fmt(s["test_loss"], s["test_loss_sd"], 4, n),
+                     _fmt(s["test_loss"], s["test_loss_sd"], 4, n), share,
                      _fmt(s["corpus_loss"], s["corpus_loss_sd"], 4, n) + forget]
             if em:
                 cells.append(_fmt(100 * s["exact_match"], 100 * s["exact_match_sd"], 1, n) + "%")
@@ -926,34 +1051,118 @@ def markdown(rows, meta) -> str:
     return "\n".join(lines)
 
 
-def plot(rows, path: Path) -> None:
-    """Validation loss against training seconds (as time to quality counts them), seed 0
-    of every method, one panel a task, with the time-to-quality target."""
+# The figure's method groups, one colour each (a marker per method within a group).
+GROUPS = {"PyTorch": "#222222", "LoRA": "#d62728", "pockjax whole blocks": "#1f77b4",
+          "pockjax channels": "#2ca02c", "pockjax searched": "#9467bd",
+          "pockjax schedule": "#ff7f0e", "pockjax low-bit frozen": "#8c564b"}
+MARKERS = "osD^vPX*<>"
+
+
+def group_of(method: str) -> str:
+    """The figure's group of a method (by its row in `METHODS`)."""
+    m = method_named(method)
+    if m.kind == "torch":
+        return "PyTorch"
+    if m.kind == "peft" or m.scheme.startswith("lora:"):
+        return "LoRA"
+    if m.frozen != "float32":
+        return "pockjax low-bit frozen"
+    if m.scheme.startswith("@search"):
+        return "pockjax searched"
+    if m.scheme == "@blockwise":
+        return "pockjax schedule"
+    if m.scheme.startswith("@channels"):
+        return "pockjax channels"
+    return "pockjax whole blocks"
+
+
+def styles(rows) -> dict[str, tuple[str, str]]:
+    """`{method: (colour, marker)}` for the methods of `rows`, in their order."""
+    out, used = {}, {}
+    for r in rows:
+        if r["kind"] == "pretrained" or r["method"] in out:
+            continue
+        g = group_of(r["method"])
+        out[r["method"]] = (GROUPS[g], MARKERS[used.get(g, 0) % len(MARKERS)])
+        used[g] = used.get(g, 0) + 1
+    return out
+
+
+def frontier(points) -> list[tuple[float, float]]:
+    """The learning-forgetting frontier of `(forgetting, learning)` points: those no
+    other point beats on both (forgets no more and learns at least as much), by
+    forgetting."""
+    best, out = -math.inf, []
+    for x, y in sorted(points, key=lambda p: (p[0], -p[1])):
+        if y > best:
+            out.append((x, y))
+            best = y
+    return out
+
+
+def plot(rows, path: Path, title: str = "") -> None:
+    """The results figure, one column a task. Top: the learning-forgetting plane (the
+    rise of the pretraining corpus's held-out loss against the share of full fine-tuning's
+    test-loss gain; each method's mean over seeds with their standard deviation as
+    error bars; the dashed line is the frontier). Bottom: validation loss against
+    training seconds (as time to quality counts them; seed 0), with the time-to-quality
+    target. One colour per group of methods (`GROUPS`), one marker per method."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(1, len(TASKS), figsize=(6 * len(TASKS), 4.5))
-    for ax, task in zip(axes, TASKS):
-        target = None
+    style = styles(rows)
+    fig, axes = plt.subplots(2, len(TASKS), figsize=(6.2 * len(TASKS) + 3.2, 10),
+                             squeeze=False)
+    for col, task in enumerate(TASKS):
+        plane, curves = axes[0][col], axes[1][col]
+        points, target = [], None
         for r in rows:
             if r["task"] != task or "runs" not in r or r["kind"] == "pretrained":
                 continue
+            colour, marker = style[r["method"]]
+            s = r["summary"]
+            if "gain_share" in s and "forgetting" in s:
+                plane.errorbar(s["forgetting"], s["gain_share"], xerr=s["corpus_loss_sd"],
+                               yerr=s["gain_share_sd"], fmt=marker, color=colour, ms=7,
+                               mfc=colour if r["kind"] in ("torch", "peft") else "white",
+                               mew=1.5, elinewidth=0.8, capsize=2)
+                points.append((s["forgetting"], s["gain_share"]))
             curve, timing = r["runs"][0]["valid_curve"], r.get("timing")
             at = ([0.0 if c[1] == 0 else timing["first_step_s"] + (c[1] - 1) * timing["s_per_step"]
                    for c in curve] if timing else [c[0] for c in curve])
-            ax.plot(at, [c[2] for c in curve], "o-", ms=3, lw=1,
-                    label=r["method"], ls="--" if r["kind"] in ("torch", "peft") else "-")
-            target = r["summary"].get("quality_target")
+            curves.plot(at, [c[2] for c in curve], marker=marker, ms=4, lw=1, color=colour,
+                        ls="--" if r["kind"] in ("torch", "peft") else "-",
+                        mfc=colour if r["kind"] in ("torch", "peft") else "white")
+            target = s.get("quality_target")
+        if points:
+            line = frontier(points + [(0.0, 0.0)])
+            plane.plot(*zip(*line), "k--", lw=0.8, zorder=0)
+            plane.plot([0], [0], "k+", ms=10)
+            plane.annotate("pretrained", (0, 0), textcoords="offset points", xytext=(4, 4),
+                           fontsize=8)
+        plane.set_title(f"task: {task}: learning against forgetting")
+        plane.set_xlabel("forgetting: rise of the pretraining corpus's held-out loss (nats)")
+        plane.set_ylabel("learning: share of full fine-tuning's test-loss gain")
+        plane.grid(alpha=0.3)
         if target:
-            ax.axhline(target, color="#555", lw=0.8, ls=":",
-                       label=f"within {QUALITY_MARGIN:.0%} of {REFERENCE}")
-        ax.set_title(f"task: {task}")
-        ax.set_xlabel("training seconds (first step's compilation included)")
-        ax.set_ylabel("validation loss (nats/token)")
-    axes[-1].legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+            curves.axhline(target, color="#555", lw=0.8, ls=":")
+        curves.set_title(f"task: {task}: validation loss against time (this CPU)")
+        curves.set_xlabel("training seconds (first step's compilation included)")
+        curves.set_ylabel("validation loss (nats/token)")
+        curves.grid(alpha=0.3)
+    handles = [Line2D([], [], color=c, marker=m, ls="none", ms=7,
+                      mfc=c if method_named(name).kind in ("torch", "peft") else "white",
+                      mew=1.5, label=name) for name, (c, m) in style.items()]
+    handles.append(Line2D([], [], color="k", ls="--", lw=0.8, label="frontier"))
+    handles.append(Line2D([], [], color="#555", ls=":", lw=0.8,
+                          label=f"within {QUALITY_MARGIN:.0%} of {REFERENCE}'s final loss"))
+    fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0, 1 - 3.0 / (6.2 * len(TASKS) + 3.2), 1))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -971,6 +1180,19 @@ def cpu_model() -> str:
 # --------------------------------------------------------------------------- main
 
 
+def corpus_exclude(task_dir: str | None) -> tuple[str, ...]:
+    """The installed package a `--task-dir` is (or lies in), which a "packages" corpus
+    must leave out too; () otherwise."""
+    if not task_dir:
+        return ()
+    path = Path(task_dir).resolve()
+    for root in quality_data.site_packages():
+        root = root.resolve()
+        if path != root and root in path.parents:
+            return (path.relative_to(root).parts[0].removesuffix(".py"),)
+    return ()
+
+
 def prepare_runs(work: Path, preset: str, task_dir: str | None = None):
     """The tasks and the runs' configuration of `preset` under `work`: `(cfg, tasks
     manifest, config.json path)`. It needs the pretraining corpus and its tokenizer
@@ -981,9 +1203,9 @@ def prepare_runs(work: Path, preset: str, task_dir: str | None = None):
     settings = PRESETS[preset]
     pre_settings = pretraining.PRESETS[settings["pretrain"]]
     seq = pre_settings["seq"]
-    where = pretraining.folders(work, settings["pretrain"])
-    corpus = quality_data.build_corpus(where["corpus"], **{
-        k: pre_settings[k] for k in pretraining.CORPUS_KEYS})
+    exclude = corpus_exclude(task_dir)
+    where = pretraining.folders(work, settings["pretrain"], exclude)
+    corpus = pretraining.build_corpus(work, settings["pretrain"], exclude)
     task_key = [settings["caps"], settings["sample_pct"], seq, str(task_dir),
                 corpus["pretraining_files"]["content_sha256"]]
     task_folder = work / f"tasks-{pretraining.settings_hash(task_key)}"
@@ -1010,12 +1232,17 @@ def main(argv=None) -> int:
         description=__doc__.split("\n\n")[0],
         epilog="Rows run in their own processes; finished runs are cached under --work and "
                "skipped when the command is run again.")
+    ap.add_argument("--preset", choices=[p for p in PRESETS if p != "full"], default="small",
+                    help="small (the default: 8.9M parameters on the standard library), "
+                         "medium (31.6M on every installed package's sources; its "
+                         "pretraining needs a GPU, see benchmarks/gpu.py), quick and "
+                         "medium-quick (tiny models: tests of the pipeline)")
     ap.add_argument("--quick", action="store_true",
-                    help="the small preset: a tiny model, 1 seed, 1 learning rate, "
+                    help="the same as --preset quick: a tiny model, 1 seed, 1 learning rate, "
                          f"{PRESETS['quick']['steps']} steps, the rows marked quick (minutes)")
     ap.add_argument("--out", help="the Markdown table; the .json and .png go beside it "
-                                  "(default benchmarks/results/quality.md, or quality_quick.md "
-                                  "with --quick)")
+                                  "(default benchmarks/results/quality.md, quality_medium.md "
+                                  "or quality_<preset>.md)")
     ap.add_argument("--work", default=pretraining.DEFAULT_WORK,
                     help="cache folder: data, the pretrained model, every run "
                          f"(default {pretraining.DEFAULT_WORK})")
@@ -1027,6 +1254,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-timing", action="store_true",
                     help="train and score the rows only; a later call without it times "
                          "them (the training may then share the machine with other work)")
+    ap.add_argument("--replot", action="store_true",
+                    help="only write the table and the figure again from the .json beside "
+                         "--out (a finished run's), with this version's columns and figure")
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--timing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
@@ -1037,13 +1267,14 @@ def main(argv=None) -> int:
 
     if args.task_dir:
         quality_data.check_task_dir(args.task_dir)
-    preset = "quick" if args.quick else "full"
+    preset = "quick" if args.quick else args.preset
     settings = PRESETS[preset]
-    out = Path(args.out or os.path.join(ROOT, "benchmarks", "results",
-                                        "quality_quick.md" if args.quick else "quality.md"))
+    out = Path(args.out or os.path.join(ROOT, "benchmarks", "results", RESULTS[preset]))
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        return replot(out)
     work = Path(args.work).resolve()
-    methods = [m for m in METHODS if m.quick or preset == "full"]
+    methods = preset_methods(preset)
     if args.methods:
         methods = [method_named(n.strip()) for n in args.methods.split(",")]
         if not any(m.kind == "pretrained" for m in methods):
@@ -1051,10 +1282,14 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
 
     # 1. The pretrained model (its own process: JAX stays out of this one).
-    flag = ["--quick"] if preset == "quick" else []
-    subprocess.run([sys.executable, "-m", "benchmarks.pretrain", *flag, "--work", str(work)],
-                   check=True, cwd=ROOT)
-    where = pretraining.folders(work, settings["pretrain"])
+    exclude = corpus_exclude(args.task_dir)
+    made = subprocess.run([sys.executable, "-m", "benchmarks.pretrain", "--preset",
+                           settings["pretrain"], "--work", str(work), "--exclude",
+                           ",".join(exclude)], cwd=ROOT)
+    if made.returncode:
+        sys.exit(f"quality benchmark: pretraining the {settings['pretrain']} model failed "
+                 f"(above)")
+    where = pretraining.folders(work, settings["pretrain"], exclude)
     pre = json.loads((where["model"] / "pretrain.json").read_text())
 
     # 2. The tasks and the runs' folder.
@@ -1106,13 +1341,35 @@ def main(argv=None) -> int:
             "config": cfg, "pretrain": pre, "tasks": {t: tasks[t] for t in TASKS},
             "seconds": time.perf_counter() - t_start, "notes": notes(cfg, rows),
             "trained_on": trained_on(rows)}
-    out.write_text(markdown(rows, meta))
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    plot(rows, out.with_suffix(".png"))
+    write_results(out, rows, meta)
     print(out.read_text())
     print(f"quality: {time.perf_counter() - t_start:.0f} s; wrote {out} and its .json, .png",
           file=sys.stderr)
     return 1 if errors else 0
+
+
+def write_results(out: Path, rows, meta) -> None:
+    """The table, its data and its figure: `out` and the .json and .png beside it."""
+    from pockjax.checkpoint import write_atomic
+
+    write_atomic(out, markdown(rows, meta).encode())
+    write_atomic(out.with_suffix(".json"),
+                 (json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n").encode())
+    title = PRESET_TITLES.get(meta["preset"], meta["preset"])
+    plot(rows, out.with_suffix(".png"), f"Fine-tuning quality, {title}")
+
+
+def replot(out: Path) -> int:
+    """`--replot`: the table and figure of a finished run, from its .json."""
+    data = out.with_suffix(".json")
+    if not data.is_file():
+        sys.exit(f"quality benchmark: --replot needs {data}, a finished run's data")
+    saved = json.loads(data.read_text())
+    rows = [r for r in saved["rows"]]
+    summarize([r for r in rows if "runs" in r])
+    write_results(out, rows, saved["meta"])
+    print(f"quality: wrote {out} and its .png from {data}", file=sys.stderr)
+    return 0
 
 
 def trained_on(rows) -> str:
@@ -1146,6 +1403,12 @@ def notes(cfg: dict, rows) -> list[str]:
                    f"into the weights before scoring.")
     for info in sorted(Path(cfg["runs"]).glob("search/*/*.info.json")):
         i = json.loads(info.read_text())
+        if i.get("admits_full"):
+            out.append(f"search {i['budget']} on task {info.parent.name}: LoRA r8's compiled "
+                       f"step ({i['budget_bytes'] / 2**20:.1f} MiB) is no smaller than full "
+                       f"fine-tuning's ({i['full_bytes'] / 2**20:.1f} MiB), so the budget "
+                       f"admits every weight: the row trains them all.")
+            continue
         out.append(f"search {i['budget']} on task {info.parent.name}: budget "
                    f"{i['budget_bytes'] / 2**20:.1f} MiB of compiled step memory (full "
                    f"fine-tuning {i['full_bytes'] / 2**20:.1f} MiB), {i['candidates']} "

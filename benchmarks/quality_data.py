@@ -2,9 +2,12 @@
 from it, all made from Python sources installed on this machine.
 
 - **Pretraining corpus**: the running interpreter's standard library
-  (`sysconfig.get_paths()["stdlib"]`), without its test folders and installed packages.
-  A few percent of its files (chosen by hashing their paths) are held out: the
-  fine-tuned models' loss on them measures forgetting.
+  (`sysconfig.get_paths()["stdlib"]`), without its test folders and installed packages
+  (source "stdlib", the small preset's); or the standard library and the Python sources
+  of every installed package except the tasks' (numpy, sympy and a `--task-dir`
+  package; source "packages", the medium preset's). A few percent of its files (chosen
+  by hashing their paths) are held out: the fine-tuned models' loss on them measures
+  forgetting.
 - **Task "domain"** (domain adaptation): the sources of an installed package the
   pretraining never saw, numpy by default (or any folder of Python files), split into
   train / valid / test *by file*, so no file is on both sides.
@@ -128,11 +131,12 @@ def write_tokenizer(tok, folder: Path, max_length: int) -> None:
 # --------------------------------------------------------------------------- records
 
 
-def text_records(texts, tok, seq: int, min_tokens: int = 16) -> list[str]:
+def text_records(texts, tok, seq: int, min_tokens: int = 16, encodings=None) -> list[str]:
     """Each text cut into pieces of `seq - 1` tokens (`read_jsonl` appends the end token),
-    cut where a token starts; pieces under `min_tokens` tokens are dropped."""
+    cut where a token starts; pieces under `min_tokens` tokens are dropped. `encodings`
+    are the texts' `tok.encode_batch`, where the caller has them."""
     out = []
-    for enc, text in zip(tok.encode_batch(list(texts)), texts):
+    for enc, text in zip(encodings or tok.encode_batch(list(texts)), texts):
         offsets = enc.offsets
         for i in range(0, len(offsets), seq - 1):
             piece = offsets[i:i + seq - 1]
@@ -214,37 +218,132 @@ def _sampled(rels: list[str], pct: int) -> list[str]:
             if int(hashlib.sha256(b"sample" + r.encode()).hexdigest()[:8], 16) % 100 < pct]
 
 
-def corpus_files(sample_pct: int = 100) -> tuple[Path, list[str], list[str]]:
-    """`(root, pretraining files, held-out files)` of the standard library. The held-out
-    files are the "test" share of `split_of(..., (95, 95))` (5%); `sample_pct` < 100
-    keeps that share of the pretraining files (the quick preset)."""
-    root = stdlib_root()
-    rels = python_files(root)
+# Corpus sources: the standard library alone, or with every installed package's sources.
+SOURCES = ("stdlib", "packages")
+# The task packages, never in a "packages" corpus (a --task-dir package is left out too).
+HELD_OUT_PACKAGES = ("numpy", "sympy")
+# Larger files are generated tables (lexer maps, Unicode data), not code to learn from.
+MAX_FILE_BYTES = 1 << 20
+
+
+class Sources:
+    """The files of several roots under one name space: a file is `"<label>/<path>"`
+    (`"stdlib/json/decoder.py"`), or its bare path where there is one root (the standard
+    library alone, named as the small preset always named it)."""
+
+    def __init__(self, roots: dict[str, Path]):
+        self.roots = {k: Path(v) for k, v in roots.items()}
+
+    def _split(self, rel: str) -> tuple[Path, str]:
+        if len(self.roots) == 1:
+            return next(iter(self.roots.values())), rel
+        label, _, path = rel.partition("/")
+        return self.roots[label], path
+
+    def read(self, rel: str) -> str:
+        root, path = self._split(rel)
+        return read_source(root, path)
+
+    def read_bytes(self, rel: str) -> bytes:
+        root, path = self._split(rel)
+        return (root / path).read_bytes()
+
+    def fingerprint(self, rels: list[str]) -> dict:
+        """As `fingerprint`, over these roots."""
+        contents = hashlib.sha256()
+        for rel in rels:
+            contents.update(rel.encode() + b"\0" + self.read_bytes(rel) + b"\0")
+        root = " + ".join(f"{k}: {v}" for k, v in self.roots.items()) \
+            if len(self.roots) > 1 else str(next(iter(self.roots.values())))
+        return {"root": root, "files": len(rels),
+                "list_sha256": hashlib.sha256("\n".join(rels).encode()).hexdigest(),
+                "content_sha256": contents.hexdigest()}
+
+
+def site_packages() -> list[Path]:
+    """The running interpreter's package folders (a virtual environment's own)."""
+    paths = sysconfig.get_paths()
+    return sorted({Path(paths["purelib"]), Path(paths["platlib"])})
+
+
+def package_files(root: Path, exclude: tuple[str, ...] = ()) -> list[str]:
+    """The `.py` files of every package in a site-packages folder, without `SKIP_DIRS`,
+    the top-level packages and modules named in `exclude` (and their `.libs` folders),
+    metadata folders, files over `MAX_FILE_BYTES` and files whose bytes repeat an
+    earlier file's (vendored copies)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out, seen = [], set()
+    for rel in python_files(root):
+        top = rel.split("/", 1)[0]
+        name = top[:-3] if top.endswith(".py") else top
+        if (name in exclude or name.removesuffix(".libs") in exclude
+                or top.endswith((".dist-info", ".egg-info", ".data")) or top.startswith("__editable__")):
+            continue
+        path = root / rel
+        if path.stat().st_size > MAX_FILE_BYTES:
+            continue
+        digest = hashlib.sha256(path.read_bytes()).digest()
+        if digest not in seen:
+            seen.add(digest)
+            out.append(rel)
+    return out
+
+
+def corpus_files(sample_pct: int = 100, source: str = "stdlib",
+                 exclude: tuple[str, ...] = ()) -> tuple[Sources, list[str], list[str]]:
+    """`(sources, pretraining files, held-out files)`: of the standard library (source
+    "stdlib"), or of the standard library and every installed package but
+    `HELD_OUT_PACKAGES` and `exclude` (source "packages"). The held-out files are the
+    "test" share of `split_of(..., (95, 95))` (5%); `sample_pct` < 100 keeps that share
+    of the pretraining files (the quick presets)."""
+    if source not in SOURCES:
+        raise ValueError(f"corpus source {source!r}: choose one of {', '.join(SOURCES)}")
+    if source == "stdlib":
+        sources = Sources({"stdlib": stdlib_root()})
+        rels = python_files(stdlib_root())
+    else:
+        packages = site_packages()
+        roots = {"stdlib": stdlib_root(),
+                 **{("site-packages" if i == 0 else f"site-packages-{i}"): p
+                    for i, p in enumerate(packages)}}
+        sources = Sources(roots)
+        skip = tuple(HELD_OUT_PACKAGES) + tuple(exclude)
+        rels = [f"stdlib/{r}" for r in python_files(stdlib_root())]
+        for label, root in list(roots.items())[1:]:
+            rels += [f"{label}/{r}" for r in package_files(root, skip)]
     held = [r for r in rels if split_of(r, (95, 95)) == "test"]
     train = [r for r in rels if split_of(r, (95, 95)) == "train"]
-    return root, _sampled(train, sample_pct), held
+    return sources, _sampled(train, sample_pct), held
 
 
 def build_corpus(folder: Path, *, vocab: int, seq: int, sample_pct: int = 100,
-                 heldout_cap: int = 128) -> dict:
+                 heldout_cap: int = 128, source: str = "stdlib",
+                 exclude: tuple[str, ...] = ()) -> dict:
     """The pretraining corpus in `folder`: `tokenizer/` (a BPE trained on the pretraining
     files only), `train.jsonl` and `heldout.jsonl` (`{"text"}` records of at most `seq`
-    tokens; the held-out set capped at `heldout_cap` records, a fixed sample). Returns
-    the manifest (also written as `manifest.json`); a folder whose manifest has the same
-    settings is reused as it is."""
+    tokens; the held-out set capped at `heldout_cap` records, a fixed sample), from
+    `corpus_files(sample_pct, source, exclude)`. Returns the manifest (also written as
+    `manifest.json`); a folder whose manifest has the same settings is reused as it is."""
     settings = {"vocab": vocab, "seq": seq, "sample_pct": sample_pct, "heldout_cap": heldout_cap,
                 "python": sys.version.split()[0], "format": FORMAT}
+    if source != "stdlib":  # the small preset's settings as they always were
+        settings.update(source=source, exclude=sorted(HELD_OUT_PACKAGES + tuple(exclude)))
     manifest_file = folder / "manifest.json"
     if manifest_file.is_file():
         manifest = json.loads(manifest_file.read_text())
         if manifest.get("settings") == settings:
             return manifest
-    root, train_rels, held_rels = corpus_files(sample_pct)
-    train_texts = [read_source(root, r) for r in train_rels]
-    held_texts = [read_source(root, r) for r in held_rels]
+    sources, train_rels, held_rels = corpus_files(sample_pct, source, tuple(exclude))
+    train_texts = [sources.read(r) for r in train_rels]
+    held_texts = [sources.read(r) for r in held_rels]
     tok = train_tokenizer(train_texts, vocab)
     write_tokenizer(tok, folder / "tokenizer", seq)
-    train = text_records(train_texts, tok, seq)
+    encodings = tok.encode_batch(train_texts)
+    train = text_records(train_texts, tok, seq, encodings=encodings)
+    train_tokens = sum(len(e.ids) for e in encodings)
+    del encodings
     held = _stable_order(text_records(held_texts, tok, seq), lambda t: t)[:heldout_cap]
     write_jsonl(folder / "train.jsonl", ({"text": t} for t in train))
     write_jsonl(folder / "heldout.jsonl", ({"text": t} for t in held))
@@ -252,11 +351,11 @@ def build_corpus(folder: Path, *, vocab: int, seq: int, sample_pct: int = 100,
     manifest = {
         "settings": settings,
         "interpreter": f"{sys.implementation.name} {sys.version.split()[0]} ({sys.executable})",
-        "pretraining_files": fingerprint(root, train_rels),
-        "heldout_files": fingerprint(root, held_rels),
+        "pretraining_files": sources.fingerprint(train_rels),
+        "heldout_files": sources.fingerprint(held_rels),
         "skipped_folders": sorted(SKIP_DIRS),
         "vocab_size": tok.get_vocab_size(),
-        "tokens": {"train_files": count(train_texts), "heldout_files": count(held_texts),
+        "tokens": {"train_files": train_tokens, "heldout_files": count(held_texts),
                    "train_records": len(train), "heldout_records": len(held)},
     }
     manifest_file.write_text(json.dumps(manifest, indent=2) + "\n")

@@ -62,6 +62,16 @@ class Candidate:
         return json.dumps([[p, decision_to_json(d)] for p, d in self.rules], sort_keys=True)
 
 
+def _module_of(path: str, block_list: list[str]) -> str | None:
+    """The block module holding `path` (`layers/3/attn` for `layers/3/attn/q_proj/kernel`),
+    or None outside the blocks or for a weight directly in a block."""
+    for b in block_list:
+        if path.startswith(b + "/"):
+            rest = path[len(b) + 1:].split("/")
+            return f"{b}/{rest[0]}" if len(rest) > 2 else None
+    return None
+
+
 def _block_of(path: str, block_list: list[str]) -> int | None:
     for i, b in enumerate(block_list):
         if path.startswith(b + "/"):
@@ -69,19 +79,28 @@ def _block_of(path: str, block_list: list[str]) -> int | None:
     return None
 
 
+UNITS = ("weight", "module")
+
+
 def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int = "in",
                include: Sequence[str] | None = None, exclude: Sequence[str] = (),
                vectors: Sequence[str] = ("bias",), stacked: Sequence[str] = (),
-               block_name: str | None = None) -> list[Candidate]:
+               block_name: str | None = None, unit: str = "weight") -> list[Candidate]:
     """The search's candidates for `params`: a pytree, or a model whose type has a
     converter (`pockjax.schemes.register_params_of`; `pockjax.nnx` registers `nnx.Module`).
+    By default they cover the whole model: every block's weights and vectors, and outside
+    the blocks the embedding (whose "in" axis is the vocabulary: Channels train the rows
+    of the first tokens), the output head and the final norm.
 
     - every floating weight (2 or more dimensions) matching `include` (globs; all by
       default) and not `exclude`: Full, and Channels at each of `ratios` along `axis`
       (ratios that round to the whole axis, or to the count of a smaller ratio, are
       dropped as duplicates); with a named `axis`, a weight whose named axes are
       unknown (rank 3 or above 5 without a registered layout, or a layout string) gets
-      Full only;
+      Full only. With `unit="module"` the weights of one module of a block (a block's
+      child: `layers/3/attn`, `layers/3/mlp`) are one candidate, in full or each at the
+      ratio (about a third as many candidates for a transformer, so a third of the
+      compilations); weights outside the blocks stay candidates of their own;
     - the 1-D parameters named in `vectors` (biases) of the last k blocks, k = 1..K,
       as one group; a model without biases uses all its 1-D parameters (norm scales).
       Vectors outside the blocks (a head's bias) are candidates of their own;
@@ -101,14 +120,18 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
       block_name: the blocks' container for `pockjax.schemes.blocks` (`"layers"`,
         `"blocks"`); None (the default) picks the one with the most blocks. Without
         blocks every vector is a candidate of its own.
+      unit: `"weight"` (the default: one candidate per weight and ratio) or `"module"`
+        (one per block module and ratio, see above).
 
     Returns:
       The list of `Candidate`s.
 
     Raises:
       SchemeError: a ratio is not in (0, 1), a `stacked` parameter has fewer than 2
-        dimensions, or no candidate was found.
+        dimensions, `unit` is unknown, or no candidate was found.
     """
+    if unit not in UNITS:
+        raise SchemeError(f"unit must be one of {', '.join(map(repr, UNITS))}, got {unit!r}")
     params = params_of(params)
     named = [(p, x) for p, x in leaves_with_paths(params)[0]
              if jnp.issubdtype(jnp.result_type(x), jnp.floating)]
@@ -123,7 +146,12 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
         return (inc is None or any(r.match(p) for r in inc)) and not any(r.match(p) for r in exc)
 
     layouts = layouts_of(params)[0]
+    try:
+        block_list = blocks(params, block_name)
+    except SchemeError:
+        block_list = []
     out: list[Candidate] = []
+    modules: dict[str, list[Candidate]] = {}  # unit="module": a module's weights' candidates
     for path, x in named:
         shape = tuple(np.shape(x))
         if not wanted(path):
@@ -138,7 +166,13 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
             continue
         if len(shape) < 2:
             continue
-        out.append(Candidate(f"{path} full", path, ((path, Full()),)))
+        module = _module_of(path, block_list) if unit == "module" else None
+        if module is not None:
+            modules.setdefault(module, [])
+            target = modules[module]
+        else:
+            target = out
+        target.append(Candidate(f"{path} full", path, ((path, Full()),)))
         seen = set()
         # A named axis means nothing on a rank-3 weight (see Channels): Full only there.
         # A leaf with a registered layout (torch's [out, in]) names its axes itself.
@@ -149,17 +183,20 @@ def find_candidates(params, *, ratios: Sequence[float] = RATIOS, axis: str | int
             if d.count == shape[d.axis] or d.count in seen:
                 continue
             seen.add(d.count)
-            out.append(Candidate(f"{path} {_ratio_str(ratio)} {axis}", path,
-                                 ((path, Channels(count=d.count, axis=d.axis)),)))
+            target.append(Candidate(f"{path} {_ratio_str(ratio)} {axis}", path,
+                                    ((path, Channels(count=d.count, axis=d.axis)),)))
+    for module, cands in modules.items():
+        # One candidate per label ("full", "1/4 in"): every weight of the module that has it.
+        by_label: dict[str, list] = {}
+        for c in cands:
+            by_label.setdefault(c.name.split(" ", 1)[1], []).extend(c.rules)
+        for label, rules in by_label.items():
+            out.append(Candidate(f"{module} {label}", module, tuple(rules)))
 
     vec = [(p, x) for p, x in named if np.ndim(x) == 1 and wanted(p)
            and not any(r.match(p) for r in stk)]
     named_vec = [(p, x) for p, x in vec if p.rsplit("/", 1)[-1] in tuple(vectors)]
     vec = named_vec or vec
-    try:
-        block_list = blocks(params, block_name)
-    except SchemeError:
-        block_list = []
     in_blocks: dict[int, list[str]] = {}
     for p, _ in vec:
         b = _block_of(p, block_list)

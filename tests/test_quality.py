@@ -401,3 +401,146 @@ def test_where_the_runs_trained_is_said():
     assert quality.trained_on(rows) == "NVIDIA H200: the other rows; this machine: pockjax paper"
     assert quality.trained_on([{"method": "m", "kind": "torch",
                                 "runs": [{"device": "cpu"}]}]) == ""
+
+
+# --------------------------------------------------------------------------- the medium preset
+
+
+def test_packages_corpus_leaves_out_the_tasks_and_tests():
+    sources, train, held = quality_data.corpus_files(2, "packages", ("peft",))
+    assert train and held and not set(train) & set(held)
+    labels = {r.split("/", 1)[0] for r in train + held}
+    assert labels >= {"stdlib", "site-packages"}
+    for rel in train + held:
+        parts = rel.split("/")
+        assert not set(parts[1:-1]) & quality_data.SKIP_DIRS, rel
+        if parts[0].startswith("site-packages"):
+            assert parts[1] not in ("numpy", "sympy", "peft", "numpy.libs"), rel
+            assert not parts[1].endswith(".dist-info"), rel
+    assert sources.read(train[0])
+    with pytest.raises(ValueError, match="choose one of stdlib, packages"):
+        quality_data.corpus_files(source="site")
+
+
+def test_task_dir_inside_site_packages_is_left_out_of_the_corpus(tmp_path):
+    [root] = [p for p in quality_data.site_packages() if (p / "sympy").is_dir()][:1]
+    assert quality.corpus_exclude(str(root / "sympy" / "core")) == ("sympy",)
+    assert quality.corpus_exclude(str(tmp_path)) == ()
+    assert quality.corpus_exclude(None) == ()
+
+
+def test_bfloat16_parts_come_back_bit_for_bit(tmp_path):
+    """A device run brings the medium model back as compressed bfloat16 byte planes:
+    joined here they are the float32 file it trained, tensor for tensor (checked by the
+    weights' digest); values that are not bfloat16's are refused, not rounded."""
+    import ml_dtypes
+    from safetensors.numpy import load_file, save_file
+
+    from benchmarks import gpu
+
+    rng = np.random.default_rng(0)
+    tensors = {f"w{i}": (rng.standard_normal((300, 97)) * 0.02).astype(ml_dtypes.bfloat16)
+               .astype(np.float32) for i in range(3)}
+    tensors["zeros"] = np.zeros(17, np.float32)
+    # Signs, infinities, a subnormal.
+    tensors["w0"][0, :4] = np.array([-0.0, np.inf, -np.inf, 1e-40],
+                                    ml_dtypes.bfloat16).astype(np.float32)
+    save_file(tensors, tmp_path / "model.safetensors")
+    gpu._shard(str(tmp_path / "model.safetensors"), str(tmp_path / "parts"), bfloat16=True)
+    assert all(p.suffix == ".npz" for p in (tmp_path / "parts").iterdir())
+    gpu._unshard(str(tmp_path / "parts"), str(tmp_path / "back.safetensors"))
+    back = load_file(tmp_path / "back.safetensors")
+    for k, x in tensors.items():
+        assert back[k].dtype == np.float32
+        np.testing.assert_array_equal(back[k].view(np.uint32), x.view(np.uint32))
+    assert gpu.weights_digest(str(tmp_path / "back.safetensors")) == \
+        gpu.weights_digest(str(tmp_path / "model.safetensors"))
+    tensors["w1"][3, 3] = 0.1  # not a bfloat16 value
+    save_file(tensors, tmp_path / "f32.safetensors")
+    with pytest.raises(ValueError, match="w1 is not bfloat16 values"):
+        gpu._shard(str(tmp_path / "f32.safetensors"), str(tmp_path / "p2"), bfloat16=True)
+
+
+def test_learning_forgetting_frontier_and_groups():
+    assert quality.frontier([(0.3, 1.0), (0.1, 0.5), (0.2, 0.4), (0.0, 0.0), (0.1, 0.6)]) == \
+        [(0.0, 0.0), (0.1, 0.6), (0.3, 1.0)]
+    groups = {m.name: quality.group_of(m.name) for m in quality.METHODS if m.kind != "pretrained"}
+    assert groups["torch full (AdamW)"] == "PyTorch"
+    assert groups["peft LoRA r8"] == groups["pockjax LoRA r8"] == "LoRA"
+    assert groups["pockjax paper+head"] == "pockjax whole blocks"
+    assert groups["pockjax channels in 1/4"] == "pockjax channels"
+    assert groups["pockjax search:LoRA-r8"] == "pockjax searched"
+    assert groups["pockjax blockwise"] == "pockjax schedule"
+    assert groups["pockjax paper int4"] == "pockjax low-bit frozen"
+    assert set(groups.values()) == set(quality.GROUPS)
+
+
+def test_medium_pipeline_through_a_device_run(tmp_path):
+    """The medium preset's path at test size (`medium-quick`): the packages corpus packed
+    for a GPU machine, the packed pretraining there (weights stored as bfloat16 values),
+    the rows trained there, the model brought back in compressed bfloat16 parts and
+    checked by its digest, the rows timed here, the whole-model search, and the table and
+    figure with each method's share of full fine-tuning's gain."""
+    from safetensors.numpy import load_file
+
+    work, dev = tmp_path / "work", tmp_path / "d"
+    methods = "torch full (AdamW),pockjax paper,pockjax search:LoRA-r8"
+    _gpu("prepare", "--models", "", "--quality", "medium-quick", "--work", work, "--dir", dev)
+    assert (dev / "quality.tar.xz").stat().st_size < 4 * 2**20
+    _gpu("quality", "--dir", dev, "--out", tmp_path / "o", "--methods", methods,
+         "--workers", "2")
+    parts = sorted(p.name for p in (tmp_path / "o").iterdir())
+    assert parts == ["part0.npz", "quality-runs.tar.gz"]
+    [model] = work.glob("pretrain-*/model")
+    record = json.loads((model / "pretrain.json").read_text())
+    assert record["preset"] == "medium-quick" and record["steps"] == 40
+    assert record["corpus"]["settings"]["source"] == "packages"
+    assert record["tokens_per_parameter"] > 0 and 0 < record["passes"] < 1
+    assert math.isfinite(record["heldout_loss_unrounded"])
+    assert record["heldout_loss"] < record["heldout_loss_before"]
+    weights = load_file(model / "model.safetensors")
+    for x in weights.values():  # bfloat16 values in a float32 file
+        assert x.dtype == np.float32 and not np.any(x.view(np.uint32) & 0xFFFF)
+    (model / "model.safetensors").unlink()
+    _gpu("adopt-quality", tmp_path / "o")
+    back = load_file(model / "model.safetensors")
+    for k in weights:
+        np.testing.assert_array_equal(back[k], weights[k])
+    # A part that changed on the way is refused, and the joined file removed.
+    part = tmp_path / "o" / "part0.npz"
+    good = part.read_bytes()
+    with np.load(part) as planes:
+        changed = dict(planes)
+    name = next(k for k in changed if k.endswith("@lo"))
+    changed[name] = changed[name] ^ np.uint8(1)
+    np.savez_compressed(part, **changed)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "gpu", "adopt-quality",
+                           str(tmp_path / "o")], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode != 0 and "differ from the ones the device run trained" in proc.stderr
+    assert not (model / "model.safetensors").exists()
+    part.write_bytes(good)
+    _gpu("adopt-quality", tmp_path / "o")
+
+    out = tmp_path / "q.md"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "quality", "--preset",
+                           "medium-quick", "--work", str(work), "--out", str(out),
+                           "--methods", methods], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    rows = {(r["method"], r["task"]): r for r in result["rows"]}
+    for task in quality.TASKS:
+        assert rows[("torch full (AdamW)", task)]["summary"]["gain_share"] == \
+            pytest.approx(1.0)
+        paper = rows[("pockjax paper", task)]
+        assert math.isfinite(paper["summary"]["gain_share"])
+        assert paper["runs"][0]["device"] == "cpu" and "timing" in paper
+    [info] = work.glob("runs-*/search/domain/lora-r8.info.json")
+    info = json.loads(info.read_text())
+    params = __import__("pockjax.finetuning", fromlist=["load_model"]).load_model(
+        str(model)).params
+    assert info["candidates"] == len(quality.whole_model_candidates(params, (0.25,)))
+    text = out.read_text()
+    assert "share of full FT's gain" in text and "medium-quick preset" in text
+    assert "every installed package's sources except numpy, sympy" in text
+    assert out.with_suffix(".png").stat().st_size > 10_000

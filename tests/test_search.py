@@ -269,6 +269,43 @@ def test_candidates():
     assert_matches_dense(fn, stacked.scheme(), p, jnp.ones((2, 4)))
 
 
+def test_module_candidates_cover_the_whole_model():
+    """`unit="module"`: one candidate per block module and ratio, the weights outside the
+    blocks on their own; the embedding's Channels train its first rows (the vocabulary
+    axis) and their gradient is jax.grad's, a lookup's scatter restricted to those rows."""
+    from flax import nnx
+
+    from pockjax.models.llama import Llama, LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_layers=2,
+                         num_heads=2, max_position_embeddings=16)
+    graphdef, params, rest = pj.nnx.split(Llama(config, rngs=nnx.Rngs(0)))
+    cands = {c.name: c for c in find_candidates(params, ratios=(0.25,), unit="module")}
+    assert {"layers/0/attn full", "layers/1/mlp 1/4 in", "embed/embedding full",
+            "embed/embedding 1/4 in", "lm_head/kernel full", "norm/scale full",
+            "vectors of the last 2 blocks"} <= set(cands)
+    attn = cands["layers/1/attn 1/4 in"]
+    assert attn.group == "layers/1/attn"
+    assert sorted(p for p, _ in attn.rules) == sorted(f"layers/1/attn/{w}_proj/kernel"
+                                                      for w in ("q", "k", "v", "o"))
+    assert all(d == pj.Channels(count=4, axis=0) for _, d in attn.rules)
+    # A third as many candidates as one per weight (4 + 3 weights a block).
+    assert len(cands) < len(find_candidates(params, ratios=(0.25,))) / 2
+    rows = cands["embed/embedding 1/4 in"]
+    assert rows.rules == (("embed/embedding", pj.Channels(count=16, axis=0)),)
+    tokens = jnp.array([[1, 20, 3, 63, 0, 15, 16, 2]])  # ids inside and outside the rows
+
+    def lm(p, t):
+        logits = pj.nnx.merge(graphdef, p, rest)(t)
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1],
+                                                                       t[:, 1:]))
+
+    for name in ("embed/embedding 1/4 in", "layers/0/mlp 1/4 in", "lm_head/kernel 1/4 in"):
+        assert_matches_dense(lm, cands[name].scheme(), params, tokens)
+    with pytest.raises(pj.SchemeError, match="unit must be one of"):
+        find_candidates(params, unit="layer")
+
+
 def test_nnx_search_and_trainer(tmp_path):
     from flax import nnx
 
