@@ -499,6 +499,7 @@ def quality_on_gpu(args) -> None:
     names = [m.name for m in quality.preset_methods(info["preset"]) if m.kind != "pretrained"]
     if args.methods:
         names = [quality.method_named(n).name for n in args.methods.split(",")]
+        names = [n for n in names if quality.method_named(n).kind != "pretrained"]
     searches = [n for n in names if "search" in n]
     groups = ([searches] if searches else []) + [[n] for n in names if n not in searches]
     groups.append([quality.METHODS[0].name])  # the pretrained model, scored

@@ -12,6 +12,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from pockjax.models import _llama_rope as _rope
 from pockjax.models._llama_precision import NARROW_MATMUL
 
 # LlamaConfig.remat choices: "blocks", the word `pockjax.nnx.Trainer(remat=...)` uses for
@@ -138,6 +139,10 @@ class LlamaConfig:
         `hidden_size // num_heads`.
       rms_norm_eps: the epsilon of every RMSNorm (default 1e-5).
       rope_theta: the rotary embeddings' base (default 10000).
+      rope_scaling: the rotary embeddings' scaling (`linear`, `dynamic`, `yarn` or
+        `llama3`, with Hugging Face's parameters: a dict or sorted `(key, value)`
+        pairs, held as the latter); None (default): unscaled. With `dynamic`, sequences
+        may run past `max_position_embeddings`, the frequencies stretching to them.
       max_position_embeddings: the longest sequence the model takes (default 2048).
       tie_embeddings: use the embedding table as the output projection (no
         `lm_head`).
@@ -176,6 +181,7 @@ class LlamaConfig:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: Any = None
     max_position_embeddings: int = 2048
     tie_embeddings: bool = False
     param_dtype: Any = jnp.float32
@@ -213,6 +219,8 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig: num_heads={self.num_heads} is not divisible by "
                              f"num_kv_heads={self.num_kv_heads}; each k/v head serves a whole "
                              f"group of query heads")
+        object.__setattr__(self, "rope_scaling", _rope.freeze(self.rope_scaling))
+        _rope.check(self.rope_scaling)
         for name in ("rms_norm_eps", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"LlamaConfig.{name} must be positive, got "
@@ -332,8 +340,8 @@ class LlamaConfig:
         Raises:
           ValueError: a setting this model does not implement, named with its value: a
             model_type outside `SUPPORTED_FAMILIES` (other architectures load through
-            `pockjax.torch`), RoPE scaling (a `rope_scaling` or `rope_parameters` whose
-            type is not "default"), an activation other than SiLU, Qwen2 layers with
+            `pockjax.torch`), a RoPE scaling other than `linear`, `dynamic`, `yarn` and
+            `llama3` (or a partial rotary factor), an activation other than SiLU, Qwen2 layers with
             sliding-window attention; or a config without the model's sizes.
         """
         def unsupported(field, value, why):
@@ -344,17 +352,15 @@ class LlamaConfig:
             unsupported("model_type", model_type, f"the Flax LLaMA (pockjax.models.llama) "
                         f"reads the families {', '.join(SUPPORTED_FAMILIES)}; "
                         f"{_OTHER_ARCHITECTURES}")
-        rope_scaling = config.get("rope_scaling")
-        if rope_scaling is not None and _rope_type(rope_scaling) != "default":
-            unsupported("rope_scaling", config["rope_scaling"], "only unscaled rotary "
-                        "embeddings are implemented")
-        rope_theta = config.get("rope_theta", 10000.0)
-        rope_parameters = config.get("rope_parameters")
-        if rope_parameters is not None:
-            if _rope_type(rope_parameters) != "default":
-                unsupported("rope_parameters", rope_parameters, "only unscaled rotary "
-                            "embeddings (rope_type 'default') are implemented")
-            rope_theta = rope_parameters.get("rope_theta", rope_theta)
+        # transformers reads the older `rope_scaling` before `rope_parameters`.
+        field = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+        rope = config.get(field) or {}
+        rope_theta = rope.get("rope_theta", config.get("rope_theta", 10000.0)) \
+            if isinstance(rope, dict) else config.get("rope_theta", 10000.0)
+        if config.get("partial_rotary_factor", 1.0) != 1.0:
+            unsupported("partial_rotary_factor", config["partial_rotary_factor"],
+                        "pockjax's LLaMA rotates every channel of a head")
+        rope_scaling = _rope.scaling_of(rope, config, unsupported, field)
         act = config.get("hidden_act", "silu")
         if act != "silu":
             unsupported("hidden_act", act, "the MLP is SwiGLU (silu)")
@@ -373,6 +379,7 @@ class LlamaConfig:
             head_dim=config.get("head_dim"),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             model_type=model_type,
@@ -403,8 +410,9 @@ class LlamaConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-            "rope_scaling": None,
+            "rope_parameters": _rope.to_hf(self.rope_scaling, self.rope_theta),
+            "rope_scaling": None if self.rope_scaling is None else
+            _rope.to_hf(self.rope_scaling, self.rope_theta),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_embeddings,
             **_FAMILIES[self.model_type].write(self),
@@ -412,7 +420,3 @@ class LlamaConfig:
         }
 
 
-def _rope_type(params) -> str | None:
-    if not isinstance(params, dict):
-        return params
-    return params.get("rope_type", params.get("type"))

@@ -72,7 +72,8 @@ def generate(model: Llama, prompt: jax.Array, max_new_tokens: int, *,
             or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0 and an integer, got {max_new_tokens!r}")
     total = prompt.shape[1] + max_new_tokens
-    if total > model.config.max_position_embeddings:
+    from pockjax.models._llama_rope import is_dynamic
+    if total > model.config.max_position_embeddings and not is_dynamic(model.config.rope_scaling):
         raise ValueError(f"generate: prompt ({prompt.shape[1]}) + max_new_tokens "
                          f"({max_new_tokens}) exceed max_position_embeddings="
                          f"{model.config.max_position_embeddings}")

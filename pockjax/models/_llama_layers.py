@@ -12,6 +12,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pockjax.models import _llama_rope as _rope
 from flax import nnx
 
 from pockjax.models._llama_config import LlamaConfig
@@ -100,13 +102,12 @@ def make_linear(d_in: int, d_out: int, config: LlamaConfig, rngs: nnx.Rngs,
                   dtype=config.dtype, narrow=config.narrow_matmul, kernel_init=HF_INIT, rngs=rngs)
 
 
-def rope_tables(length: int, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(length: int, head_dim: int, theta: float, scaling=None,
+                max_positions: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`cos`, `sin` [length, head_dim] for positions 0..length-1 in HF's layout: both
-    halves of a head hold the same frequencies."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2).astype(np.float32) / head_dim))
-    angles = np.arange(length, dtype=np.float32)[:, None] * inv_freq.astype(np.float32)[None]
-    angles = np.concatenate([angles, angles], axis=-1)
-    return np.cos(angles), np.sin(angles)
+    halves of a head hold the same frequencies; `scaling` (`LlamaConfig.rope_scaling`)
+    for a model of `max_positions` positions (`pockjax.models._llama_rope`)."""
+    return _rope.rope_tables(length, head_dim, theta, scaling, max_positions)
 
 
 def apply_rope(x: jax.Array, cos, sin) -> jax.Array:

@@ -40,6 +40,7 @@ from pockjax.data import check_token_ids
 # `REMAT`, `NARROW_MATMUL` and `apply_rope` are only re-exported: names of this module.
 from pockjax.models._llama_config import REMAT, SUPPORTED_FAMILIES, LlamaConfig  # noqa: F401
 from pockjax.models._llama_generate import generate
+from pockjax.models import _llama_rope as _rope
 from pockjax.models._llama_layers import (HF_INIT, MLP, Attention, KVCache, Linear,  # noqa: F401
                                           LlamaBlock, RMSNorm, apply_rope, make_linear,
                                           rope_tables)
@@ -92,10 +93,11 @@ class Llama(nnx.Module):
         self._check_tokens(tokens, "Llama")
         length = tokens.shape[1]
         cfg = self.config
-        if length > cfg.max_position_embeddings:
+        if length > cfg.max_position_embeddings and not _rope.is_dynamic(cfg.rope_scaling):
             raise ValueError(f"Llama: {length} tokens exceed max_position_embeddings="
                              f"{cfg.max_position_embeddings}")
-        cos, sin = rope_tables(length, cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_tables(length, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                               cfg.max_position_embeddings)
         # Computed, not a constant: a stored boolean tensor is wrong on GPU targets
         # without 8-bit storage (see pockjax.export), and this fuses into the softmax.
         positions = jnp.arange(length)
@@ -120,10 +122,11 @@ class Llama(nnx.Module):
           A `KVCache` of zeros, each array [layers, batch, length, kv_heads, head_dim].
 
         Raises:
-          ValueError: `length` exceeds `max_position_embeddings`.
+          ValueError: `length` exceeds `max_position_embeddings` (a `dynamic` rotary
+            scaling has no such limit).
         """
         cfg = self.config
-        if length > cfg.max_position_embeddings:
+        if length > cfg.max_position_embeddings and not _rope.is_dynamic(cfg.rope_scaling):
             raise ValueError(f"Llama.init_cache: length {length} exceeds "
                              f"max_position_embeddings={cfg.max_position_embeddings}")
         dtype = cfg.dtype or jnp.result_type(
@@ -173,9 +176,8 @@ class Llama(nnx.Module):
                              f"{int(position) + t - 1} do not fit a cache of length {length}; "
                              f"make it with model.init_cache({batch}, length) for a longer length")
         position = jnp.asarray(position, jnp.int32)
-        cos, sin = rope_tables(length, cfg.head_dim, cfg.rope_theta)
-        cos = jax.lax.dynamic_slice_in_dim(jnp.asarray(cos), position, t)
-        sin = jax.lax.dynamic_slice_in_dim(jnp.asarray(sin), position, t)
+        cos, sin = _rope.rope_tables_at(position, t, length, cfg.head_dim, cfg.rope_theta,
+                                        cfg.rope_scaling, cfg.max_position_embeddings)
         mask = self._mask(position + jnp.arange(t, dtype=jnp.int32),
                           jnp.arange(length, dtype=jnp.int32))
         h = self._embed(tokens)

@@ -340,9 +340,9 @@ def test_hf_config_round_trip():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),
-    ("rope_scaling", {"type": "linear", "factor": 2.0}),
-    ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),          # lacks its bands
+    ("rope_scaling", {"type": "longrope", "factor": 2.0}),
+    ("rope_parameters", {"rope_type": "su", "rope_theta": 1e4, "factor": 4.0}),
     ("hidden_act", "gelu"),
     ("model_type", "gpt2"),
 ])
