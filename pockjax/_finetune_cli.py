@@ -12,6 +12,7 @@ import sys
 import numpy as np
 
 from pockjax._finetune_base import FRONTENDS, SCHEDULES, FinetuneError, Interrupted
+from pockjax._finetune_model import SAVE_DTYPES
 
 
 def add_arguments(p) -> None:
@@ -52,8 +53,8 @@ def add_arguments(p) -> None:
                    help="storage of the frozen weights: float32, bfloat16 (LLaMA families), "
                         "int8 (a scale per output channel) or int4 (a scale per group of 64 "
                         "inputs; int4:GROUP sets the group), dequantized where each is used "
-                        "(pockjax.lowbit); the fine-tuned model is written with frozen "
-                        "weights in bfloat16 and trained ones in float32")
+                        "(pockjax.lowbit); the fine-tuned model holds the base's own "
+                        "frozen tensors either way")
     p.add_argument("--moments", default="float32", choices=("float32", "bfloat16", "int8"),
                    help="storage of AdamW's two moments: float32 (8 bytes a trained value), "
                         "bfloat16 (4) or int8 (2, block-wise; pockjax.optim.adamw); the "
@@ -66,6 +67,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prefix-cache", default="auto", choices=("auto", "on", "off"),
                    help="compute the frozen prefix once per example when the data repeats "
                         "(auto: when it saves enough; same results either way)")
+    p.add_argument("--save-dtype", default="auto", choices=SAVE_DTYPES,
+                   help="the float type of final/'s trained tensors (default auto: the base "
+                        "model's); the tensors the scheme freezes are the base's own bytes")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw loss.png "
                    "(matplotlib) at the end; metrics.jsonl is written either way")
 
@@ -85,7 +89,7 @@ def main(args) -> int:
                           frozen_dtype=args.frozen_dtype, moments=args.moments,
                           skip_nonfinite=args.skip_nonfinite,
                           frontend=args.frontend, plot=args.plot,
-                          prefix_cache=args.prefix_cache)
+                          prefix_cache=args.prefix_cache, save_dtype=args.save_dtype)
     except Interrupted as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
         return 130
@@ -112,6 +116,9 @@ def add_generate_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0, help="the sampling seed")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in "
                    "the model's chat template")
+    p.add_argument("--frontend", default="auto", choices=FRONTENDS, help="the model code, as "
+                   "finetune's: auto (pockjax's LLaMA for the families it runs exactly, "
+                   "pockjax.torch's transformers model otherwise), flax or torch")
 
 
 def generate_main(args) -> int:
@@ -120,7 +127,7 @@ def generate_main(args) -> int:
     try:
         text, new_tokens, seconds = generate_text(
             args.model, args.prompt, max_tokens=args.max_tokens, temperature=args.temperature,
-            top_p=args.top_p, seed=args.seed, chat=args.chat)
+            top_p=args.top_p, seed=args.seed, chat=args.chat, frontend=args.frontend)
     except (FinetuneError, ValueError) as e:
         print(f"pockjax generate: {e}", file=sys.stderr)
         return 1
@@ -131,17 +138,30 @@ def generate_main(args) -> int:
 
 
 def generate_text(folder, prompt: str, *, max_tokens: int = 64, temperature: float = 0.0,
-                  top_p: float = 1.0, seed: int = 0, chat: bool = False):
+                  top_p: float = 1.0, seed: int = 0, chat: bool = False,
+                  frontend: str = "auto"):
     """`(text, new tokens, seconds)`: the model in `folder` continuing `prompt` (decoded,
-    without the prompt). LLaMA families decode with `pockjax.models.llama.generate` (a
-    key/value cache); other architectures with transformers' own `generate`."""
+    without the prompt). The model code is chosen as `finetune` chooses it
+    (`pockjax._finetune_model.frontend_of`): pockjax's LLaMA decodes with
+    `pockjax.models.llama.generate` (a key/value cache), other models with transformers'
+    own `generate`; the same position limit holds on both."""
     import time
 
+    from pockjax._finetune_model import frontend_of, position_limit
     from pockjax.tokenizer import Tokenizer, TokenizerError
 
-    loaded_kind = _kind(folder)
+    if max_tokens < 1:
+        raise FinetuneError(f"--max-tokens must be at least 1, got {max_tokens}")
+    loaded_kind, config, note = frontend_of(folder, frontend)
+    if note:
+        print(f"pockjax generate: {note}", file=sys.stderr)
     try:
         tok = Tokenizer.from_folder(folder)
+        if chat and not tok.chat_template:
+            raise FinetuneError(f"--chat: the tokenizer in '{folder}' has no chat template "
+                                f"(no chat_template in tokenizer_config.json, no "
+                                f"chat_template.jinja); drop --chat to continue the prompt "
+                                f"as plain text")
         text = (tok.apply_chat_template([{"role": "user", "content": prompt}],
                                         add_generation_prompt=True) if chat else prompt)
         ids = tok.encode(text, add_special_tokens=not chat)
@@ -149,8 +169,12 @@ def generate_text(folder, prompt: str, *, max_tokens: int = 64, temperature: flo
         raise FinetuneError(str(e)) from None
     if not ids:
         raise FinetuneError("the prompt is empty after tokenizing; give some text")
-    if max_tokens < 1:
-        raise FinetuneError(f"--max-tokens must be at least 1, got {max_tokens}")
+    limit = position_limit(config)
+    if limit is not None and len(ids) + max_tokens > limit:
+        raise FinetuneError(f"the prompt ({len(ids)} tokens) and --max-tokens {max_tokens} "
+                            f"exceed the {limit} positions the model in '{folder}' takes "
+                            f"(max_position_embeddings in its config.json); pass --max-tokens "
+                            f"{max(limit - len(ids), 0)} or less")
     if loaded_kind == "flax":
         import jax
         import jax.numpy as jnp
@@ -183,15 +207,3 @@ def generate_text(folder, prompt: str, *, max_tokens: int = 64, temperature: flo
     if tok.eos_id is not None and tok.eos_id in out.tolist():
         out = out[:out.tolist().index(tok.eos_id)]
     return tok.decode(out.tolist()), len(out), seconds
-
-
-def _kind(folder) -> str:
-    from pockjax.models import hf
-
-    from pockjax.checkpoint import CheckpointError
-
-    try:
-        config = hf.read_config(folder)
-    except CheckpointError as e:
-        raise FinetuneError(str(e)) from None
-    return "flax" if config.get("model_type") in hf.SUPPORTED_FAMILIES else "torch"

@@ -33,6 +33,7 @@ class LoadedModel:
       save: `save(params, folder)` writes a Hugging Face model folder (with the
         tokenizer files).
       description: a one-line description for logs.
+      note: why a model of a Flax family runs through `pockjax.torch` ("" otherwise).
       scheme: the scheme the weights were stored for, when `load_model(scheme_of=...)`
         stored the frozen ones in `frozen_dtype` while reading them; else None.
     """
@@ -45,6 +46,37 @@ class LoadedModel:
     save: Callable                 # save(params, folder): a Hugging Face model folder
     description: str
     scheme: Any = None             # set when the frozen weights were stored while read
+    note: str = ""                 # why a LLaMA-family model runs through pockjax.torch
+    # checkpoint_name(parameter path) -> the tensor's name in the folder, or None where
+    # the written tensor is not the parameter itself (LoRA's merged weights)
+    checkpoint_name: Callable | None = None
+
+
+def frozen_names(loaded: LoadedModel, scheme, params) -> set[str]:
+    """The checkpoint names of the tensors `scheme` (a `Scheme`, or a `Schedule`: frozen
+    in every turn) never trains, so `final/` can hold the base's own bytes for them."""
+    import jax
+    import numpy as np
+
+    from pockjax import lowbit
+    from pockjax.scheme import Frozen, leaves_with_paths
+
+    if loaded.checkpoint_name is None:
+        return set()
+    # Stored (quantized) weights as the shapes they stand for.
+    params = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(tuple(x.shape), "float32") if lowbit.is_quantized(x)
+        else jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", "float32")),
+        params, is_leaf=lowbit.is_quantized)
+    schemes = getattr(scheme, "schemes", None) or (scheme,)
+    paths = [p for p, _ in leaves_with_paths(params)[0]]
+    frozen = set(paths)
+    for one in schemes:
+        decisions = jax.tree_util.tree_leaves(one.resolve(params, allow_empty=True),
+                                              is_leaf=lambda d: d is not None
+                                              and not isinstance(d, dict))
+        frozen &= {p for p, d in zip(paths, decisions) if isinstance(d, Frozen)}
+    return {n for n in map(loaded.checkpoint_name, frozen) if n is not None}
 
 
 def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
@@ -89,9 +121,53 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
     """
     from pockjax.models import hf
 
+    folder = Path(folder)
+    _check_frozen_dtype(frozen_dtype)
+    kind, config, note = frontend_of(folder, frontend)
+    model_type = config.get("model_type")
+    families = hf.SUPPORTED_FAMILIES
+    if kind == "flax":
+        if scheme_of is not None and frozen_dtype != "float32" and lora is None:
+            return _flax_model_stored(folder, frozen_dtype, scheme_of)
+        return _flax_model(folder, frozen_dtype, lora, seed)
+    if lora is not None:
+        raise FinetuneError(f"--scheme lora:{lora} is implemented for pockjax's Flax models "
+                            f"({', '.join(families)}); this model runs through pockjax.torch"
+                            + (f" ({note})" if note else ""))
+    loaded = _torch_model(folder, model_type, families, frozen_dtype)
+    loaded.note = note
+    return loaded
+
+
+def position_limit(config: dict) -> int | None:
+    """The most positions a model of this `config.json` takes (`max_position_embeddings`,
+    GPT-2's `n_positions`); None where there is no limit (none given, or rotary
+    embeddings with `dynamic` scaling, which stretch to any length)."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic":
+        return None
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    return limit if isinstance(limit, int) and limit >= 2 else None
+
+
+def frontend_of(folder, frontend: str = "auto") -> tuple[str, dict, str]:
+    """Which model code runs the model in `folder`: `(kind, config, note)`, kind "flax"
+    (pockjax's LLaMA: the families of `SUPPORTED_FAMILIES` with every setting it
+    computes exactly) or "torch" (`pockjax.torch` on the transformers model); `note` says
+    why a model of a Flax family runs through torch under "auto" ("" otherwise).
+    `finetune`, `generate` and `export` all choose by it.
+
+    Raises:
+      FinetuneError: the folder has no readable config.json; `frontend` is unknown;
+        "flax" is asked for a model the Flax LLaMA cannot run (the message says why).
+    """
     from pockjax.checkpoint import CheckpointError
+    from pockjax.models import hf
+    from pockjax.models.llama import LlamaConfig
 
     folder = Path(folder)
+    if frontend not in FRONTENDS:
+        raise FinetuneError(f"--frontend {frontend!r}: choose one of {', '.join(FRONTENDS)}")
     try:
         config = hf.read_config(folder)
     except CheckpointError as e:
@@ -99,21 +175,23 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
                             f"saved to") from None
     model_type = config.get("model_type")
     families = hf.SUPPORTED_FAMILIES
-    _check_frozen_dtype(frozen_dtype)
-    if frontend not in FRONTENDS:
-        raise FinetuneError(f"--frontend {frontend!r}: choose one of {', '.join(FRONTENDS)}")
-    if frontend == "flax" and model_type not in families:
-        raise FinetuneError(f"--frontend flax: '{folder}' is a {model_type!r} model and "
-                            f"pockjax's Flax models load {', '.join(families)}; use "
-                            f"--frontend torch (or auto)")
-    if model_type in families and frontend != "torch":
-        if scheme_of is not None and frozen_dtype != "float32" and lora is None:
-            return _flax_model_stored(folder, frozen_dtype, scheme_of)
-        return _flax_model(folder, frozen_dtype, lora, seed)
-    if lora is not None:
-        raise FinetuneError(f"--scheme lora:{lora} is implemented for pockjax's Flax models "
-                            f"({', '.join(families)}); this model runs through pockjax.torch")
-    return _torch_model(folder, model_type, families, frozen_dtype)
+    if frontend == "torch":
+        return "torch", config, ""
+    if model_type not in families:
+        if frontend == "flax":
+            raise FinetuneError(f"--frontend flax: '{folder}' is a {model_type!r} model and "
+                                f"pockjax's Flax models load {', '.join(families)}; use "
+                                f"--frontend torch (or auto)")
+        return "torch", config, ""
+    try:
+        LlamaConfig.from_hf(config)
+    except ValueError as e:
+        why = str(e).removeprefix("Hugging Face config ")
+        if frontend == "flax":
+            raise FinetuneError(f"--frontend flax: '{folder}': {why}; use --frontend torch "
+                                f"(or auto)") from None
+        return "torch", config, f"runs through pockjax.torch: pockjax's LLaMA cannot run it ({why})"
+    return "flax", config, ""
 
 
 def _check_frozen_dtype(frozen_dtype: str) -> None:
@@ -177,18 +255,24 @@ def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
         module = pj_nnx.merge(graphdef, p, rest)
         save_llama(merge_lora(module) if lora is not None else module, out, tokenizer=folder)
 
-    return _flax_loaded(graphdef, params, rest, model.config, save)
+    loaded = _flax_loaded(graphdef, params, rest, model.config, save)
+    if lora is not None:  # the written kernels are the merged ones
+        loaded.checkpoint_name = None
+    return loaded
 
 
 def _flax_loaded(graphdef, params, rest, c, save, scheme=None) -> LoadedModel:
     from pockjax import nnx as pj_nnx
+    from pockjax.models.hf import checkpoint_names
 
     def apply(p, tokens):
         return pj_nnx.merge(graphdef, p, rest)(tokens)
 
+    names = checkpoint_names(c)
     return LoadedModel("flax", params, apply, c.vocab_size, c.num_layers, save,
                        f"{getattr(c, 'model_type', 'llama')} (pockjax.models.llama), "
-                       f"{c.num_layers} layers, width {c.hidden_size}", scheme)
+                       f"{c.num_layers} layers, width {c.hidden_size}", scheme,
+                       checkpoint_name=names.get)
 
 
 def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> LoadedModel:
@@ -278,12 +362,33 @@ def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> Loade
     cfg = module.config
     layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
     return LoadedModel("torch", params, apply, int(cfg.vocab_size), int(layers), save,
-                       f"{model_type} (pockjax.torch), {layers} layers")
+                       f"{model_type} (pockjax.torch), {layers} layers",
+                       checkpoint_name=lambda path: path.replace("/", "."))
 
 
-def write_final(loaded: LoadedModel, params, final: Path) -> None:
+SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# safetensors' dtype codes: the float types a model folder holds, and the others.
+_CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_OTHER_CODES = {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                "BOOL": "bool"}
+
+
+def _np_dtype(code: str):
+    """The numpy dtype of a safetensors dtype code (bfloat16 from ml_dtypes)."""
+    import ml_dtypes
+    import numpy as np
+
+    name = _CODES.get(code) or _OTHER_CODES[code]
+    return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def write_final(loaded: LoadedModel, params, final: Path, *, base=None, frozen=(),
+                save_dtype: str = "auto") -> None:
     """The Hugging Face folder, written beside and renamed into place (a crash leaves the
-    previous one or none, never half of one)."""
+    previous one or none, never half of one). With `base` (the folder the model came
+    from), `finish_final` then makes it the base's: its config's fields kept, `frozen`
+    tensors (checkpoint names) copied from the base byte for byte, the others written
+    in `save_dtype` ("auto": the base's dtype)."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if loaded.scheme is None:
@@ -296,9 +401,104 @@ def write_final(loaded: LoadedModel, params, final: Path) -> None:
             lambda x: lowbit.dequantize(x, written_dtype(x)) if lowbit.is_quantized(x) else x,
             params, is_leaf=lowbit.is_quantized)
     loaded.save(params, tmp)
+    if base is not None:
+        finish_final(Path(base), tmp, frozen, save_dtype)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
+
+
+def _safetensors_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its
+    data starts."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def _tensor_files(folder: Path) -> list[Path]:
+    from pockjax.models.hf import _weight_files
+
+    return _weight_files(folder)
+
+
+def base_dtype(folder: Path) -> str:
+    """The float dtype most of a model folder's tensor bytes are stored in."""
+    sizes: dict[str, int] = {}
+    for file in _tensor_files(folder):
+        header, _ = _safetensors_header(file)
+        for t in header.values():
+            if t["dtype"] in _CODES:
+                a, b = t["data_offsets"]
+                sizes[_CODES[t["dtype"]]] = sizes.get(_CODES[t["dtype"]], 0) + b - a
+    return max(sizes, key=sizes.get) if sizes else "float32"
+
+
+def finish_final(base: Path, final: Path, frozen, save_dtype: str = "auto") -> None:
+    """Make the written folder `final` the base model's, fine-tuned: `config.json` keeps
+    every field of the base's that training did not change (token ids, initializer
+    range, generation settings); the tensors named in `frozen` are the base's own bytes
+    (never a dequantized or re-rounded copy); every other float tensor is stored in
+    `save_dtype` ("auto": the base's dtype, `base_dtype`)."""
+    import json
+
+    import numpy as np
+
+    from pockjax.checkpoint import write_atomic, write_safetensors
+    from pockjax.models.hf import CONFIG, INDEX
+
+    dtype = base_dtype(base) if save_dtype == "auto" else save_dtype
+    target = _np_dtype({v: k for k, v in _CODES.items()}[dtype])
+    base_tensors = {}
+    for file in _tensor_files(base):
+        header, start = _safetensors_header(file)
+        for name, t in header.items():
+            base_tensors[name] = (file, t, start)
+
+    def raw(file, t, start):
+        a, b = t["data_offsets"]
+        with open(file, "rb") as f:
+            f.seek(start + a)
+            return f.read(b - a)
+
+    def array(file, t, start):
+        return np.frombuffer(raw(file, t, start), _np_dtype(t["dtype"])).reshape(t["shape"])
+
+    sizes = {}
+    for file in _tensor_files(final):
+        header, start = _safetensors_header(file)
+        entries = []
+        for name, t in header.items():
+            src = base_tensors.get(name)
+            if name in frozen and src is not None and src[1]["shape"] == t["shape"]:
+                entries.append((name, tuple(t["shape"]), _np_dtype(src[1]["dtype"]),
+                                lambda s=src: array(*s)))
+            elif t["dtype"] in _CODES:
+                entries.append((name, tuple(t["shape"]), target,
+                                lambda f=file, tt=t, st=start: array(f, tt, st).astype(target)))
+            else:  # integers and the like, as written
+                entries.append((name, tuple(t["shape"]), _np_dtype(t["dtype"]),
+                                lambda f=file, tt=t, st=start: array(f, tt, st)))
+        write_safetensors(file, entries, {"format": "pt"})
+        sizes[file.name] = sum(int(np.prod(e[1], dtype=np.int64)) * e[2].itemsize
+                               for e in entries)
+    index = final / INDEX
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data.setdefault("metadata", {})["total_size"] = sum(sizes.values())
+        write_atomic(index, (json.dumps(data, indent=2) + "\n").encode())
+    written = json.loads((final / CONFIG).read_text())
+    kept = json.loads((base / CONFIG).read_text())
+    merged = {**kept, **{k: v for k, v in written.items() if v is not None or k not in kept}}
+    for key in ("dtype", "torch_dtype"):
+        if key in merged or key == "dtype":
+            merged[key] = dtype
+    write_atomic(final / CONFIG, (json.dumps(merged, indent=2) + "\n").encode())
 
 
 def lm_loss(logits, tokens, mask):

@@ -44,24 +44,31 @@ def fingerprint(path) -> str:
 class RunFolder:
     """The output folder: run.json, checkpoints, metrics."""
 
-    def __init__(self, out: Path, options: dict, *, resume: bool, overwrite: bool):
-        self.out = out
-        run_file = out / RUN
+    @staticmethod
+    def check(out: Path, *, resume: bool, overwrite: bool) -> None:
+        """The checks on `out` that need no options, made before any work: a file, a
+        folder holding something else, or another run without `resume`/`overwrite`."""
         if out.exists() and not out.is_dir():
             raise FinetuneError(f"--out '{out}' is a file; give a folder")
         if out.is_dir() and any(out.iterdir()):
-            if not run_file.is_file():
+            if not (out / RUN).is_file():
                 raise FinetuneError(f"--out '{out}' is not empty and holds no pockjax run; "
                                     f"give a new or empty folder")
+            if not (overwrite or resume):
+                raise FinetuneError(f"--out '{out}' holds another run ({RUN}); pass --resume "
+                                    f"to continue it or --overwrite to start again")
+
+    def __init__(self, out: Path, options: dict, *, resume: bool, overwrite: bool):
+        self.out = out
+        run_file = out / RUN
+        self.check(out, resume=resume, overwrite=overwrite)
+        if out.is_dir() and any(out.iterdir()):
             if overwrite:
                 for name in (RUN, CHECKPOINTS, METRICS, FINAL, "loss.png"):
                     p = out / name
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
-            elif resume:
-                self._check_same(json.loads(run_file.read_text()), options)
             else:
-                raise FinetuneError(f"--out '{out}' holds another run ({RUN}); pass --resume "
-                                    f"to continue it or --overwrite to start again")
+                self._check_same(json.loads(run_file.read_text()), options)
         elif resume:
             print(f"pockjax finetune: nothing to resume in '{out}'; starting a new run",
                   file=sys.stderr)

@@ -201,9 +201,9 @@ def read_jsonl(path, tokenizer, seq_len: int, *, vocab_size: int | None = None) 
       A `Dataset`.
 
     Raises:
-      DataError: `seq_len` is not an integer >= 2; the file is missing or holds no
-        records; a line is not a JSON object, not one of the formats, or of another
-        format than the first; a field has the wrong type or is empty (a `"text"`, a
+      DataError: `seq_len` is not an integer >= 2; the file is missing, a folder or
+        holds no records; a line is not UTF-8 text, not a JSON object, not one of the
+        formats, or of another format than the first; a field has the wrong type or is empty (a `"text"`, a
         `"completion"`, `"messages"`), a conversation has no assistant message or the
         chat template refuses it; or every example was dropped. The message names the
         file and line.
@@ -214,14 +214,22 @@ def read_jsonl(path, tokenizer, seq_len: int, *, vocab_size: int | None = None) 
         raise DataError(f"the sequence length must be an integer >= 2 (a token and the one it "
                         f"predicts), got {seq_len!r}")
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise DataError(f"data '{path}' is a folder; give a JSONL file (one JSON record a "
+                        f"line)")
     if not os.path.isfile(path):
         raise DataError(f"data file '{path}' does not exist")
     examples, fmt, truncated, dropped = [], None, 0, 0
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            where = f"{path} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column "
+                                f"{e.start + 1}); save the file as UTF-8") from None
             if not line.strip():
                 continue
-            where = f"{path} line {number}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

@@ -41,7 +41,8 @@ import numpy as np
 
 from pockjax._home import claim
 from pockjax._finetune_base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
-from pockjax._finetune_model import (lm_loss, load_model, low_bit, nll_sum, stored_by_lowbit,
+from pockjax._finetune_model import (SAVE_DTYPES, frozen_names, lm_loss, load_model, low_bit,
+                                     nll_sum, stored_by_lowbit,
                                      write_final)
 from pockjax._finetune_run import FINAL, RunFolder, close_prefix_cache, fingerprint, \
     options_of, plot_losses
@@ -219,11 +220,10 @@ def _check_positions(model, seq: int | None) -> int:
     """`--seq` (None: 512, or fewer where the model takes fewer), checked against the
     positions the model was built for (its config's `max_position_embeddings`, GPT-2's
     `n_positions`)."""
+    from pockjax._finetune_model import position_limit
     from pockjax.models.hf import read_config
 
-    config = read_config(model)
-    limit = config.get("max_position_embeddings") or config.get("n_positions")
-    limit = limit if isinstance(limit, int) and limit >= 2 else None
+    limit = position_limit(read_config(model))
     if seq is None:
         return 512 if limit is None else min(512, limit)
     if limit is not None and seq > limit:
@@ -241,7 +241,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
              resume: bool = False, overwrite: bool = False, seed: int = 0,
              frozen_dtype: str = "float32", moments: str = "float32",
              skip_nonfinite: bool = False, frontend: str = "auto", plot: bool = True, prefix_cache: str = "auto",
-             progress: bool = True) -> FinetuneResult:
+             save_dtype: str = "auto", progress: bool = True) -> FinetuneResult:
     """Fine-tune the model in folder `model` on the JSONL file `data`; the run goes in
     folder `out` (see the module docstring for what it holds).
 
@@ -301,6 +301,10 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         keep its output; `pockjax.prefix`), "on" or "off". The results are the same; a
         line in the log says whether it is on and what it saves. Values past a quarter of
         the available memory (at most 4 GiB) go to `out/prefix-cache/`, removed at the end.
+      save_dtype: the float type of `final/`'s trained tensors: "auto" (the default: the
+        base model's, as its safetensors store it), "float32", "bfloat16" or "float16".
+        The tensors the scheme never trains are the base's own bytes, and `config.json`
+        keeps every field of the base's.
       progress: a progress bar and log lines on stderr; default True.
 
     Returns:
@@ -336,16 +340,24 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
             raise FinetuneError(f"--{name} must be a positive whole number, got {value!r}")
     if epochs is not None and not epochs > 0:
         raise FinetuneError(f"--epochs must be positive, got {epochs!r}")
-    if not lr > 0 or warmup < 0:
-        raise FinetuneError(f"--lr must be positive and --warmup >= 0, got {lr!r}, {warmup!r}")
+    if not (lr > 0 and math.isfinite(lr)) or warmup < 0:
+        raise FinetuneError(f"--lr must be a positive finite number and --warmup >= 0, got "
+                            f"{lr!r}, {warmup!r}")
+    if not (weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise FinetuneError(f"--weight-decay must be a finite number >= 0, got {weight_decay!r}")
     if resume and overwrite:
         raise FinetuneError("give --resume or --overwrite, not both")
+    if save_dtype not in SAVE_DTYPES:
+        raise FinetuneError(f"--save-dtype must be one of {', '.join(SAVE_DTYPES)}, got "
+                            f"{save_dtype!r}")
     if prefix_cache not in ("auto", "on", "off"):
         raise FinetuneError(f"--prefix-cache must be auto, on or off, got {prefix_cache!r}")
     if moments not in pj.optim.moments.MOMENTS:
         raise FinetuneError(f"--moments must be one of {', '.join(pj.optim.moments.MOMENTS)}, "
                             f"got {moments!r}")
 
+    # The output folder before anything is read: a refused run leaves nothing behind.
+    RunFolder.check(Path(out), resume=resume, overwrite=overwrite)
     lora = _count(str(scheme), "lora:R") if str(scheme).startswith("lora:") else None
     if lora is not None and frozen_dtype != "float32":
         raise FinetuneError(f"--scheme {scheme} with --frozen-dtype {frozen_dtype} is not "
@@ -376,7 +388,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
     per_epoch = steps_per_epoch(len(train), batch)
     total = int(steps) if steps is not None else max(1, math.ceil((epochs or 1) * per_epoch))
-    for line in [f"model {model}: {loaded.description}", train.describe(),
+    note = f" ({loaded.note})" if loaded.note else ""
+    for line in [f"model {model}: {loaded.description}{note}", train.describe(),
                  *([held.describe()] if held is not None else [])]:
         _say(progress, line)
 
@@ -414,6 +427,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         return params
 
     params = weights(loaded)
+    frozen = frozen_names(loaded, chosen, params)
 
     options = options_of(model=os.path.abspath(model), data=fingerprint(data),
                           scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
@@ -545,7 +559,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                    else (evaluate(state) if held is not None else None))
     seconds = history.seconds
     final = Path(out) / FINAL
-    write_final(loaded, state.params, final)
+    write_final(loaded, state.params, final, base=model, frozen=frozen, save_dtype=save_dtype)
     if plot:
         plot_losses(Path(out))
     result = FinetuneResult(

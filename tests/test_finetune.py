@@ -351,19 +351,20 @@ def test_bad_inputs_get_messages(folders, data, tmp_path, capsys):
 
 
 def test_chat_data_with_bfloat16_frozen_weights_and_the_paper_scheme(folders, data, tmp_path):
-    # The assistant's turns only are learned; frozen weights stay bfloat16 in the run and
-    # in the saved folder, trained ones are float32 masters.
+    # The assistant's turns only are learned; frozen weights are bfloat16 in the run, the
+    # saved folder holds the base's own (float32) tensors for them and float32 trained ones.
     result = pj.finetune(folders["llama"], data["chat"], tmp_path / "run", scheme="paper",
                          steps=6, batch=4, seq=40, lr=3e-3, frozen_dtype="bfloat16",
                          progress=False)
     assert np.isfinite(result.train_loss) and result.trainable_params < result.total_params
     saved = _params(Path(result.final))
-    assert saved["model.layers.0.mlp.down_proj.weight"].dtype.name == "bfloat16"  # frozen
-    assert saved["model.layers.1.self_attn.q_proj.weight"].dtype == np.float32  # trained
     original = _params(folders["llama"])
-    np.testing.assert_array_equal(  # frozen weights come back as they were, rounded once
-        saved["model.layers.0.mlp.down_proj.weight"].astype(np.float32),
-        original["model.layers.0.mlp.down_proj.weight"].astype("bfloat16").astype(np.float32))
+    assert saved["model.layers.1.self_attn.q_proj.weight"].dtype == np.float32  # trained
+    for name, x in original.items():  # as the base stores them
+        assert saved[name].dtype == x.dtype == np.float32, name
+    np.testing.assert_array_equal(  # frozen: the base's bytes, not the bfloat16 rounding
+        saved["model.layers.0.mlp.down_proj.weight"],
+        original["model.layers.0.mlp.down_proj.weight"])
     assert not np.array_equal(saved["model.layers.1.self_attn.q_proj.weight"],
                               original["model.layers.1.self_attn.q_proj.weight"])
     hf = transformers.AutoModelForCausalLM.from_pretrained(result.final)
@@ -374,7 +375,7 @@ def test_a_torch_frontend_model_takes_bfloat16_frozen_weights(folders, data, tmp
     """GPT-2 through `pockjax.torch` with `frozen_dtype="bfloat16"`: the frozen weights
     are stored in bfloat16 (`pockjax.lowbit`, upcast where each is used), the run's
     losses are float32's to bfloat16's rounding, and the saved frozen weights are the
-    file's rounded once."""
+    base file's own."""
     runs = {dtype: pj.finetune(folders["gpt2"], data["train"], tmp_path / dtype, scheme="last:1",
                                steps=6, batch=4, seq=32, lr=3e-3, frozen_dtype=dtype,
                                progress=False, plot=False)
@@ -383,9 +384,8 @@ def test_a_torch_frontend_model_takes_bfloat16_frozen_weights(folders, data, tmp
     assert runs["bfloat16"].train_loss == pytest.approx(runs["float32"].train_loss, rel=0.02)
     saved, original = _params(Path(runs["bfloat16"].final)), _params(folders["gpt2"])
     frozen, trained = "transformer.h.0.mlp.c_fc.weight", "transformer.h.1.mlp.c_fc.weight"
-    np.testing.assert_array_equal(
-        saved[frozen].astype(np.float32),
-        original[frozen].astype("bfloat16").astype(np.float32))
+    np.testing.assert_array_equal(saved[frozen], original[frozen])
+    assert saved[trained].dtype == original[trained].dtype
     assert not np.array_equal(saved[trained], original[trained])
 
 
@@ -632,3 +632,151 @@ def test_head_suffix_trains_the_output_head_too():
     tied = pj.nnx.split(Llama(LlamaConfig.tiny(tie_embeddings=True), rngs=nnx.Rngs(0)))[1]
     with pytest.raises(FinetuneError, match="no separate output head"):
         scheme_from_spec("last:1+head", tied, 2)
+
+
+# -- today's checkpoints: what finetune and generate say and write --------------------------
+
+
+def test_refused_runs_say_so_before_any_work_and_leave_nothing(folders, data, tmp_path, capsys):
+    """A file with bytes that are not UTF-8, a folder given as data, a learning rate that
+    is not finite, and an --out holding another run: one line each naming the file and
+    line where there is one; the refused runs leave no folder behind."""
+    from pockjax.cli import main
+
+    def fails(message, *args):
+        code = main(["finetune", *map(str, args)])
+        err = capsys.readouterr().err
+        assert code == 1 and message in err, err
+        assert "Traceback" not in err
+
+    base = ["--model", folders["llama"], "--steps", 1, "--seq", 16]
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"text": "alpha beta"}\n{"text": "caf\xe9"}\n')
+    out = tmp_path / "x"
+    fails(f"{latin} line 2: not UTF-8 text (byte 0xe9 at column 14); save the file as UTF-8",
+          *base, "--data", latin, "--out", out)
+    fails(f"data '{tmp_path}' is a folder; give a JSONL file", *base, "--data", tmp_path,
+          "--out", out)
+    fails("--lr must be a positive finite number", *base, "--data", data["train"],
+          "--lr", "inf", "--out", out)
+    fails("--weight-decay must be a finite number >= 0", *base, "--data", data["train"],
+          "--weight-decay", "nan", "--out", out)
+    assert not out.exists()
+    # Another run in --out is refused before the data is read (the data here is bad too:
+    # the message is about the folder).
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "run.json").write_text("{}")
+    fails("holds another run (run.json); pass --resume", *base, "--data", latin, "--out", used)
+
+
+def test_final_keeps_the_base_config_dtype_and_frozen_bytes(folders, data, tmp_path):
+    """`final/config.json` keeps every field of the base's (token ids, initializer range,
+    use_cache); a bfloat16 base comes back in bfloat16 (`--save-dtype` chooses), and the
+    tensors the scheme froze are the base's bytes, also under int4 frozen weights."""
+    from safetensors import safe_open
+
+    base = tmp_path / "bf16"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"]).to(torch.bfloat16)
+    hf.save_pretrained(base)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (base / name).write_bytes((folders["llama"] / name).read_bytes())
+    config = json.loads((base / "config.json").read_text())
+
+    def tensors(folder):
+        out = {}
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+        return out
+
+    original = tensors(base)
+    trained = "model.layers.1.mlp.up_proj.weight"
+    for frozen_dtype, save_dtype, want in (("float32", "auto", torch.bfloat16),
+                                           ("int4", "auto", torch.bfloat16),
+                                           ("float32", "float32", torch.float32)):
+        run = pj.finetune(base, data["train"], tmp_path / f"{frozen_dtype}-{save_dtype}",
+                          scheme="last:1", steps=3, batch=4, seq=16, lr=3e-3,
+                          frozen_dtype=frozen_dtype, save_dtype=save_dtype, progress=False,
+                          plot=False)
+        written = json.loads((Path(run.final) / "config.json").read_text())
+        for key in ("bos_token_id", "eos_token_id", "initializer_range", "use_cache"):
+            assert written[key] == config[key], key
+        assert written["dtype"] == str(want).removeprefix("torch.")
+        saved = tensors(Path(run.final))
+        assert sorted(saved) == sorted(original)
+        for k, x in saved.items():  # last:1 trains block 1 only
+            if k.startswith("model.layers.1."):
+                assert x.dtype == want, k
+            else:  # the base's own bytes
+                assert x.dtype == torch.bfloat16 and torch.equal(x, original[k]), k
+        assert not torch.equal(saved[trained].to(torch.float32),
+                               original[trained].to(torch.float32))
+        transformers.AutoModelForCausalLM.from_pretrained(run.final)
+    with pytest.raises(pj.FinetuneError, match="--save-dtype must be one of auto"):
+        pj.finetune(base, data["train"], tmp_path / "bad", save_dtype="int8", progress=False)
+
+
+def test_generate_loads_models_as_finetune_does(folders, tmp_path, capsys):
+    """`generate --frontend`, the position limit on both paths, and --chat without a
+    template: one line each."""
+    from pockjax.cli import main
+
+    def run(*args):
+        code = main(["generate", *map(str, args)])
+        return code, capsys.readouterr()
+
+    for frontend in ("flax", "torch"):
+        code, out = run("--model", folders["llama"], "--prompt", "alpha beta", "--max-tokens",
+                        4, "--frontend", frontend)
+        assert code == 0, out.err
+    texts = {f: run("--model", folders["llama"], "--prompt", "alpha beta", "--max-tokens", 6,
+                    "--frontend", f)[1].out for f in ("flax", "torch")}
+    assert texts["flax"] == texts["torch"]
+    for frontend in ("flax", "torch"):
+        code, out = run("--model", folders["llama"], "--prompt", "alpha beta", "--max-tokens",
+                        400, "--frontend", frontend)
+        assert code == 1 and "exceed the 128 positions" in out.err and "--max-tokens 1" in \
+            out.err, out.err
+    code, out = run("--model", folders["gpt2"], "--prompt", "alpha", "--max-tokens", 200)
+    assert code == 1 and "exceed the 128 positions" in out.err
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in folders["llama"].iterdir():
+        if f.name != "chat_template.jinja":
+            (plain / f.name).write_bytes(f.read_bytes())
+    tok_config = json.loads((plain / "tokenizer_config.json").read_text())
+    tok_config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    code, out = run("--model", plain, "--prompt", "alpha", "--chat")
+    assert code == 1 and "has no chat template" in out.err and "drop --chat" in out.err
+    assert "Traceback" not in out.err
+
+
+def test_a_family_model_the_flax_llama_cannot_run_goes_to_torch_with_a_note(folders, data,
+                                                                              tmp_path, capsys):
+    """Under `auto`, a LLaMA-family setting pockjax's LLaMA does not compute (here Phi-3's
+    longrope scaling on a LLaMA config) runs through pockjax.torch with a one-line note;
+    `--frontend flax` is refused with the reason."""
+    from pockjax._finetune_model import frontend_of
+
+    folder = tmp_path / "longrope"
+    folder.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((folders["llama"] / name).read_bytes())
+    config = json.loads((folders["llama"] / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "short_factor": [1.0] * 6, "long_factor": [2.0] * 6,
+                                 "original_max_position_embeddings": 64}
+    (folder / "config.json").write_text(json.dumps(config))
+    kind, _, note = frontend_of(folder)
+    assert kind == "torch" and "runs through pockjax.torch" in note and "longrope" in note
+    with pytest.raises(pj.FinetuneError, match="--frontend flax: .*longrope.*use --frontend "
+                                               "torch"):
+        frontend_of(folder, "flax")
+    assert frontend_of(folders["llama"]) == ("flax", json.loads(
+        (folders["llama"] / "config.json").read_text()), "")
+    result = pj.finetune(folder, data["train"], tmp_path / "run", scheme="last:1", steps=2,
+                         batch=4, seq=16, progress=True, plot=False)
+    assert np.isfinite(result.train_loss)
+    assert "runs through pockjax.torch: pockjax's LLaMA cannot run it" in capsys.readouterr().err

@@ -72,6 +72,12 @@ def _hf_names(config: LlamaConfig) -> dict[str, _Tensor]:
     return names
 
 
+def checkpoint_names(config: LlamaConfig) -> dict[str, str]:
+    """Parameter path ("/"-joined, as `pockjax.scheme.leaves_with_paths` names it) -> the
+    tensor's name in a Hugging Face checkpoint of `config`."""
+    return {"/".join(map(str, t.path)): name for name, t in _hf_names(config).items()}
+
+
 def checkpoint_tensors(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The tensors a Hugging Face checkpoint of `config` holds: name -> shape (as the
     file stores it: linear weights `[out, in]`), in `save_llama`'s order.
