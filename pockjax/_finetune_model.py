@@ -52,22 +52,30 @@ class LoadedModel:
     checkpoint_name: Callable | None = None
 
 
-def frozen_names(loaded: LoadedModel, scheme, params) -> set[str]:
-    """The checkpoint names of the tensors `scheme` (a `Scheme`, or a `Schedule`: frozen
-    in every turn) never trains, so `final/` can hold the base's own bytes for them."""
+def shapes_of(params):
+    """`params` as `jax.ShapeDtypeStruct`s, a stored (quantized) weight as the float
+    weight it stands for: the tree a scheme's rules are matched against."""
     import jax
     import numpy as np
 
     from pockjax import lowbit
+
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(tuple(x.shape), "float32") if lowbit.is_quantized(x)
+        else jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", "float32")),
+        params, is_leaf=lowbit.is_quantized)
+
+
+def frozen_names(loaded: LoadedModel, scheme, params) -> set[str]:
+    """The checkpoint names of the tensors `scheme` (a `Scheme`, or a `Schedule`: frozen
+    in every turn) never trains, so `final/` can hold the base's own bytes for them."""
+    import jax
+
     from pockjax.scheme import Frozen, leaves_with_paths
 
     if loaded.checkpoint_name is None:
         return set()
-    # Stored (quantized) weights as the shapes they stand for.
-    params = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(tuple(x.shape), "float32") if lowbit.is_quantized(x)
-        else jax.ShapeDtypeStruct(np.shape(x), getattr(x, "dtype", "float32")),
-        params, is_leaf=lowbit.is_quantized)
+    params = shapes_of(params)
     schemes = getattr(scheme, "schemes", None) or (scheme,)
     paths = [p for p, _ in leaves_with_paths(params)[0]]
     frozen = set(paths)

@@ -42,7 +42,7 @@ import numpy as np
 from pockjax._home import claim
 from pockjax._finetune_base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
 from pockjax._finetune_model import (SAVE_DTYPES, frozen_names, lm_loss, load_model, low_bit,
-                                     nll_sum, stored_by_lowbit,
+                                     nll_sum, shapes_of, stored_by_lowbit,
                                      write_final)
 from pockjax._finetune_run import FINAL, RunFolder, close_prefix_cache, fingerprint, \
     options_of, plot_losses
@@ -102,13 +102,12 @@ def scheme_from_spec(spec: str, params, num_layers: int, *, search: Callable | N
             raise FinetuneError(f"--scheme {spec!r}: +head follows paper, paper:K or last:N "
                                 f"(e.g. last:2+head)")
         scheme = scheme_from_spec(base, params, num_layers)
-        heads = [p for p in pj.schemes.param_paths(params) if p.startswith("lm_head/")]
-        if not heads:
-            raise FinetuneError(f"--scheme {spec}: the model has no separate output head "
-                                f"(lm_head; its embedding may be tied to the output): use "
-                                f"{base}, or a scheme file that trains the embedding")
-        return pj.Scheme([("lm_head/**", pj.Full())] + list(scheme.rules),
-                         default=scheme.default)
+        head = output_head(params)
+        if head is None:
+            raise FinetuneError(f"--scheme {spec}: the model has no output head (lm_head) and "
+                                f"no embedding it could be tied to: use {base}, or a scheme "
+                                f"file that names the weights to train")
+        return pj.Scheme([(head[0], pj.Full())] + list(scheme.rules), default=scheme.default)
     try:
         if spec == "full":
             return pj.Scheme(default=pj.Full())
@@ -144,6 +143,29 @@ def scheme_from_spec(spec: str, params, num_layers: int, *, search: Callable | N
         raise FinetuneError(f"--scheme {spec}: {e}") from None
     raise FinetuneError(f"--scheme {spec!r}: choose one of {', '.join(SCHEMES)} (paper: "
                         f"PockEngine's transformer scheme on the last half of the blocks)")
+
+
+# A tied output head's weight: the embedding table (Flax LLaMA, LLaMA-style, GPT-2,
+# GPT-NeoX, Bloom and Falcon names).
+_EMBEDDINGS = ("embed/embedding", "embed_tokens/weight", "wte/weight", "embed_in/weight",
+               "word_embeddings/weight")
+
+
+def output_head(params) -> tuple[str, bool] | None:
+    """`(glob, tied)` of the model's output head: its own module (`lm_head/**`,
+    GPT-NeoX's `embed_out/**`), or, for a model whose head is tied to its embedding, the
+    embedding table (`tied` True: training it changes the input embeddings too, which
+    is what the tied model computes with). None if neither is found."""
+    import pockjax as pj
+
+    paths = pj.schemes.param_paths(params)
+    for name in pj.schemes.HEADS:
+        if any(p.startswith(name + "/") for p in paths):
+            return f"{name}/**", False
+    for p in paths:
+        if any(p == e or p.endswith("/" + e) for e in _EMBEDDINGS):
+            return p, True
+    return None
 
 
 def _count(spec: str, form: str) -> int:
@@ -404,6 +426,18 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
     chosen = (loaded.scheme if stored else
               scheme_from_spec(scheme, loaded.params, loaded.num_layers, search=search))
     scheduled = isinstance(chosen, Schedule)
+    if str(scheme).endswith("+head"):
+        head = output_head(shapes_of(loaded.params))
+        if head is not None and head[1]:
+            _say(progress, f"+head: the output head is tied to the embedding ({head[0]}): the "
+                           f"shared table trains, so the input embeddings change too, as "
+                           f"the tied model uses them")
+    if str(scheme).startswith("paper"):
+        unnamed = pj.schemes.unnamed_weights(shapes_of(loaded.params))
+        if unnamed:
+            _say(progress, f"--scheme {scheme}: {len(unnamed)} weights of the blocks have "
+                           f"names no role of pockjax.schemes.FAMILY_NAMES has and stay "
+                           f"frozen: {', '.join(unnamed[:6])}{' ...' if len(unnamed) > 6 else ''}")
     if scheduled and frozen_dtype != "float32":
         raise FinetuneError(f"--scheme {scheme} changes which weights train, so every weight "
                             f"needs its float32 value: use --frozen-dtype float32")

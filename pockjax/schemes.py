@@ -24,11 +24,45 @@ from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError
     glob_to_regex, leaves_with_paths
 
 __all__ = ["bias_only", "blocks", "last_blocks", "transformer", "mobilenetv2", "lora",
-           "schedule", "blockwise",
+           "schedule", "blockwise", "unnamed_weights", "FAMILY_NAMES",
            "param_paths", "params_of", "register_params_of"]
 
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_IN = ("gate_proj", "up_proj")
+# Each family's names for the weights PockEngine's transformer scheme tells apart:
+# (attention projections, the MLP's first linears, the MLP's last linear). A name is the
+# end of a weight's module path ("attn/c_proj" is GPT-2's attention output, not its
+# MLP's "mlp/c_proj"); a fused weight (Phi-3's qkv_proj, GPT-2's c_attn) holds several
+# projections as row slices and trains as one, as its parts do on LLaMA.
+FAMILY_NAMES = {
+    "llama, mistral, mixtral attention, qwen2, qwen3, gemma, gemma2, gemma3, olmo, granite, "
+    "stablelm, smollm": (("q_proj", "k_proj", "v_proj", "o_proj"), ("gate_proj", "up_proj"),
+                         ("down_proj",)),
+    "phi3": (("qkv_proj", "o_proj"), ("gate_up_proj",), ("down_proj",)),
+    "phi (phi-1, phi-2)": (("q_proj", "k_proj", "v_proj", "self_attn/dense"), ("fc1",),
+                           ("fc2",)),
+    "gpt2": (("c_attn", "attn/c_proj"), ("c_fc",), ("mlp/c_proj",)),
+    "gpt_neox (pythia), falcon, bloom": (("query_key_value", "attention/dense",
+                                          "self_attention/dense"), ("dense_h_to_4h",),
+                                         ("dense_4h_to_h",)),
+    "gptj, opt": (("q_proj", "k_proj", "v_proj", "out_proj"), ("fc_in", "fc1"),
+                  ("fc_out", "fc2")),
+    "mixtral experts (stacked, or one module each)": ((), ("gate_up_proj", "w1", "w3"),
+                                                      ("down_proj", "w2")),
+}
+
+
+def _names(i: int) -> tuple[str, ...]:
+    out: list[str] = []
+    for roles in FAMILY_NAMES.values():
+        out += [n for n in roles[i] if n not in out]
+    return tuple(out)
+
+
+ATTENTION = _names(0)
+MLP_IN = _names(1)
+MLP_OUT = _names(2)
+# The output head's module in the families transformers has (GPT-NeoX: embed_out); a
+# model with none ties its head to the embedding.
+HEADS = ("lm_head", "embed_out")
 
 
 # type -> fn(model) -> parameter pytree; filled by adapters (pockjax.nnx) on import.
@@ -214,9 +248,11 @@ def transformer(params, *, last: int | None = None, attention: Sequence[str] = A
     Args:
       params: the model's parameters (or a model `params_of` takes).
       last: train the last `last` blocks only; None (the default) trains every block.
-      attention: the attention projections' names; default
-        `("q_proj", "k_proj", "v_proj", "o_proj")`.
-      mlp: the first MLP linears' names; default `("gate_proj", "up_proj")`.
+      attention: the attention projections' names (ends of module paths); default
+        every family's of `FAMILY_NAMES` (LLaMA's `q_proj`..`o_proj`, Phi-3's fused
+        `qkv_proj`, GPT-2's `c_attn` and `attn/c_proj`, GPT-NeoX's `query_key_value`...).
+      mlp: the first MLP linears' names; default every family's (`gate_proj`,
+        `up_proj`, Phi-3's fused `gate_up_proj`, GPT-2's `c_fc`, `dense_h_to_4h`...).
       ratio: train this fraction of each chosen kernel's channels along `axis`
         (`Channels(ratio=ratio, axis=axis)`); None (the default) trains the kernels in
         full.
@@ -231,19 +267,30 @@ def transformer(params, *, last: int | None = None, attention: Sequence[str] = A
       frozen.
 
     Raises:
-      SchemeError: the model has no such blocks, `last` is out of range, none of the
-        chosen blocks' rules matches a parameter, or `extra` is given and none of its
-        patterns matches.
+      SchemeError: the model has no such blocks, `last` is out of range, a chosen block
+        has no weight of `attention`'s names or none of `mlp`'s (the message lists the
+        block's parameters: the scheme would train part of what it means), or `extra`
+        is given and none of its patterns matches.
     """
     paths = param_paths(params)
     decision = _decision(ratio, axis)
     rules = []
     for b in _chosen(params, last, block_name):
-        for name in (*attention, *mlp):
-            # "weight": a PyTorch model's (pockjax.torch); rules that match nothing are dropped.
-            for kernel in ("kernel", "weight"):
-                rules.append((f"{b}/**/{name}/{kernel}", decision))
-            rules.append((f"{b}/**/{name}/bias", Full()))
+        block_rules = []
+        for role, names in (("attention projections", attention), ("MLP input linears", mlp)):
+            role_rules = []
+            for name in names:
+                # "weight": a PyTorch model's (pockjax.torch); the bare name: a weight
+                # that is a parameter itself (transformers' stacked experts). Rules that
+                # match nothing are dropped.
+                for kernel in ("/kernel", "/weight", ""):
+                    role_rules.append((f"{b}/**/{name}{kernel}", decision))
+                role_rules.append((f"{b}/**/{name}/bias", Full()))
+            kept = [(p, d) for p, d in role_rules if any(glob_to_regex(p).match(x) for x in paths)]
+            if not kept and names:
+                _refuse_partial(b, role, names, rules + block_rules, paths, attention, mlp)
+            block_rules += kept
+        rules += block_rules
         if norms:
             for n in ("scale", "weight", "bias"):
                 rules.append((f"{b}/**/*norm*/{n}", Full()))
@@ -251,6 +298,41 @@ def transformer(params, *, last: int | None = None, attention: Sequence[str] = A
     if extra:
         rules += _keep_matching([(p, Full()) for p in extra], paths, f"extra patterns {list(extra)}")
     return Scheme(rules, default=Frozen())
+
+
+def _refuse_partial(block, role, names, matched, paths, attention, mlp) -> None:
+    """Raise: in `block`, no weight matches `role`'s `names` though the scheme asks for
+    them (a model whose names the table `FAMILY_NAMES` does not know would otherwise
+    train a fraction of what the scheme means)."""
+    weights = [p[len(block) + 1:] for p in paths if p.startswith(block + "/")]
+    found = sorted({glob_to_regex(r).pattern for r, _ in matched})
+    raise SchemeError(
+        f"the transformer scheme finds no {role} in block '{block}' (it looks for the names "
+        f"{list(names)}); the block's parameters are {weights[:12]}"
+        f"{' ...' if len(weights) > 12 else ''}"
+        + (f", and the other rules matched {len(found)} of them" if found else "")
+        + "; pass attention=/mlp= with this model's names (pockjax.schemes.FAMILY_NAMES has "
+          "the known families'), or train it with last_blocks or a scheme file")
+
+
+def unnamed_weights(params, block_names: Sequence[str] | None = None) -> list[str]:
+    """The 2-D and larger weights inside the blocks that none of `FAMILY_NAMES`' roles
+    names: a transformer scheme leaves them frozen without meaning to."""
+    import numpy as np
+
+    names = (*ATTENTION, *MLP_IN, *MLP_OUT)
+    try:
+        chosen = block_names or blocks(params)
+    except SchemeError:
+        return []
+    out = []
+    for path, x in leaves_with_paths(params_of(params))[0]:
+        if np.ndim(x) < 2 or not any(path.startswith(b + "/") for b in chosen):
+            continue
+        module = path.rsplit("/", 1)[0]
+        if not any(m == n or m.endswith("/" + n) for n in names for m in (module, path)):
+            out.append(path)
+    return out
 
 
 def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -629,9 +630,14 @@ def test_head_suffix_trains_the_output_head_too():
             {p: d for p, d in base.items() if p != "lm_head/kernel"}, spec
     with pytest.raises(FinetuneError, match=r"\+head follows paper, paper:K or last:N"):
         scheme_from_spec("full+head", params, 2)
+    # A tied head is the embedding table: +head trains it.
     tied = pj.nnx.split(Llama(LlamaConfig.tiny(tie_embeddings=True), rngs=nnx.Rngs(0)))[1]
-    with pytest.raises(FinetuneError, match="no separate output head"):
-        scheme_from_spec("last:1+head", tied, 2)
+    decided = dict(zip(pj.schemes.param_paths(tied), jax.tree.leaves(
+        scheme_from_spec("last:1+head", tied, 2).resolve(tied))))
+    assert decided["embed/embedding"] == pj.Full()
+    assert isinstance(decided["layers/0/attn/q_proj/kernel"], pj.Frozen)
+    with pytest.raises(FinetuneError, match="no output head"):
+        scheme_from_spec("last:1+head", {"layers": [{"w": jnp.zeros((2, 2))}] * 2}, 2)
 
 
 # -- today's checkpoints: what finetune and generate say and write --------------------------
@@ -780,3 +786,82 @@ def test_a_family_model_the_flax_llama_cannot_run_goes_to_torch_with_a_note(fold
                          batch=4, seq=16, progress=True, plot=False)
     assert np.isfinite(result.train_loss)
     assert "runs through pockjax.torch: pockjax's LLaMA cannot run it" in capsys.readouterr().err
+
+
+# Tiny checkpoints of families people fine-tune, each with what PockEngine's scheme trains
+# in a block: the attention projections and the MLP's first linear(s), named here by hand
+# (not from pockjax.schemes.FAMILY_NAMES), and the output head for +head.
+FAMILY_CASES = {
+    "phi3": (lambda v: transformers.Phi3Config(
+        vocab_size=v, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj"), "lm_head"),
+    "gpt2": (lambda v: transformers.GPT2Config(vocab_size=v, n_embd=32, n_layer=2, n_head=4,
+                                               n_positions=64, bos_token_id=1, eos_token_id=2),
+             ("attn.c_attn", "attn.c_proj", "mlp.c_fc"), "transformer.wte"),
+    "gpt_neox": (lambda v: transformers.GPTNeoXConfig(
+        vocab_size=v, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, bos_token_id=1, eos_token_id=2),
+        ("attention.query_key_value", "attention.dense", "mlp.dense_h_to_4h"), "lm_head"),
+    "falcon": (lambda v: transformers.FalconConfig(vocab_size=v, hidden_size=32,
+                                                   num_hidden_layers=2, num_attention_heads=4,
+                                                   bos_token_id=1, eos_token_id=2),
+               ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h"),
+               "transformer.word_embeddings"),
+    "gemma": (lambda v: transformers.GemmaConfig(
+        vocab_size=v, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj"), "model.embed_tokens"),
+    "llama3": (lambda v: transformers.LlamaConfig(
+        vocab_size=v, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 32}),
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+         "mlp.gate_proj", "mlp.up_proj"), "model.embed_tokens"),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_CASES))
+def test_families_train_what_the_scheme_means_and_generate(family, data, tmp_path, capsys):
+    """`finetune` with the default scheme (paper: the last half of the blocks) trains each
+    family's attention and first MLP linears, as many parameters as those weights (and
+    their biases) hold; `+head` adds the output head (the embedding where they are
+    tied); `generate` continues a prompt; Llama-3.x (llama3 rotary scaling, a tied head)
+    runs on the Flax path."""
+    from pockjax.cli import main
+
+    make, trained_modules, head = FAMILY_CASES[family]
+    fast = _tokenizer()
+    model = transformers.AutoModelForCausalLM.from_config(make(len(fast)))
+    folder = tmp_path / family
+    model.save_pretrained(folder)
+    fast.save_pretrained(folder)
+    params = dict(model.named_parameters())
+    blocks = sorted({n.split(".layers.")[-1].split(".h.")[-1].split(".")[0] for n in params
+                     if ".layers." in n or ".h." in n}, key=int)
+    last = blocks[len(blocks) // 2:]
+    want = sum(p.numel() for n, p in params.items()
+               if any(f".{b}.{m}." in n for b in last for m in trained_modules))
+    # The head's weight as transformers holds it (the embedding's, where tied).
+    [head_name] = [n for n, p in params.items() if p is model.get_output_embeddings().weight]
+    assert head_name.startswith(head + "."), head_name
+    heads = sum(p.numel() for n, p in params.items() if n.startswith(head_name.rsplit(".", 1)[0]
+                                                                      + "."))
+    for spec, count in (("paper", want), ("paper+head", want + heads)):
+        run = pj.finetune(folder, data["train"], tmp_path / f"run-{spec}", scheme=spec, steps=2,
+                          batch=4, seq=16, lr=1e-3, progress=True, plot=False)
+        assert run.trainable_params == count, (spec, run.trainable_params, count)
+        assert np.isfinite(run.train_loss)
+    err = capsys.readouterr().err
+    assert f"{want:,} of" in err
+    if family == "llama3":
+        assert "(pockjax.models.llama)" in err
+    code = main(["generate", "--model", str(tmp_path / "run-paper" / "final"), "--prompt",
+                 "alpha beta", "--max-tokens", "4"])
+    assert code == 0, capsys.readouterr().err
