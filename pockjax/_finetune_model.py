@@ -430,9 +430,9 @@ def _safetensors_header(path: Path) -> tuple[dict, int]:
 
 
 def _tensor_files(folder: Path) -> list[Path]:
-    from pockjax.models.hf import _weight_files
+    from pockjax.models.hf import weight_files
 
-    return _weight_files(folder)
+    return weight_files(folder)
 
 
 def base_dtype(folder: Path) -> str:

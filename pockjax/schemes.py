@@ -10,10 +10,10 @@ A model object is turned into its parameter tree by a converter registered with
 (`pockjax.models` imports it), so `pj.schemes.transformer(model)` takes a module too.
 
 >>> import jax.numpy as jnp, pockjax as pj
->>> params = {"layers": [{"attn": {"q_proj": {"kernel": jnp.zeros((4, 4))}},
-...                       "mlp": {"down_proj": {"kernel": jnp.zeros((4, 4))}}}] * 3}
+>>> w = {"kernel": jnp.zeros((4, 4))}
+>>> params = {"layers": [{"attn": {"q_proj": w}, "mlp": {"up_proj": w, "down_proj": w}}] * 3}
 >>> pj.schemes.transformer(params, last=1)
-Scheme({'layers/2/**/q_proj/kernel': Full()}, default=Frozen())
+Scheme({'layers/2/**/q_proj/kernel': Full(), 'layers/2/**/up_proj/kernel': Full()}, default=Frozen())
 """
 from __future__ import annotations
 

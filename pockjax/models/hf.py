@@ -127,6 +127,16 @@ def _weight_files(directory: Path) -> list[Path]:
     raise CheckpointError(f"'{directory}' has neither {WEIGHTS} nor {INDEX}{hint}")
 
 
+def weight_files(directory: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a Hugging Face model folder: `model.safetensors`, or the
+    shards its index names.
+
+    Raises:
+      CheckpointError: the folder has neither, or its index names missing shards.
+    """
+    return _weight_files(Path(directory))
+
+
 def _headers(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...], str]]:
     """name -> (file, shape, dtype) for every tensor of the files, without reading data."""
     found: dict[str, tuple[Path, tuple[int, ...], str]] = {}
