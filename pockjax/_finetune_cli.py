@@ -70,6 +70,10 @@ def add_arguments(p) -> None:
     p.add_argument("--save-dtype", default="auto", choices=SAVE_DTYPES,
                    help="the float type of final/'s trained tensors (default auto: the base "
                         "model's); the tensors the scheme freezes are the base's own bytes")
+    p.add_argument("--no-cache", dest="compile_cache", action="store_false",
+                   help="do not use JAX's persistent compilation cache (default: on, in "
+                        "~/.cache/pockjax/jax, so a second run of the same shapes starts "
+                        "without compiling)")
     p.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw loss.png "
                    "(matplotlib) at the end; metrics.jsonl is written either way")
 
@@ -89,7 +93,8 @@ def main(args) -> int:
                           frozen_dtype=args.frozen_dtype, moments=args.moments,
                           skip_nonfinite=args.skip_nonfinite,
                           frontend=args.frontend, plot=args.plot,
-                          prefix_cache=args.prefix_cache, save_dtype=args.save_dtype)
+                          prefix_cache=args.prefix_cache, save_dtype=args.save_dtype,
+                          compile_cache=args.compile_cache)
     except Interrupted as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
         return 130

@@ -89,13 +89,62 @@ def peak_rss_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+_COMPILE_SECONDS = [0.0]  # tracing, lowering and compiling in this process, summed
+
+
+def _count_compile(event: str, seconds: float, **_) -> None:
+    if event.startswith("/jax/core/compile/"):
+        _COMPILE_SECONDS[0] += seconds
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent tracing, lowering and compiling with JAX so far
+    (JAX's own compile events): the difference over a step is its compilation."""
+    return _COMPILE_SECONDS[0]
+
+
+def compile_cache_dir() -> str:
+    """The folder of pockjax's persistent compilation cache: `$POCKJAX_CACHE_DIR/jax`, else
+    `$XDG_CACHE_HOME/pockjax/jax` (`~/.cache/pockjax/jax`)."""
+    import os
+
+    root = os.environ.get("POCKJAX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"),
+        "pockjax")
+    return os.path.join(root, "jax")
+
+
+def use_compile_cache() -> str | None:
+    """Turn on JAX's persistent compilation cache in `compile_cache_dir()`, so a second
+    run of the same shapes loads its compiled steps instead of compiling them; a cache
+    folder the user set (`JAX_COMPILATION_CACHE_DIR`, `jax.config`) is kept. Returns the
+    folder in use (None where it cannot be made). Compiled programs are the same either
+    way."""
+    import os
+
+    current = jax.config.jax_compilation_cache_dir
+    if current:
+        return current
+    path = compile_cache_dir()
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError:  # a read-only home: run without the cache
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
 def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable, steps: int | None = None,
         *, progress: bool = True, log_every: int = 10, desc: str = "train", start: int = 0,
         evaluate: Callable | None = None, eval_every: int | None = None,
         save: Callable | None = None, save_every: int | None = None,
         on_record: Callable[[dict], None] | None = None, stop_nonfinite: bool = False,
         tokens: Callable[[int], int] | None = None,
-        prefix_cache: bool | str | int = False) -> tuple[TrainState, History]:
+        prefix_cache: bool | str | int = False,
+        compile_cache: bool = True) -> tuple[TrainState, History]:
     """Run `trainer` (a `SparseTrainer`, or any `step(state, batch) -> (state, metrics)`)
     from step `start` to step `steps`, or until the batches run out.
 
@@ -131,7 +180,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
       save_every: steps between saves; None (the default): after the last step (and
         on Ctrl-C) only.
       on_record: gets a dict per step (`step`, `loss`, `seconds` since the first step,
-        `tokens`), per skipped step (`step`, `skipped`: True, `loss`: None: the step's
+        `tokens`; the first step's also `compile_seconds`, the tracing and compiling it
+        took), per skipped step (`step`, `skipped`: True, `loss`: None: the step's
         metrics said `skipped`, see `sparse_train(skip_nonfinite=True)`) and per
         evaluation (`step`, `valid_loss`, `seconds`).
       stop_nonfinite: raise `NonFiniteLoss` at the first NaN or infinite loss, before
@@ -143,6 +193,9 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         True, an int (the RAM budget in bytes), "auto" (only where the prefix is a
         large enough part of the step) or False (the default). The cache is dropped
         when fit returns.
+      compile_cache: use JAX's persistent compilation cache (`use_compile_cache`: a
+        folder under the user's cache directory), so a second run of the same shapes
+        does not compile again; default True. False leaves JAX's settings as they are.
 
     Returns:
       `(state, History)`: the state after the last completed step and what the run did.
@@ -156,6 +209,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
 
     if steps is not None and steps < 0:
         raise ValueError(f"steps must be >= 0, got {steps}")
+    if compile_cache:
+        use_compile_cache()
     cached = None
     if prefix_cache is not False and prefix_cache is not None:
         from pockjax.prefix import PrefixCachedTrainer
@@ -206,6 +261,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
             raise NonFiniteLoss(at, loss)
         losses.append(loss)
         record = {"step": at, "loss": loss, "seconds": clock()}
+        if at == start + 1:
+            record["compile_seconds"] = round(compiled_at_first[0], 3)
         if ntok is not None:
             record["tokens"] = ntok
         emit(record)
@@ -223,6 +280,7 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         valid.append((at, clock(), value))
         emit({"step": at, "valid_loss": value, "seconds": clock()})
 
+    compiled_at_first = [0.0]  # the first step's compilation, seconds
     try:
         if evaluate is not None and start == 0:
             evaluation(state, 0)
@@ -230,7 +288,13 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         for batch in it:
             ntok = tokens(step) if tokens is not None else None
             with InterruptAfter():
+                before = compile_seconds()
                 state, metrics = trainer(state, batch)
+                if step == start:
+                    compiled_at_first[0] = compile_seconds() - before
+                    if progress:
+                        bar.set_postfix_str(f"compiled the step in {compiled_at_first[0]:.1f} s",
+                                            refresh=False)
                 step += 1
                 unread.append((step, metrics, ntok))
             while len(unread) > 1:

@@ -263,7 +263,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
              resume: bool = False, overwrite: bool = False, seed: int = 0,
              frozen_dtype: str = "float32", moments: str = "float32",
              skip_nonfinite: bool = False, frontend: str = "auto", plot: bool = True, prefix_cache: str = "auto",
-             save_dtype: str = "auto", progress: bool = True) -> FinetuneResult:
+             save_dtype: str = "auto", compile_cache: bool = True,
+             progress: bool = True) -> FinetuneResult:
     """Fine-tune the model in folder `model` on the JSONL file `data`; the run goes in
     folder `out` (see the module docstring for what it holds).
 
@@ -327,6 +328,10 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         base model's, as its safetensors store it), "float32", "bfloat16" or "float16".
         The tensors the scheme never trains are the base's own bytes, and `config.json`
         keeps every field of the base's.
+      compile_cache: use JAX's persistent compilation cache (a folder under the user's
+        cache directory, `pockjax.train.compile_cache_dir`), so a second run of the same
+        shapes starts without compiling; default True. The first step's compilation
+        seconds are in `metrics.jsonl` (`compile_seconds`) either way.
       progress: a progress bar and log lines on stderr; default True.
 
     Returns:
@@ -542,8 +547,14 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
             _say(progress, f"step {r['step']}: the loss is not finite; step skipped "
                            f"({skips[0]} so far)")
         else:
+            first = r.get("compile_seconds")
             r = {"step": r["step"], "loss": r["loss"], "lr": float(schedule_fn(r["step"] - 1)),
                  "tokens": r["tokens"], "seconds": r["seconds"]}
+            if first is not None:
+                r["compile_seconds"] = first
+                _say(progress, f"step {r['step']}: {r['seconds']:.1f} s, of which compiling "
+                               f"{first:.1f} s" + (" (the compilation cache was on)"
+                                                    if compile_cache else ""))
         run.log(r)
 
     step_fn, cached = trainer, None
@@ -572,7 +583,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                                  evaluate=evaluate if held is not None else None,
                                  eval_every=eval_every, save=lambda s: saved.append(
                                      run.save(s, keep)), save_every=save_every,
-                                 on_record=record, stop_nonfinite=True, tokens=tokens_of)
+                                 on_record=record, stop_nonfinite=True, tokens=tokens_of,
+                                 compile_cache=compile_cache)
     except StepNotFinite as e:
         close_prefix_cache(cached, out)
         kept = run.checkpoints()

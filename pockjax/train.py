@@ -36,7 +36,8 @@ import optax
 from pockjax._home import claim
 from pockjax import lowbit
 from pockjax import sharding as _sharding
-from pockjax._fit import History, NonFiniteLoss, fit, peak_rss_gib
+from pockjax._fit import (History, NonFiniteLoss, compile_cache_dir, compile_seconds, fit,
+                          peak_rss_gib, use_compile_cache)
 # checkpoint_call: re-exported for pockjax.nnx and pockjax.models.llama.
 from pockjax._remat import Remat, checkpoint_block, checkpoint_call, checkpointed  # noqa: F401
 from pockjax._state import (TrainState, abstract_arrays, check_not_donated, decisions_tree,
@@ -48,7 +49,8 @@ from pockjax.transforms.sparse_grad import SparseGradFn, TransformInfo, is_dynam
 from pockjax.view import resolved_decisions, trainable_view
 
 __all__ = ["TrainState", "SparseTrainer", "sparse_train", "step_variant", "fit", "History", "TrainReport",
-           "Remat", "checkpoint_block", "NonFiniteLoss", "peak_rss_gib"]
+           "Remat", "checkpoint_block", "NonFiniteLoss", "peak_rss_gib", "compile_cache_dir",
+           "use_compile_cache", "compile_seconds"]
 
 # The docstring examples of the names defined beside this module, run with this
 # module's own (`doctest.testmod(pockjax.train)`, tests/test_docs.py).

@@ -4,6 +4,7 @@ non-finite guard, the output folder in transformers, and every bad input's messa
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -865,3 +866,36 @@ def test_families_train_what_the_scheme_means_and_generate(family, data, tmp_pat
     code = main(["generate", "--model", str(tmp_path / "run-paper" / "final"), "--prompt",
                  "alpha beta", "--max-tokens", "4"])
     assert code == 0, capsys.readouterr().err
+
+
+def test_a_second_run_reads_its_compiled_steps_from_the_cache(folders, data, tmp_path):
+    """`finetune` turns on JAX's persistent compilation cache in the user's cache folder
+    (here POCKJAX_CACHE_DIR): the first run fills it, the second finds its programs there
+    (JAX's cache-hit events), and both log the first step's compile seconds; --no-cache
+    leaves the cache alone."""
+    script = (
+        "import json, sys, jax, jax.monitoring as m\n"
+        "hits = []\n"
+        "m.register_event_listener(lambda e, **k: hits.append(e) if 'cache_hits' in e else 0)\n"
+        "from pockjax.cli import main\n"
+        "code = main(['finetune', *sys.argv[1:]])\n"
+        "print(json.dumps({'code': code, 'hits': len(hits),"
+        " 'dir': jax.config.jax_compilation_cache_dir}))\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["POCKJAX_CACHE_DIR"] = str(tmp_path / "cache")
+    args = ["--model", str(folders["llama"]), "--data", str(data["train"]), "--scheme",
+            "last:1", "--steps", "2", "--batch", "4", "--seq", "16", "--no-plot"]
+    runs = []
+    for name, extra in (("a", []), ("b", []), ("c", ["--no-cache"])):
+        proc = subprocess.run([sys.executable, "-c", script, *args, "--out",
+                               str(tmp_path / name), *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        first = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+        assert first["step"] == 1 and first["compile_seconds"] > 0, first
+        assert "of which compiling" in proc.stderr
+    assert runs[0]["dir"] == str(tmp_path / "cache" / "jax")
+    assert any((tmp_path / "cache" / "jax").iterdir())
+    assert runs[0]["hits"] == 0 and runs[1]["hits"] > 0
+    assert runs[2]["dir"] is None and runs[2]["hits"] == 0
