@@ -18,7 +18,7 @@ from jax import lax
 from jax.interpreters import partial_eval as pe
 
 from pockjax.scheme import Frozen, Full
-from pockjax.transforms import pushdown, scan_split
+from pockjax.transforms import dot_layout, pushdown, scan_split
 
 
 def make_jaxpr_with_aux(f, *args):
@@ -121,5 +121,7 @@ def push_down(closed):
     dced = dced.replace(invars=rewritten.jaxpr.invars) if len(dced.invars) != len(
         rewritten.jaxpr.invars) else dced
     final = jex.ClosedJaxpr(dced, rewritten.consts)
+    # Weight gradients in the layout the backend multiplies fastest (dot_layout).
+    final, _ = dot_layout.swap_transposed_dots(final)
     stats.eqns_out = pushdown.count_eqns(final.jaxpr)
     return final, stats
