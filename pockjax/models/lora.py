@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pockjax.models._llama_precision import project
 from pockjax.scheme import glob_to_regex
 
 __all__ = ["LoRALinear", "apply_lora", "merge_lora"]
@@ -63,7 +64,11 @@ class LoRALinear(nnx.Module):
         Returns:
           The outputs, `[..., out]`.
         """
-        y = x @ self.kernel[...] + (x @ self.lora_a[...]) @ self.lora_b[...] * self.scale
+        # `project` (the base layer's own product: a plain contraction of x's last axis;
+        # `@` on [B, T, in] traces a broadcasting matmul whose weight gradients XLA's CPU
+        # backend computes slower) with the scale on the rank-sized intermediate.
+        y = project(x, self.kernel[...], None) + project(
+            project(x, self.lora_a[...], None) * self.scale, self.lora_b[...], None)
         return y + self.bias[...] if self.bias is not None else y
 
 
