@@ -47,9 +47,12 @@ class LoadedModel:
     description: str
     scheme: Any = None             # set when the frozen weights were stored while read
     note: str = ""                 # why a LLaMA-family model runs through pockjax.torch
-    # checkpoint_name(parameter path) -> the tensor's name in the folder, or None where
-    # the written tensor is not the parameter itself (LoRA's merged weights)
+    # checkpoint_name(parameter path) -> the tensor's name in the folder (None: not one)
     checkpoint_name: Callable | None = None
+    # the parameter paths whose checkpoint tensor is the transpose ([out, in] kernels)
+    checkpoint_transposed: frozenset = frozenset()
+    # LoRA's adapters ({"rank", "scale"}): the written kernels are the merged ones
+    lora: dict | None = None
 
 
 def shapes_of(params):
@@ -78,7 +81,9 @@ def frozen_names(loaded: LoadedModel, scheme, params) -> set[str]:
     params = shapes_of(params)
     schemes = getattr(scheme, "schemes", None) or (scheme,)
     paths = [p for p, _ in leaves_with_paths(params)[0]]
-    frozen = set(paths)
+    # LoRA: a kernel with adapters is written merged, so not as the base holds it.
+    adapted = {p.rsplit("/", 1)[0] for p in paths if p.endswith("/lora_a")}
+    frozen = {p for p in paths if p.rsplit("/", 1)[0] not in adapted}
     for one in schemes:
         decisions = jax.tree_util.tree_leaves(one.resolve(params, allow_empty=True),
                                               is_leaf=lambda d: d is not None
@@ -265,7 +270,7 @@ def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
 
     loaded = _flax_loaded(graphdef, params, rest, model.config, save)
     if lora is not None:  # the written kernels are the merged ones
-        loaded.checkpoint_name = None
+        loaded.lora = {"rank": lora, "scale": 2.0}
     return loaded
 
 
@@ -276,11 +281,11 @@ def _flax_loaded(graphdef, params, rest, c, save, scheme=None) -> LoadedModel:
     def apply(p, tokens):
         return pj_nnx.merge(graphdef, p, rest)(tokens)
 
-    names = checkpoint_names(c)
+    names, transposed = checkpoint_names(c, transposed=True)
     return LoadedModel("flax", params, apply, c.vocab_size, c.num_layers, save,
                        f"{getattr(c, 'model_type', 'llama')} (pockjax.models.llama), "
                        f"{c.num_layers} layers, width {c.hidden_size}", scheme,
-                       checkpoint_name=names.get)
+                       checkpoint_name=names.get, checkpoint_transposed=transposed)
 
 
 def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> LoadedModel:

@@ -148,6 +148,16 @@ class BaseSession:
         """
         return self._evaluate(batch)
 
+    def param_values(self) -> dict[str, np.ndarray]:
+        """The current parameters by "/"-joined path (trained and frozen, a low-bit
+        weight's parts as `weight/@data`, `weight/@master`...), as numpy arrays.
+
+        Returns:
+          A dict from path to array.
+        """
+        return {k[len("params/"):]: v for k, v in self._values().items()
+                if k.startswith("params/")}
+
     def params(self):
         """The current parameters as a numpy pytree with the original paths.
 
@@ -155,14 +165,47 @@ class BaseSession:
           Nested dicts (lists where every key is an index) of numpy arrays, trained
           and frozen parameters together.
         """
-        values = {k[len("params/"):]: v for k, v in self._values().items()
-                  if k.startswith("params/")}
-        return _unflatten(self.manifest["params_tree"]["params"], values)
+        return _unflatten(self.manifest["params_tree"]["params"], self.param_values())
 
     @property
     def step_count(self) -> int:
         """The number of training steps the state has taken (the state's `step`)."""
         return int(self._state_value(self._state_names.index("step")))
+
+    def _checked_state(self, path: str) -> list[np.ndarray]:
+        """A checkpoint's state tensors in the state's order, checked against the
+        artifact's names, shapes and dtypes (and its scheme)."""
+        from pockjax.checkpoint import CheckpointError, read
+
+        tensors, meta = read(path)
+        scheme = meta.get("scheme")
+        if scheme is not None and json.loads(scheme) != self.manifest["scheme"]:
+            raise CheckpointError(f"checkpoint '{path}' was saved by an artifact with another "
+                                  f"scheme than '{self.path}''s; resume with the artifact "
+                                  f"that wrote it")
+        problems, out = [], []
+        for i, name in enumerate(self._state_names):
+            if name not in tensors:
+                problems.append(f"missing '{name}'")
+                continue
+            x, want = tensors[name], self._state_value_spec(i)
+            if tuple(x.shape) != tuple(want[0]) or x.dtype != want[1]:
+                problems.append(f"'{name}': file has {x.dtype}{list(x.shape)}, the artifact's "
+                                f"state has {want[1]}{list(want[0])}")
+            out.append(x)
+        if problems:
+            raise CheckpointError(f"checkpoint '{path}' does not fit artifact '{self.path}': "
+                                  + "; ".join(problems[:8]))
+        return out
+
+    def _state_value_spec(self, i: int):
+        """`(shape, numpy dtype)` of state tensor `i`, from the manifest."""
+        name = self._state_names[i]
+        for s in self.manifest["parameters"]:
+            if s["name"] == name:
+                return tuple(s["shape"]), np.dtype(np_dtype(s["dtype"]))
+        value = self._state_value(i)
+        return value.shape, value.dtype
 
     def save(self, path: str) -> None:
         """Write a checkpoint in `pockjax.save`'s format (loadable with `pockjax.load`).

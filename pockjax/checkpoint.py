@@ -25,7 +25,7 @@ import numpy as np
 if TYPE_CHECKING:
     from pockjax.scheme import Scheme
 
-__all__ = ["save", "load", "read_metadata", "write_atomic", "write_safetensors", "write_checkpoint",
+__all__ = ["save", "load", "read", "read_metadata", "write_atomic", "write_safetensors", "write_checkpoint",
            "encode", "CheckpointError"]
 
 FORMAT = "pockjax.checkpoint"
@@ -362,3 +362,56 @@ def load(path: str | os.PathLike, like):
                               f"checksum stored when it was saved (a disk or copy error); load "
                               f"an earlier checkpoint or the original file")
     return jax.tree_util.tree_unflatten(treedef, [have[name] for name in want])
+
+
+def read(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """A checkpoint's tensors by name, as numpy arrays, and its metadata, without JAX
+    (the runtime's resume reads its checkpoints with it). The checksum is checked
+    before anything is returned.
+
+    Args:
+      path: the checkpoint file.
+
+    Returns:
+      `(tensors, metadata)`.
+
+    Raises:
+      CheckpointError: the file is missing, not a pockjax checkpoint, of a version this
+        pockjax does not read, truncated or corrupt, or fails its checksum.
+    """
+    path = os.fspath(path)
+    meta = read_metadata(path)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"'{path}' is a safetensors file but not a pockjax checkpoint "
+                              f"(metadata format={meta.get('format')!r})")
+    if meta.get("version") not in READABLE:
+        raise CheckpointError(f"'{path}' has checkpoint version {meta.get('version')!r}; this "
+                              f"pockjax reads versions {', '.join(READABLE)}")
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            data = f.read()
+        tensors = {}
+        for name, t in header.items():
+            dtype = _DTYPE_NAMES[t["dtype"]]
+            if dtype == "bfloat16":
+                import ml_dtypes
+                dtype = ml_dtypes.bfloat16
+            a, b = t["data_offsets"]
+            if b > len(data):
+                raise ValueError(f"tensor '{name}' runs past the end of the file")
+            tensors[name] = np.frombuffer(data, np.dtype(dtype), count=(b - a) // np.dtype(
+                dtype).itemsize, offset=a).reshape(t["shape"])
+    except (OSError, ValueError, KeyError, struct.error) as e:
+        raise CheckpointError(f"checkpoint '{path}' could not be read (truncated or corrupt?): "
+                              f"{e}") from None
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        _hash_one(h, name, np.ascontiguousarray(tensors[name]))
+    if meta["version"] != "1" and h.hexdigest() != meta.get(CHECKSUM):
+        raise CheckpointError(f"checkpoint '{path}' is damaged: its tensors do not match the "
+                              f"checksum stored when it was saved (a disk or copy error); load "
+                              f"an earlier checkpoint or the original file")
+    return tensors, meta

@@ -141,6 +141,10 @@ def cmd_export(args) -> int:
     """`pockjax export`: compile the step `args.spec` names into the artifact directory
     `args.out`; returns exit status 0 (errors propagate to `main`)."""
     _require_full_install("export", "exporting", {**_FULL_INSTALL, **_COMPILER}, "[export]")
+    if (args.spec is None) == (args.model is None):
+        raise SystemExit("pockjax export: give MODULE:ATTR or --model FOLDER (one of them)")
+    if args.model is not None:
+        return _export_job(args)
     try:
         from pockjax.export import export
 
@@ -161,6 +165,31 @@ def cmd_export(args) -> int:
     files = art.manifest["files"]
     print(f"exported {args.spec} for {args.target} to {art.path} in {time.perf_counter() - t0:.1f} s "
           "(" + ", ".join(f"{k} {v['bytes']:,} B" for k, v in files.items()) + ")")
+    return 0
+
+
+def _export_job(args) -> int:
+    """`pockjax export --model FOLDER`: finetune's step and the device job's files."""
+    from pockjax._finetune_base import FinetuneError
+    from pockjax._job_export import export_job
+
+    if args.steps is None:
+        raise SystemExit("pockjax export --model: give --steps N, the run's length (the "
+                         "learning-rate schedule is built for it)")
+    try:
+        art = export_job(args.model, args.target, args.out, steps=args.steps,
+                         scheme=args.scheme or "paper", frozen_dtype=args.frozen_dtype,
+                         moments=args.moments, lr=args.lr, schedule=args.schedule,
+                         warmup=args.warmup, weight_decay=args.weight_decay, batch=args.batch,
+                         seq=args.seq, frontend=args.frontend, seed=args.seed, gpu=args.gpu,
+                         extra_flags=tuple(args.flag or ()), base=args.base)
+    except KeyboardInterrupt:
+        raise _Interrupted(f"nothing was written ('{args.out}' is as it was)") from None
+    except FinetuneError as e:
+        print(f"pockjax export: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {args.model} for {args.target} to {art.path}; on the device: pockjax "
+          f"run {art.path} --data train.jsonl --out RUN")
     return 0
 
 
@@ -273,9 +302,18 @@ def _batches(manifest, data_path, steps, artifact):
 
 
 def cmd_run(args) -> int:
-    """`pockjax run`: run `args.steps` training steps of artifact `args.dir`, printing each
-    loss, and save a checkpoint with `--save`; returns exit status 0."""
+    """`pockjax run`: with an artifact of `export --model` and JSONL data, the device's
+    fine-tuning job (`pockjax._job_run`); otherwise run `args.steps` training steps of
+    artifact `args.dir`, printing each loss, and save a checkpoint with `--save`; returns
+    the exit status."""
     from pockjax import runtime
+
+    job = os.path.isfile(os.path.join(args.dir, "job.json"))
+    arrays = (args.data or "").endswith(".npz") or (not job and not args.data)
+    if not arrays or args.out or args.valid or args.epochs or args.resume:
+        return _run_job(args)
+    if args.steps is None:
+        args.steps = 3
 
     if args.qemu_arm64 or args.tool:
         import shlex
@@ -300,6 +338,40 @@ def cmd_run(args) -> int:
     if args.save:
         sess.save(args.save)
         print(f"saved {args.save}")
+    return 0
+
+
+def _run_job(args) -> int:
+    """`pockjax run DIR --data train.jsonl --out RUN`: the device's fine-tuning job."""
+    from pockjax import runtime
+    from pockjax._finetune_base import FinetuneError, Interrupted
+    from pockjax._job_run import run_job
+
+    if not args.data or not args.out:
+        raise SystemExit(f"pockjax run: '{args.dir}' is a fine-tuning job; give --data "
+                         f"train.jsonl and --out RUN (and --valid valid.jsonl)")
+    session = None
+    try:
+        if args.qemu_arm64 or args.tool:
+            import shlex
+
+            command = runtime.qemu_arm64(args.qemu_arm64) if args.qemu_arm64 else \
+                shlex.split(args.tool)
+            session = runtime.ToolSession(args.dir, command, device=args.device)
+        result = run_job(args.dir, args.data, args.out, valid=args.valid, steps=args.steps,
+                         epochs=args.epochs, eval_every=args.eval_every,
+                         save_every=args.save_every, keep=args.keep, resume=args.resume,
+                         overwrite=args.overwrite, device=args.device, session=session)
+    except Interrupted as e:
+        print(f"pockjax run: {e}", file=sys.stderr)
+        return 130
+    except FinetuneError as e:
+        print(f"pockjax run: {e}", file=sys.stderr)
+        return 1
+    valid = (f", validation loss {result['valid_loss']:.4f}" if result["valid_loss"] is not None
+             else "")
+    where = result["final"] or os.path.join(result["out"], "checkpoints")
+    print(f"fine-tuned on the device: {where} ({result['steps']} steps{valid})")
     return 0
 
 
@@ -377,24 +449,62 @@ def main(argv=None) -> int:
     sub.add_parser("targets", help="list export targets and their IREE flags")
     e = sub.add_parser("export", help="compile a training step into an artifact directory",
                        description=__doc__.split("\n\n")[1])
-    e.add_argument("spec", metavar="MODULE:ATTR")
+    e.add_argument("spec", metavar="MODULE:ATTR", nargs="?",
+                   help="a module giving (trainer, state, batch); or --model FOLDER")
+    e.add_argument("--model", help="a Hugging Face model folder: export `pockjax finetune`'s "
+                                   "step for it, with what a device needs to fine-tune "
+                                   "(`pockjax run DIR --data train.jsonl --out RUN`)")
     e.add_argument("--target", default="host-cpu", choices=list(TARGETS))
     e.add_argument("--out", required=True, help="artifact directory (replaced atomically)")
     e.add_argument("--gpu", help="GPU family for GPU targets (e.g. valhall, adreno, sm_87)")
     e.add_argument("--flag", action="append", help="extra IREE compiler flag (repeatable)")
-    e.add_argument("--scheme", help="train this scheme (JSON from `pockjax search` or "
-                                    "Scheme.to_json) instead of the trainer's")
+    e.add_argument("--scheme", help="with MODULE:ATTR: train this scheme (JSON from `pockjax "
+                                    "search` or Scheme.to_json) instead of the trainer's; with "
+                                    "--model: as finetune's --scheme (default paper)")
+    job = e.add_argument_group("with --model: finetune's options (see `pockjax finetune -h`)")
+    job.add_argument("--steps", type=int, help="the run's steps (the learning-rate schedule "
+                                               "is built for them); required")
+    job.add_argument("--batch", type=int, default=4)
+    job.add_argument("--seq", type=int)
+    job.add_argument("--lr", type=float, default=1e-4)
+    job.add_argument("--warmup", type=int, default=0)
+    job.add_argument("--schedule", default="cosine", choices=("cosine", "linear", "constant"))
+    job.add_argument("--weight-decay", type=float, default=0.0)
+    job.add_argument("--frozen-dtype", default="float32")
+    job.add_argument("--moments", default="float32", choices=("float32", "bfloat16", "int8"))
+    job.add_argument("--frontend", default="auto", choices=("auto", "flax", "torch"))
+    job.add_argument("--seed", type=int, default=0, help="the data order's seed")
+    job.add_argument("--no-base", dest="base", action="store_false",
+                     help="leave the base model's weights out of the artifact (the device "
+                          "then writes checkpoints only, no fine-tuned folder)")
     i = sub.add_parser("inspect", help="print an artifact's manifest")
     i.add_argument("dir")
-    r = sub.add_parser("run", help="run an artifact's training step and print the loss")
+    r = sub.add_parser("run", help="fine-tune with an artifact of `export --model` on JSONL "
+                                   "data, or run any artifact's step on arrays")
     r.add_argument("dir")
     r.add_argument("--device", default="local-task")
-    r.add_argument("--steps", type=int, default=3)
-    r.add_argument("--data", metavar="FILE.npz",
-                   help="the batches: one array per input of the step, named after it (the "
-                        "names `pockjax inspect DIR` shows on its train_step line, e.g. "
-                        "np.savez('b.npz', x=..., y=...)), each of the input's shape or with "
-                        "a leading axis of one batch per step; without it, random float inputs")
+    r.add_argument("--steps", type=int, help="steps to run (default: the job's, or 3 for "
+                                             "arrays)")
+    r.add_argument("--data", metavar="FILE",
+                   help="with an artifact of `export --model`: JSONL records ({\"text\"}, "
+                        "{\"prompt\", \"completion\"} or {\"messages\"}, as finetune reads "
+                        "them). Otherwise FILE.npz, the batches: one array per input of the "
+                        "step, named after it (the names `pockjax inspect DIR` shows on its "
+                        "train_step line, e.g. np.savez('b.npz', x=..., y=...)), each of the "
+                        "input's shape or with a leading axis of one batch per step; without "
+                        "it, random float inputs")
+    r.add_argument("--out", help="with JSONL data: the run's folder (checkpoints, "
+                                 "metrics.jsonl, final/)")
+    r.add_argument("--valid", help="with JSONL data: held-out JSONL, evaluated every "
+                                   "--eval-every steps")
+    r.add_argument("--epochs", type=float, help="with JSONL data: passes over the data "
+                                                "instead of --steps")
+    r.add_argument("--eval-every", type=int)
+    r.add_argument("--save-every", type=int, help="steps between checkpoints (default: the "
+                                                  "end, and Ctrl-C)")
+    r.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
+    r.add_argument("--resume", action="store_true", help="continue the run in --out")
+    r.add_argument("--overwrite", action="store_true", help="start again in --out")
     r.add_argument("--save", help="write a checkpoint after the last step")
     r.add_argument("--tool", help="run each call with this iree-run-module command instead of "
                                   "the Python runtime (e.g. a path, or 'qemu-aarch64 ... "

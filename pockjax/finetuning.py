@@ -232,6 +232,71 @@ def _schedule(lr: float, warmup: int, total: int, kind: str):
     return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
 
 
+def choose_scheme(loaded, spec: str, frozen_dtype: str, *, search: Callable | None = None,
+                  say: Callable[[str], None] = lambda text: None):
+    """The scheme (or schedule) `finetune` trains for `--scheme spec` on a loaded model:
+    the one its weights were stored for, else `scheme_from_spec`'s; `say` gets the notes
+    (a tied head that `+head` trains, block weights no role names)."""
+    import pockjax as pj
+    from pockjax.schedule import Schedule
+
+    stored = loaded.scheme is not None  # the frozen weights already in frozen_dtype
+    chosen = (loaded.scheme if stored else
+              scheme_from_spec(spec, loaded.params, loaded.num_layers, search=search))
+    if str(spec).endswith("+head"):
+        head = output_head(shapes_of(loaded.params))
+        if head is not None and head[1]:
+            say(f"+head: the output head is tied to the embedding ({head[0]}): the shared "
+                f"table trains, so the input embeddings change too, as the tied model uses "
+                f"them")
+    if str(spec).startswith("paper"):
+        unnamed = pj.schemes.unnamed_weights(shapes_of(loaded.params))
+        if unnamed:
+            say(f"--scheme {spec}: {len(unnamed)} weights of the blocks have names no role of "
+                f"pockjax.schemes.FAMILY_NAMES has and stay frozen: "
+                f"{', '.join(unnamed[:6])}{' ...' if len(unnamed) > 6 else ''}")
+    if isinstance(chosen, Schedule) and frozen_dtype != "float32":
+        raise FinetuneError(f"--scheme {spec} changes which weights train, so every weight "
+                            f"needs its float32 value: use --frozen-dtype float32")
+    return chosen
+
+
+def trainer_params(loaded, chosen, frozen_dtype: str):
+    """The loaded model's parameters as `finetune`'s trainer takes them: trained leaves
+    float32, frozen ones stored in `frozen_dtype` (bfloat16 `lowbit` nodes, or the
+    integer formats) where the loading did not store them already."""
+    params = loaded.params
+    if frozen_dtype != "float32" and loaded.kind == "flax" and loaded.scheme is None:
+        from pockjax.models.llama import cast_frozen
+        # Trained leaves float32; frozen ones bfloat16 (Cast nodes), or plain bfloat16
+        # arrays that lowbit.quantize stores in the integer format below.
+        params = cast_frozen(params, chosen, native=low_bit(frozen_dtype))
+    if stored_by_lowbit(frozen_dtype, loaded):
+        import jax.numpy as jnp
+
+        from pockjax import lowbit
+        try:  # trained leaves stay float32; the step computes the frozen ones in float32
+            params = lowbit.quantize(params, chosen, frozen_dtype, dtype=jnp.float32)
+        except lowbit.QuantizeError as e:
+            raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
+    return params
+
+
+def make_trainer(loaded, chosen, *, lr: float, warmup: int, total: int, schedule: str,
+                 weight_decay: float, moments: str, skip_nonfinite: bool = False):
+    """`finetune`'s training step for a loaded model and scheme: `lm_loss` of the model,
+    AdamW with the learning-rate schedule over `total` steps, `pockjax.sparse_train`."""
+    import pockjax as pj
+
+    def loss_fn(p, b):
+        return lm_loss(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"])
+
+    optimizer = pj.optim.adamw(_schedule(lr, warmup, total, schedule),
+                               weight_decay=weight_decay, moments=moments)
+    return pj.sparse_train(loss_fn, optimizer=optimizer, scheme=chosen,
+                           skip_nonfinite=skip_nonfinite)
+
+
 def _say(progress: bool, text: str) -> None:
     if progress:
         from tqdm.auto import tqdm
@@ -427,43 +492,12 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
         return _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr,
                               Path(out) / "search-cache", progress)
 
-    stored = loaded.scheme is not None  # the frozen weights already in frozen_dtype
-    chosen = (loaded.scheme if stored else
-              scheme_from_spec(scheme, loaded.params, loaded.num_layers, search=search))
+    chosen = choose_scheme(loaded, scheme, frozen_dtype, search=search,
+                           say=lambda text: _say(progress, text))
     scheduled = isinstance(chosen, Schedule)
-    if str(scheme).endswith("+head"):
-        head = output_head(shapes_of(loaded.params))
-        if head is not None and head[1]:
-            _say(progress, f"+head: the output head is tied to the embedding ({head[0]}): the "
-                           f"shared table trains, so the input embeddings change too, as "
-                           f"the tied model uses them")
-    if str(scheme).startswith("paper"):
-        unnamed = pj.schemes.unnamed_weights(shapes_of(loaded.params))
-        if unnamed:
-            _say(progress, f"--scheme {scheme}: {len(unnamed)} weights of the blocks have "
-                           f"names no role of pockjax.schemes.FAMILY_NAMES has and stay "
-                           f"frozen: {', '.join(unnamed[:6])}{' ...' if len(unnamed) > 6 else ''}")
-    if scheduled and frozen_dtype != "float32":
-        raise FinetuneError(f"--scheme {scheme} changes which weights train, so every weight "
-                            f"needs its float32 value: use --frozen-dtype float32")
 
     def weights(loaded):
-        """The loaded model's parameters as the trainer takes them."""
-        params = loaded.params
-        if frozen_dtype != "float32" and loaded.kind == "flax" and loaded.scheme is None:
-            from pockjax.models.llama import cast_frozen
-            # Trained leaves float32; frozen ones bfloat16 (Cast nodes), or plain bfloat16
-            # arrays that lowbit.quantize stores in the integer format below.
-            params = cast_frozen(params, chosen, native=low_bit(frozen_dtype))
-        if stored_by_lowbit(frozen_dtype, loaded):
-            import jax.numpy as jnp
-
-            from pockjax import lowbit
-            try:  # trained leaves stay float32; the step computes the frozen ones in float32
-                params = lowbit.quantize(params, chosen, frozen_dtype, dtype=jnp.float32)
-            except lowbit.QuantizeError as e:
-                raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
-        return params
+        return trainer_params(loaded, chosen, frozen_dtype)
 
     params = weights(loaded)
     frozen = frozen_names(loaded, chosen, params)
@@ -476,10 +510,9 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                           weight_decay=weight_decay, frontend=frontend, moments=moments)
     run = RunFolder(Path(out), options, resume=resume, overwrite=overwrite)
 
-    optimizer = pj.optim.adamw(_schedule(lr, warmup, total, schedule),
-                               weight_decay=weight_decay, moments=moments)
-    trainer = pj.sparse_train(loss_fn, optimizer=optimizer, scheme=chosen,
-                              skip_nonfinite=skip_nonfinite)
+    trainer = make_trainer(loaded, chosen, lr=lr, warmup=warmup, total=total,
+                           schedule=schedule, weight_decay=weight_decay, moments=moments,
+                           skip_nonfinite=skip_nonfinite)
     state = trainer.init(params, copy=False)
     info = trainer.explain(state, batch_at(train, 0, batch, seq, seed=seed, pad_id=pad))
     turn = (f" (in turns of {chosen.every} steps; {len(chosen.schemes)} schemes, the first "

@@ -455,6 +455,25 @@ class Session(BaseSession):
             _release([x])
         return state
 
+    def restore(self, path: str) -> None:
+        """Replace the trained state (parameters, optimizer state, step count) with a
+        checkpoint `save` wrote: a run resumed exactly where that checkpoint was taken.
+
+        Args:
+          path: the checkpoint file.
+
+        Raises:
+          CheckpointError: the file is missing, damaged (its checksum), or does not fit
+            this artifact's state (names, shapes, dtypes, scheme).
+          ExportError: the session is closed.
+        """
+        self._check_open()
+        values = self._checked_state(path)
+        with self._lost_device("restoring the state"):
+            # np.array, not ascontiguousarray: a 0-d tensor (the step count) stays 0-d.
+            self._state = [self._ir.asdevicearray(self.device, np.array(x, order="C"))
+                           for x in values]
+
     def _frozen_values(self):
         """The frozen weights, copied from the mapped archive (they never change), not
         through `frozen()`, which would first copy every one into a device buffer."""

@@ -2,6 +2,7 @@
 pockjax installed without its dependencies plus the `runtime` extra's packages (and
 nothing of JAX, Flax or optax) runs an artifact exported here and continues the JAX
 trainer."""
+import json
 import os
 import shutil
 import subprocess
@@ -40,8 +41,12 @@ assert "jax" not in sys.modules and "flax" not in sys.modules and "optax" not in
 
 
 def _runtime_requirements() -> list[str]:
+    """The `device` extra: the runtime's packages and what `pockjax run --data FILE.jsonl`
+    adds (the tokenizer, chat templates, the progress bar)."""
     with open(ROOT / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["project"]["optional-dependencies"]["runtime"]
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    assert set(extras["runtime"]) <= set(extras["device"])
+    return extras["device"]
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +139,43 @@ def test_inspect_works_and_export_says_it_needs_the_full_install(runtime_env, tm
         "runtime-only install runs artifacts (pockjax.runtime) but cannot export them. Install "
         "the full pockjax: pip install 'pockjax[export]' (from a checkout: pip install "
         "'.[export]')")
+
+
+def test_a_device_without_jax_fine_tunes_a_model_folder(runtime_env, tmp_path):
+    """`pockjax run DIR --data train.jsonl --out RUN` in the runtime-only environment (no
+    JAX, Flax or optax installed; the process checks none is imported) ends at the
+    parameters and validation loss of the same job run here, and writes the model
+    folder."""
+    from safetensors.numpy import load_file
+
+    from pockjax.cli import main
+    from tests.test_finetune import WORDS, _completions, _folder, _jsonl
+
+    model = _folder(tmp_path, "llama")
+    rng = np.random.default_rng(1)
+    valid = _jsonl(tmp_path / "valid.jsonl", [{"text": " ".join(rng.choice(WORDS[:12], 10))}
+                                              for _ in range(6)])
+    data = _jsonl(tmp_path / "train.jsonl", _completions(24))
+    options = ["--scheme", "paper", "--steps", "5", "--batch", "4", "--seq", "24", "--lr", "3e-3"]
+    assert main(["export", "--model", str(model), "--out", str(tmp_path / "art"), *options]) == 0
+    assert main(["run", str(tmp_path / "art"), "--data", str(data), "--valid", str(valid),
+                 "--out", str(tmp_path / "here")]) == 0
+    script = ("import sys, runpy\n"
+              "from pockjax.cli import main\n"
+              "code = main(sys.argv[1:])\n"
+              "leaked = [m for m in ('jax', 'flax', 'optax') if m in sys.modules]\n"
+              "assert not leaked, leaked\n"
+              "sys.exit(code)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.run([runtime_env, "-c", script, "run", str(tmp_path / "art"), "--data",
+                           str(data), "--valid", str(valid), "--out", str(tmp_path / "there")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    here = load_file(tmp_path / "here" / "final" / "model.safetensors")
+    there = load_file(tmp_path / "there" / "final" / "model.safetensors")
+    for k in here:
+        np.testing.assert_allclose(there[k], here[k], rtol=1e-5, atol=1e-7, err_msg=k)
+    metrics = [[json.loads(line) for line in (tmp_path / r / "metrics.jsonl").read_text()
+                .splitlines()] for r in ("here", "there")]
+    valid_losses = [[r["valid_loss"] for r in m if "valid_loss" in r] for m in metrics]
+    np.testing.assert_allclose(valid_losses[1], valid_losses[0], rtol=1e-6)

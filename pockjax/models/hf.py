@@ -72,10 +72,15 @@ def _hf_names(config: LlamaConfig) -> dict[str, _Tensor]:
     return names
 
 
-def checkpoint_names(config: LlamaConfig) -> dict[str, str]:
+def checkpoint_names(config: LlamaConfig, *, transposed: bool = False):
     """Parameter path ("/"-joined, as `pockjax.scheme.leaves_with_paths` names it) -> the
-    tensor's name in a Hugging Face checkpoint of `config`."""
-    return {"/".join(map(str, t.path)): name for name, t in _hf_names(config).items()}
+    tensor's name in a Hugging Face checkpoint of `config`; with `transposed`, also the
+    set of paths whose tensor the file holds transposed (the kernels: `[out, in]`)."""
+    names = {"/".join(map(str, t.path)): name for name, t in _hf_names(config).items()}
+    if not transposed:
+        return names
+    return names, frozenset("/".join(map(str, t.path)) for t in _hf_names(config).values()
+                            if t.transposed)
 
 
 def checkpoint_tensors(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
