@@ -125,6 +125,19 @@ class ToolSession(BaseSession):
         out, = self._call("eval", state + self._write_batch(batch), 1, "eval")
         return np.load(out)
 
+    def restore(self, path: str) -> None:
+        """Replace the trained state with a checkpoint `save` wrote (see
+        `Session.restore`): written as the state files the next call reads.
+
+        Raises:
+          CheckpointError: the file is missing, damaged, or does not fit the artifact.
+        """
+        files = []
+        for i, x in enumerate(self._checked_state(path)):
+            files.append(os.path.join(self.workdir, f"state0_{i}.npy"))
+            np.save(files[-1], np.array(x, order="C"))
+        self._state_files = files
+
     def _state_value(self, i):
         return np.load(self._state_files[i])
 

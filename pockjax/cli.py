@@ -368,6 +368,11 @@ def _run_job(args) -> int:
     except FinetuneError as e:
         print(f"pockjax run: {e}", file=sys.stderr)
         return 1
+    except runtime.DeviceLost as e:
+        print(f"pockjax run: the {args.device!r} device was lost ({e.driver_message}); the "
+              f"checkpoints in '{args.out}' are intact: run the same command with --resume "
+              f"to continue from the last one", file=sys.stderr)
+        return 2
     valid = (f", validation loss {result['valid_loss']:.4f}" if result["valid_loss"] is not None
              else "")
     where = result["final"] or os.path.join(result["out"], "checkpoints")

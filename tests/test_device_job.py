@@ -186,3 +186,37 @@ def test_bad_input_is_one_line_before_any_work(setup, capsys, tmp_path):
     assert main(["export", "--model", str(setup["model"]), "--out", str(tmp_path / "x"),
                  "--steps", "4", "--scheme", "search:40%"]) == 1
     assert "needs the data" in capsys.readouterr().err
+
+
+def test_android_vulkan_on_lavapipe_and_arm64_under_qemu(setup, tmp_path):
+    """The job for android-vulkan (run by lavapipe, Vulkan on the CPU) ends where
+    finetune ends within the export tests' Vulkan tolerance; for android-arm64 it runs
+    under qemu-aarch64 through IREE's own `iree-run-module` (state and batches as files),
+    resumes from a checkpoint there, and writes the model folder."""
+    from tests.export.test_arm64 import RUNTIME
+
+    options = ["--scheme", "paper", "--steps", "3", "--batch", "4", "--seq", "24", "--lr", "3e-3"]
+    assert main(["finetune", "--model", str(setup["model"]), "--data", str(setup["data"]),
+                 "--out", str(tmp_path / "ft"), "--no-plot", *options]) == 0
+    ft = load_file(tmp_path / "ft" / "final" / "model.safetensors")
+    assert main(["export", "--model", str(setup["model"]), "--target", "android-vulkan",
+                 "--out", str(tmp_path / "vk"), *options]) == 0
+    for attempt in range(3):  # lavapipe loses its device at random (docs/export.md)
+        code = main(["run", str(tmp_path / "vk"), "--device", "vulkan", "--data",
+                     str(setup["data"]), "--out", str(tmp_path / "vk-run"), "--overwrite"])
+        if code != 2:
+            break
+    assert code == 0
+    got = load_file(tmp_path / "vk-run" / "final" / "model.safetensors")
+    for k in got:
+        np.testing.assert_allclose(got[k], ft[k], rtol=1e-4, atol=1e-5, err_msg=k)
+
+    assert main(["export", "--model", str(setup["model"]), "--target", "android-arm64",
+                 "--out", str(tmp_path / "arm"), *options]) == 0
+    run = ["run", str(tmp_path / "arm"), "--qemu-arm64", RUNTIME, "--data", str(setup["data"]),
+           "--out", str(tmp_path / "arm-run")]
+    assert main([*run, "--steps", "2", "--save-every", "1"]) == 0
+    assert main([*run, "--resume"]) == 0  # steps 3 of 3 after restoring step 2
+    got = load_file(tmp_path / "arm-run" / "final" / "model.safetensors")
+    for k in got:
+        np.testing.assert_allclose(got[k], ft[k], rtol=1e-4, atol=1e-5, err_msg=k)
