@@ -162,9 +162,13 @@ def merge_final(artifact, values: dict[str, np.ndarray], final) -> None:
             value = full
         return value.T if spec["transposed"] else value
 
-    def merged(name):
+    def merged(name, file, t, start):
         spec = job["lora"][name]
-        kernel = np.asarray(values[spec["kernel"]], np.float32)
+        if spec["kernel"] in values:
+            kernel = np.asarray(values[spec["kernel"]], np.float32)
+        else:  # a state without the frozen weights: the base's kernel
+            kernel = base_array(file, t, start).astype(np.float32)
+            kernel = kernel.T if spec["transposed"] else kernel
         a, b = (np.asarray(values[spec[k]], np.float32) for k in ("a", "b"))
         value = kernel + spec["scale"] * (a @ b)
         return value.T if spec["transposed"] else value
@@ -178,7 +182,8 @@ def merge_final(artifact, values: dict[str, np.ndarray], final) -> None:
                 get = (lambda n=name, t=t, d=dtype:
                        np.ascontiguousarray(trained(n, file, t, start).astype(d)))
             elif name in job["lora"]:
-                get = lambda n=name, d=dtype: np.ascontiguousarray(merged(n).astype(d))  # noqa: E731
+                get = (lambda n=name, t=t, d=dtype:
+                       np.ascontiguousarray(merged(n, file, t, start).astype(d)))
             else:
                 get = lambda t=t: base_array(file, t, start)  # noqa: E731
             entries.append((name, tuple(t["shape"]), dtype, get))
@@ -350,3 +355,113 @@ def run_job(artifact, data, out, *, valid=None, steps: int | None = None,
             "steps": step, "start_step": start, "losses": losses, "seconds": seconds,
             "tokens_per_second": tokens / seconds if seconds > 0 else float("nan"),
             "valid_loss_before": valid_before, "valid_loss": valid_after}
+
+
+# --------------------------------------------------------------------------- no Python
+
+
+SCRIPT = "train.sh"
+
+
+def write_batches(artifact, data, folder, *, steps: int | None = None,
+                  device: str = "local-task") -> Path:
+    """For a device with IREE's C runtime only (`iree-run-module`, no Python): the job's
+    batches as `.npy` files and `train.sh`, a POSIX shell script that runs the whole
+    loop with the tool: `init` writes the initial state, each `train_step` reads the
+    state files and one batch and writes the next state and the loss. `merge_state`
+    then turns the last state files into the fine-tuned model folder. The batches are
+    `pockjax run`'s (the job's seed and order), so the parameters are the same.
+
+        FOLDER/batches/00001_0.npy ...   the step's inputs, in the step's order
+        FOLDER/train.sh                  IREE_RUN_MODULE=... sh FOLDER/train.sh
+        FOLDER/state/                    written by the script: the last state, the losses
+
+    Returns the script's path.
+    """
+    from pockjax.data import batch_at, read_jsonl
+    from pockjax.export.manifest import PARAMS, VMFB, read_manifest
+    from pockjax.tokenizer import Tokenizer, TokenizerError
+
+    artifact, folder = Path(artifact).resolve(), Path(folder)
+    job = read_job(artifact)
+    manifest = read_manifest(str(artifact), hashes=False)
+    total = steps or job["steps"]
+    if total > job["steps"]:
+        raise FinetuneError(f"{total} steps asked for, and the artifact's learning-rate "
+                            f"schedule was built for {job['steps']}")
+    try:
+        tokenizer = Tokenizer.from_folder(artifact / MODEL)
+        train = read_jsonl(data, tokenizer, job["seq"], vocab_size=job["vocab_size"])
+    except Exception as e:
+        raise FinetuneError(str(e)) from None
+    inputs = [s["name"] for s in manifest["functions"]["train_step"]["inputs"]]
+    (folder / "batches").mkdir(parents=True, exist_ok=True)
+    for step in range(total):
+        b = batch_at(train, step, job["batch"], job["seq"], seed=job["seed"],
+                     pad_id=job["pad_id"])
+        for i, name in enumerate(inputs):
+            np.save(folder / "batches" / f"{step + 1:05d}_{i}.npy", b[name])
+    n_state = len(manifest["functions"]["train_step"]["state"])
+    n_out = len(manifest["functions"]["train_step"]["outputs"])
+    module = f"--module={artifact / VMFB}"
+    params = f"--parameters={manifest['parameter_scope']}={artifact / PARAMS}"
+    lines = [
+        "#!/bin/sh",
+        f"# Fine-tunes with {artifact} using iree-run-module alone: {total} steps of the",
+        "# batches beside this script (written by `pockjax run --write-batches`). Set",
+        "# IREE_RUN_MODULE to the tool's command (default: iree-run-module on the PATH) and",
+        f"# IREE_DEVICE to its device (default {device}). Afterwards:",
+        f"#   pockjax merge {artifact} --state \"$(dirname \"$0\")/state\" --out final",
+        "set -e",
+        'HERE=$(cd "$(dirname "$0")" && pwd)',
+        'TOOL=${IREE_RUN_MODULE:-iree-run-module}',
+        f'DEVICE=${{IREE_DEVICE:-{device}}}',
+        'mkdir -p "$HERE/state"',
+        f'$TOOL --device=$DEVICE {module} {params} --function=init '
+        + " ".join(f'--output=@"$HERE/state/a_{i}.npy"' for i in range(n_state)) + " > /dev/null",
+        "step=1",
+        f"while [ $step -le {total} ]; do",
+        '  s=$(printf "%05d" $step)',
+        f'  $TOOL --device=$DEVICE {module} {params} --function=train_step '
+        + " ".join(f'--input=@"$HERE/state/a_{i}.npy"' for i in range(n_state)) + " "
+        + " ".join(f'--input=@"$HERE/batches/${{s}}_{i}.npy"' for i in range(len(inputs))) + " "
+        + " ".join(f'--output=@"$HERE/state/b_{i}.npy"' for i in range(n_state)) + " "
+        + " ".join(f'--output=@"$HERE/state/out_${{s}}_{i}.npy"' for i in range(n_out))
+        + " > /dev/null",
+        f"  for i in $(seq 0 {n_state - 1}); do mv \"$HERE/state/b_$i.npy\" \"$HERE/state/a_$i.npy\"; done",
+        '  echo "step $step done"',
+        "  step=$((step + 1))",
+        "done",
+    ]
+    script = folder / SCRIPT
+    script.write_text("\n".join(lines) + "\n")
+    script.chmod(0o755)
+    return script
+
+
+def merge_checkpoint(artifact, checkpoint, out) -> None:
+    """`final`-style model folder `out` from a checkpoint `pockjax run` (or
+    `Session.save`) wrote mid-run: the artifact's model folder with its trained tensors
+    taken from the checkpoint (see `merge_final`)."""
+    from pockjax.checkpoint import read
+
+    tensors, _ = read(checkpoint)
+    values = {k[len("params/"):]: v for k, v in tensors.items() if k.startswith("params/")}
+    merge_final(artifact, values, out)
+
+
+def merge_state(artifact, state, out) -> None:
+    """The model folder `out` from the state files `train.sh` left in `state`
+    (`a_<i>.npy`, in the step's state order; see `write_batches`)."""
+    from pockjax.export.manifest import read_manifest
+
+    manifest = read_manifest(str(artifact), hashes=False)
+    names = manifest["functions"]["train_step"]["state"]
+    state = Path(state)
+    missing = [f"a_{i}.npy" for i in range(len(names)) if not (state / f"a_{i}.npy").is_file()]
+    if missing:
+        raise FinetuneError(f"'{state}' lacks {', '.join(missing[:4])}: give the state folder "
+                            f"train.sh wrote")
+    values = {n[len("params/"):]: np.load(state / f"a_{i}.npy") for i, n in enumerate(names)
+              if n.startswith("params/")}
+    merge_final(artifact, values, out)

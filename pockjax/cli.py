@@ -1,4 +1,4 @@
-"""`pockjax targets | export | inspect | run | search | finetune | generate`.
+"""`pockjax targets | export | inspect | run | merge | search | finetune | generate`.
 
 `pockjax export MODULE:ATTR --target NAME --out DIR` imports MODULE (a dotted module
 name, or a path to a .py file) and reads ATTR from it. ATTR is either a function
@@ -310,7 +310,7 @@ def cmd_run(args) -> int:
 
     job = os.path.isfile(os.path.join(args.dir, "job.json"))
     arrays = (args.data or "").endswith(".npz") or (not job and not args.data)
-    if not arrays or args.out or args.valid or args.epochs or args.resume:
+    if not arrays or args.out or args.valid or args.epochs or args.resume or args.write_batches:
         return _run_job(args)
     if args.steps is None:
         args.steps = 3
@@ -347,6 +347,21 @@ def _run_job(args) -> int:
     from pockjax._finetune_base import FinetuneError, Interrupted
     from pockjax._job_run import run_job
 
+    if args.write_batches:
+        from pockjax._job_run import write_batches
+
+        if not args.data:
+            raise SystemExit("pockjax run --write-batches: give --data train.jsonl")
+        try:
+            script = write_batches(args.dir, args.data, args.write_batches, steps=args.steps,
+                                   device=args.device)
+        except FinetuneError as e:
+            print(f"pockjax run: {e}", file=sys.stderr)
+            return 1
+        print(f"wrote the batches and {script}: on the device, IREE_RUN_MODULE=... sh {script}; "
+              f"then pockjax merge {args.dir} --state {os.path.join(args.write_batches, 'state')}"
+              f" --out final")
+        return 0
     if not args.data or not args.out:
         raise SystemExit(f"pockjax run: '{args.dir}' is a fine-tuning job; give --data "
                          f"train.jsonl and --out RUN (and --valid valid.jsonl)")
@@ -377,6 +392,25 @@ def _run_job(args) -> int:
              else "")
     where = result["final"] or os.path.join(result["out"], "checkpoints")
     print(f"fine-tuned on the device: {where} ({result['steps']} steps{valid})")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    """`pockjax merge`: the fine-tuned model folder from a device job's checkpoint or
+    state files."""
+    from pockjax._finetune_base import FinetuneError
+    from pockjax._job_run import merge_checkpoint, merge_state
+    from pockjax.checkpoint import CheckpointError
+
+    try:
+        if args.checkpoint:
+            merge_checkpoint(args.dir, args.checkpoint, args.out)
+        else:
+            merge_state(args.dir, args.state, args.out)
+    except (FinetuneError, CheckpointError) as e:
+        print(f"pockjax merge: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -510,6 +544,18 @@ def main(argv=None) -> int:
     r.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
     r.add_argument("--resume", action="store_true", help="continue the run in --out")
     r.add_argument("--overwrite", action="store_true", help="start again in --out")
+    r.add_argument("--write-batches", metavar="FOLDER",
+                   help="with JSONL data: do not train; write the job's batches as .npy "
+                        "files and train.sh, which runs the loop with iree-run-module alone "
+                        "(a device without Python); `pockjax merge DIR --state "
+                        "FOLDER/state` makes the model folder afterwards")
+    m = sub.add_parser("merge", help="a fine-tuned model folder from a device job's checkpoint "
+                                     "or train.sh's state files")
+    m.add_argument("dir", help="the artifact of `pockjax export --model`")
+    src = m.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="a checkpoint `pockjax run` wrote (RUN/checkpoints/...)")
+    src.add_argument("--state", help="the state folder train.sh wrote")
+    m.add_argument("--out", required=True, help="the model folder to write")
     r.add_argument("--save", help="write a checkpoint after the last step")
     r.add_argument("--tool", help="run each call with this iree-run-module command instead of "
                                   "the Python runtime (e.g. a path, or 'qemu-aarch64 ... "
@@ -546,7 +592,7 @@ def main(argv=None) -> int:
         return finetuning.generate_main(args)
     try:
         return {"targets": cmd_targets, "export": cmd_export, "inspect": cmd_inspect,
-                "run": cmd_run, "search": cmd_search}[args.cmd](args)
+                "run": cmd_run, "search": cmd_search, "merge": cmd_merge}[args.cmd](args)
     except ExportError as err:
         print(f"pockjax {args.cmd}: {err}", file=sys.stderr)
         return 2

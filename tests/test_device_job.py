@@ -220,3 +220,29 @@ def test_android_vulkan_on_lavapipe_and_arm64_under_qemu(setup, tmp_path):
     got = load_file(tmp_path / "arm-run" / "final" / "model.safetensors")
     for k in got:
         np.testing.assert_allclose(got[k], ft[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    # A checkpoint taken mid-run makes a model folder too.
+    [mid] = [p for p in (tmp_path / "arm-run" / "checkpoints").glob("*.safetensors")
+             if p.name.endswith("00000003.safetensors")]
+    assert main(["merge", str(tmp_path / "arm"), "--checkpoint", str(mid), "--out",
+                 str(tmp_path / "merged")]) == 0
+    assert (tmp_path / "merged" / "model.safetensors").read_bytes() == \
+        (tmp_path / "arm-run" / "final" / "model.safetensors").read_bytes()
+
+    # No Python on the device: the batches as files and train.sh, run by the aarch64
+    # iree-run-module under QEMU, then the model folder from its state files.
+    import shlex
+
+    from pockjax import runtime
+
+    assert main(["run", str(tmp_path / "arm"), "--data", str(setup["data"]),
+                 "--write-batches", str(tmp_path / "sh")]) == 0
+    tool = " ".join(map(shlex.quote, runtime.qemu_arm64(RUNTIME)))
+    done = subprocess.run(["sh", str(tmp_path / "sh" / "train.sh")], capture_output=True,
+                          text=True, env={**os.environ, "IREE_RUN_MODULE": tool}, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["step", "1", "done", "step", "2", "done", "step", "3", "done"]
+    assert main(["merge", str(tmp_path / "arm"), "--state", str(tmp_path / "sh" / "state"),
+                 "--out", str(tmp_path / "sh-final")]) == 0
+    shell = load_file(tmp_path / "sh-final" / "model.safetensors")
+    for k in shell:
+        np.testing.assert_allclose(shell[k], ft[k], rtol=1e-4, atol=1e-5, err_msg=k)
