@@ -22,6 +22,12 @@
   batch index that reads the label is left undistributed). The two gathers read the same
   elements, and the iota columns are always in bounds, so values, out-of-bounds fills and
   clamping are the same.
+- A `scatter_add` with batching dimensions (the gradient of such a gather) takes them as
+  index columns the same way (`unbatched_scatter_add`). IREE 3.13 refuses the batched
+  form where a batch dimension has size 1 ("'iree_linalg_ext.scatter' op expected indices
+  to be equal to batch rank or batch rank + 1"): a language model's loss at batch 1.
+  Where its windows are single elements, it becomes a scatter of scalars (every operand
+  dimension indexed, the window dimensions at 0), the form IREE takes.
 - `slice(broadcast_in_dim(x))` of booleans becomes `broadcast_in_dim(slice(x))`. Slice
   push-down slices masks in the sparse backward (e.g. a causal mask broadcast over the
   heads, when attention projections train some channels); IREE then keeps the whole
@@ -55,7 +61,8 @@ from jax.extend.core import primitives as P
 
 from pockjax._jaxpr import bind, call_body, interpret
 
-__all__ = ["legalize_for_iree", "select_and_scatter_add", "unbatched_gather"]
+__all__ = ["legalize_for_iree", "select_and_scatter_add", "unbatched_gather",
+           "unbatched_scatter_add"]
 
 
 def select_and_scatter_add(source, operand, select_prim, window_dimensions, window_strides,
@@ -184,6 +191,62 @@ def unbatched_gather(operand, indices, dimension_numbers: lax.GatherDimensionNum
                       lax.full_like(out, fill))
 
 
+def unbatched_scatter_add(operand, indices, updates, dimension_numbers:
+                          lax.ScatterDimensionNumbers, *, mode=_MODES.FILL_OR_DROP,
+                          indices_are_sorted: bool = False, unique_indices: bool = False):
+    """`lax.scatter_add` with batching dimensions, computed by a scatter-add without them
+    (the transpose of `unbatched_gather`): for each pair of batching dimensions, the
+    position along the indices' dimension becomes one more index column (an iota) into
+    the operand's dimension, which becomes an inserted window dimension. The iota
+    columns are always in bounds, so out-of-bounds updates are dropped (or clipped) as
+    before. Indices of a type too narrow for the largest batch position are widened to
+    int32.
+
+    Args:
+      operand: the array added into.
+      indices: the scatter indices, with the index vector in the last dimension.
+      updates: the values added.
+      dimension_numbers: the scatter's `lax.ScatterDimensionNumbers`, with
+        `operand_batching_dims` and `scatter_indices_batching_dims`.
+      mode: a `lax.GatherScatterMode`, as for `lax.scatter_add`.
+      indices_are_sorted: passed to `lax.scatter_add`.
+      unique_indices: passed to `lax.scatter_add`.
+
+    Returns:
+      What `lax.scatter_add(operand, indices, updates, dimension_numbers, ...)` returns.
+    """
+    dn = dimension_numbers
+    batch_shape = indices.shape[:-1]
+    largest = max(operand.shape[d] for d in dn.operand_batching_dims) - 1
+    if jnp.iinfo(indices.dtype).max < largest:
+        indices = indices.astype(jnp.int32)
+    columns = [lax.broadcasted_iota(indices.dtype, (*batch_shape, 1), d)
+               for d in dn.scatter_indices_batching_dims]
+    flat = lax.ScatterDimensionNumbers(
+        update_window_dims=dn.update_window_dims,
+        inserted_window_dims=tuple(sorted(dn.inserted_window_dims + dn.operand_batching_dims)),
+        scatter_dims_to_operand_dims=dn.scatter_dims_to_operand_dims + dn.operand_batching_dims,
+        operand_batching_dims=(), scatter_indices_batching_dims=())
+    indices = lax.concatenate([indices, *columns], len(batch_shape))
+    if all(updates.shape[u] == 1 for u in flat.update_window_dims):
+        # Windows of one element (a batch of 1 leaves one of size 1): a scatter of
+        # scalars, the form IREE 3.13 takes, with the window dimensions indexed at 0.
+        n = int(np.prod(batch_shape, dtype=np.int64))
+        flat_idx = lax.reshape(indices, (n, indices.shape[-1]))
+        where = {d: k for k, d in enumerate(flat.scatter_dims_to_operand_dims)}
+        cols = [lax.slice_in_dim(flat_idx, where[d], where[d] + 1, axis=1) if d in where
+                else jnp.zeros((n, 1), flat_idx.dtype) for d in range(operand.ndim)]
+        scalar = lax.ScatterDimensionNumbers(
+            update_window_dims=(), inserted_window_dims=tuple(range(operand.ndim)),
+            scatter_dims_to_operand_dims=tuple(range(operand.ndim)),
+            operand_batching_dims=(), scatter_indices_batching_dims=())
+        return lax.scatter_add(operand, lax.concatenate(cols, 1), lax.reshape(updates, (n,)),
+                               scalar, indices_are_sorted=indices_are_sorted,
+                               unique_indices=unique_indices, mode=mode)
+    return lax.scatter_add(operand, indices, updates, flat, indices_are_sorted=indices_are_sorted,
+                           unique_indices=unique_indices, mode=mode)
+
+
 # --------------------------------------------------------------------------- the pass
 #
 # One rule per primitive: `rule(ctx, eqn, ins)` returns the equation's outputs, or None
@@ -230,6 +293,23 @@ def _gather(ctx, e, ins):
 
 
 _RULES[lax.gather_p] = _gather
+
+
+def _scatter_add(ctx, e, ins):
+    """A batched `scatter_add` (the gradient of a batched gather: optax's integer-label
+    cross-entropy) without its batching dimensions. IREE 3.13 refuses the batched form
+    where a batch dimension has size 1 ("'iree_linalg_ext.scatter' op expected indices
+    to be equal to batch rank or batch rank + 1": a language model's loss at batch 1)."""
+    p = e.params
+    if not p["dimension_numbers"].operand_batching_dims:
+        return None
+    ctx.made("batched_scatter_add")
+    return [unbatched_scatter_add(ins[0], ins[1], ins[2], p["dimension_numbers"],
+                                  mode=p["mode"], indices_are_sorted=p["indices_are_sorted"],
+                                  unique_indices=p["unique_indices"])]
+
+
+_RULES[lax.scatter_add_p] = _scatter_add
 
 
 def _slice(ctx, e, ins):
