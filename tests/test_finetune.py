@@ -899,3 +899,6 @@ def test_a_second_run_reads_its_compiled_steps_from_the_cache(folders, data, tmp
     assert any((tmp_path / "cache" / "jax").iterdir())
     assert runs[0]["hits"] == 0 and runs[1]["hits"] > 0
     assert runs[2]["dir"] is None and runs[2]["hits"] == 0
+    # A step read from the cache computes what the compiled one did, bit for bit.
+    weights = [(tmp_path / n / "final" / "model.safetensors").read_bytes() for n in "abc"]
+    assert weights[0] == weights[1] == weights[2]
