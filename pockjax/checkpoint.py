@@ -271,6 +271,18 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
                               f"(truncated or corrupt?): {e}") from None
 
 
+def _checkpoint_metadata(path: str) -> dict[str, str]:
+    """The metadata of a pockjax checkpoint this pockjax reads, else CheckpointError."""
+    meta = read_metadata(path)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"'{path}' is a safetensors file but not a pockjax checkpoint "
+                              f"(metadata format={meta.get('format')!r})")
+    if meta.get("version") not in READABLE:
+        raise CheckpointError(f"'{path}' has checkpoint version {meta.get('version')!r}; this "
+                              f"pockjax reads versions {', '.join(READABLE)}")
+    return meta
+
+
 def load(path: str | os.PathLike, like):
     """Load a checkpoint into the structure of `like` (a state of the same model).
 
@@ -299,13 +311,7 @@ def load(path: str | os.PathLike, like):
     from pockjax.scheme import Scheme
 
     path = os.fspath(path)
-    meta = read_metadata(path)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"'{path}' is a safetensors file but not a pockjax checkpoint "
-                              f"(metadata format={meta.get('format')!r})")
-    if meta.get("version") not in READABLE:
-        raise CheckpointError(f"'{path}' has checkpoint version {meta.get('version')!r}; this "
-                              f"pockjax reads versions {', '.join(READABLE)}")
+    meta = _checkpoint_metadata(path)
     want, treedef = _named(like)
     try:  # names, shapes and dtypes from the header: nothing read yet
         with safe_open(path, framework="numpy") as f:
@@ -380,13 +386,7 @@ def read(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]
         pockjax does not read, truncated or corrupt, or fails its checksum.
     """
     path = os.fspath(path)
-    meta = read_metadata(path)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"'{path}' is a safetensors file but not a pockjax checkpoint "
-                              f"(metadata format={meta.get('format')!r})")
-    if meta.get("version") not in READABLE:
-        raise CheckpointError(f"'{path}' has checkpoint version {meta.get('version')!r}; this "
-                              f"pockjax reads versions {', '.join(READABLE)}")
+    meta = _checkpoint_metadata(path)
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))

@@ -129,6 +129,18 @@ def _default_fill(dtype):
     return True
 
 
+def _batch_columns(indices, operand_shape, operand_batching_dims, indices_batching_dims):
+    """`(indices, columns)`: the indices (widened to int32 where their type cannot hold
+    the largest batch position) and one iota column per pair of batching dimensions,
+    each the position along the indices' batching dimension."""
+    batch_shape = indices.shape[:-1]
+    largest = max(operand_shape[d] for d in operand_batching_dims) - 1
+    if jnp.iinfo(indices.dtype).max < largest:
+        indices = indices.astype(jnp.int32)
+    return indices, [lax.broadcasted_iota(indices.dtype, (*batch_shape, 1), d)
+                     for d in indices_batching_dims]
+
+
 def unbatched_gather(operand, indices, dimension_numbers: lax.GatherDimensionNumbers,
                      slice_sizes, *, mode=_MODES.FILL_OR_DROP, fill_value=None,
                      unique_indices: bool = False):
@@ -161,11 +173,8 @@ def unbatched_gather(operand, indices, dimension_numbers: lax.GatherDimensionNum
     """
     dn, mode = dimension_numbers, _MODES.from_any(mode)
     batch_shape = indices.shape[:-1]  # JAX keeps the index vector in the last dimension
-    largest = max(operand.shape[d] for d in dn.operand_batching_dims) - 1
-    if jnp.iinfo(indices.dtype).max < largest:
-        indices = indices.astype(jnp.int32)
-    columns = [lax.broadcasted_iota(indices.dtype, (*batch_shape, 1), d)
-               for d in dn.start_indices_batching_dims]
+    indices, columns = _batch_columns(indices, operand.shape, dn.operand_batching_dims,
+                                      dn.start_indices_batching_dims)
     flat = lax.GatherDimensionNumbers(
         offset_dims=dn.offset_dims,
         collapsed_slice_dims=tuple(sorted(dn.collapsed_slice_dims + dn.operand_batching_dims)),
@@ -217,11 +226,8 @@ def unbatched_scatter_add(operand, indices, updates, dimension_numbers:
     """
     dn = dimension_numbers
     batch_shape = indices.shape[:-1]
-    largest = max(operand.shape[d] for d in dn.operand_batching_dims) - 1
-    if jnp.iinfo(indices.dtype).max < largest:
-        indices = indices.astype(jnp.int32)
-    columns = [lax.broadcasted_iota(indices.dtype, (*batch_shape, 1), d)
-               for d in dn.scatter_indices_batching_dims]
+    indices, columns = _batch_columns(indices, operand.shape, dn.operand_batching_dims,
+                                      dn.scatter_indices_batching_dims)
     flat = lax.ScatterDimensionNumbers(
         update_window_dims=dn.update_window_dims,
         inserted_window_dims=tuple(sorted(dn.inserted_window_dims + dn.operand_batching_dims)),
