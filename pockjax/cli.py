@@ -308,9 +308,13 @@ def cmd_run(args) -> int:
     the exit status."""
     from pockjax import runtime
 
-    job = os.path.isfile(os.path.join(args.dir, "job.json"))
-    arrays = (args.data or "").endswith(".npz") or (not job and not args.data)
-    if not arrays or args.out or args.valid or args.epochs or args.resume or args.write_batches:
+    data = args.data or ""
+    if os.path.isfile(os.path.join(args.dir, "job.json")):
+        arrays = data.endswith(".npz")
+    else:  # arrays, unless the options are the job's (then read_job says what this is)
+        arrays = not (data.endswith(".jsonl") or args.out or args.valid or args.epochs
+                      or args.resume or args.write_batches)
+    if not arrays:
         return _run_job(args)
     if args.steps is None:
         args.steps = 3

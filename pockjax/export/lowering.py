@@ -41,6 +41,7 @@ from pockjax.export.manifest import SCOPE
 from pockjax.export.targets import ExportError
 from pockjax.optim import fused
 from pockjax.scheme import Frozen, leaves_with_paths
+from pockjax.transforms import dot_layout
 from pockjax.transforms.legalize import legalize_for_iree
 from pockjax.view import trained_indices
 
@@ -283,6 +284,15 @@ def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool
         exported, a `prefix` whose batch is not `{"batch": ..., "cut": [...]}`, or a
         lowered module whose layout is not recognised.
     """
+    # Weight gradients as JAX writes them: IREE's Vulkan code generation computes the
+    # swapped form wrong (pockjax.transforms.dot_layout).
+    with dot_layout.transposed_dots_kept():
+        return _lower_step(trainer, state, batch, donate=donate, placement=placement,
+                           ties=ties, backend=backend, tie_weights=tie_weights, prefix=prefix)
+
+
+def _lower_step(trainer, state, batch, *, donate, placement, ties, backend, tie_weights,
+                prefix) -> Lowered:
     _check_static(batch)
     if trainer.layout is not None:
         # An artifact runs on one device: the same step without the mesh layout.

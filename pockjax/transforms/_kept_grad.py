@@ -109,9 +109,10 @@ def kept_value_and_grad(call, decisions, has_aux, leaves, dyn):
     return [value, *aux_leaves, *g], (aux_def, n_split)
 
 
-def push_down(closed):
-    """`closed` with the kept slices pushed up the backward graph and dead code removed,
-    and the pass's `Stats`."""
+def push_down(closed, swap_dots: bool = True):
+    """`closed` with the kept slices pushed up the backward graph and dead code removed
+    (and with `swap_dots`, its weight gradients in the layout XLA's CPU backend multiplies
+    fastest: `dot_layout`), and the pass's `Stats`."""
     stats = pushdown.Stats()
     stats.eqns_in = pushdown.count_eqns(closed.jaxpr)
     rewritten = pushdown.rewrite(closed, None, stats)
@@ -122,6 +123,7 @@ def push_down(closed):
         rewritten.jaxpr.invars) else dced
     final = jex.ClosedJaxpr(dced, rewritten.consts)
     # Weight gradients in the layout the backend multiplies fastest (dot_layout).
-    final, _ = dot_layout.swap_transposed_dots(final)
+    if swap_dots:
+        final, _ = dot_layout.swap_transposed_dots(final)
     stats.eqns_out = pushdown.count_eqns(final.jaxpr)
     return final, stats

@@ -10,11 +10,16 @@ small LLaMA: its full fine-tuning step 1.04 -> 0.80 s, `benchmarks/results/edge_
 `swap_transposed_dots` rewrites every `transpose(dot_general(a, b))` whose permutation
 only swaps the two operands' free dimensions (and whose product has no other use) into
 `dot_general(b, a)`: the same sums in the layout the result is wanted in. `sparse_grad`
-runs it on every gradient program it builds.
+runs it on every gradient program it builds, except inside `transposed_dots_kept()`,
+which `pockjax.export` lowers under: IREE 3.13's Vulkan code generation computes the
+swapped form wrong on the export tests' transformer (its first loss 1.89 against 3.50
+on lavapipe; host-cpu and XLA agree), so artifacts keep JAX's form.
 """
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 
 import jax
 import jax.extend.core as jex
@@ -23,7 +28,25 @@ from jax.interpreters import partial_eval as pe
 
 from pockjax._jaxpr import avals, interpret, is_var, producers
 
-__all__ = ["swap_transposed_dots"]
+__all__ = ["swap_transposed_dots", "transposed_dots_kept", "enabled"]
+
+_SWAP = contextvars.ContextVar("pockjax_swap_transposed_dots", default=True)
+
+
+def enabled() -> bool:
+    """Whether gradient programs traced now get their transposed dots swapped."""
+    return _SWAP.get()
+
+
+@contextlib.contextmanager
+def transposed_dots_kept():
+    """A context in which `sparse_grad` keeps JAX's `transpose(dot_general(g, x))` weight
+    gradients (programs lowered for IREE)."""
+    token = _SWAP.set(False)
+    try:
+        yield
+    finally:
+        _SWAP.reset(token)
 
 
 def _swapped_permutation(dims, lhs_rank: int, rhs_rank: int) -> tuple[int, ...]:

@@ -35,6 +35,7 @@ from pockjax import lowbit
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.view import (apply_sparse_updates, resolved_decisions,  # noqa: F401
                           trainable_view)
+from pockjax.transforms import dot_layout
 from pockjax.transforms._kept_grad import kept_value_and_grad, make_jaxpr_with_aux, push_down
 
 __all__ = ["sparse_grad", "sparse_value_and_grad", "trainable_view", "apply_sparse_updates",
@@ -275,7 +276,8 @@ class SparseGradFn:
         dyn_avals = tuple((tuple(np.shape(x)), str(jnp.result_type(x)))
                           for x, m in zip(other_leaves, dyn_mask) if m)
         try:
-            key = (diff_def, tuple(decisions), avals, other_def, tuple(dyn_mask), static, dyn_avals)
+            key = (diff_def, tuple(decisions), avals, other_def, tuple(dyn_mask), static, dyn_avals,
+                   dot_layout.enabled())
             hash(key)
         except TypeError:
             raise TypeError("non-array arguments of a sparse_grad function must be hashable "
@@ -292,7 +294,7 @@ class SparseGradFn:
         leaves = [x for _, x in named]
         dyn = [x for x, m in zip(other_leaves, dyn_mask) if m]
         closed, _, (aux_def, n_split) = make_jaxpr_with_aux(grad, leaves, dyn)
-        final, stats = push_down(closed)
+        final, stats = push_down(closed, swap_dots=dot_layout.enabled())
         info = _transform_info(final, stats, named, decisions, n_split)
         return GradProgram(jax.jit(jex.jaxpr_as_fun(final)), info, aux_def, decisions, diff_def)
 

@@ -55,3 +55,27 @@ def test_only_operand_swapping_transposes_of_single_use_products_change():
         assert count == want, fn.__name__
         for got, ref in zip(jax.extend.core.jaxpr_as_fun(swapped)(a, b), jax.tree.leaves(fn(a, b))):
             np.testing.assert_array_equal(got, ref)
+
+
+def test_programs_lowered_for_iree_keep_jaxs_form():
+    """Inside `transposed_dots_kept()` (what `pockjax.export` lowers under: IREE's Vulkan
+    code generation computes the swapped form wrong) the gradient program keeps JAX's
+    `transpose(dot_general(g, x))`, also after the same function was traced without it;
+    the two programs are cached apart and compute the same values."""
+    from pockjax.transforms.dot_layout import enabled, transposed_dots_kept
+
+    x = jax.random.normal(jax.random.key(0), (4, 6, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 5))
+    grad = pj.sparse_grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2), pj.Scheme(default=pj.Full()))
+
+    def transposes(program):
+        return sum(e.primitive is lax.transpose_p for e in program.jaxpr.eqns)
+
+    swapped = grad.trace(w, x)
+    with transposed_dots_kept():
+        assert not enabled()
+        kept = grad.trace(w, x)
+    assert enabled()
+    assert transposes(swapped.info.jaxpr) == 0 and transposes(kept.info.jaxpr) == 1
+    want = jax.grad(lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2))(w, x)
+    np.testing.assert_allclose(grad(w, x), want, rtol=1e-5, atol=1e-6)
