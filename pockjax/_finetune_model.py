@@ -395,13 +395,40 @@ def _np_dtype(code: str):
     return np.dtype(getattr(ml_dtypes, name, None) or name)
 
 
+def partial_names(loaded: LoadedModel, params) -> dict[str, tuple[int, int, int]]:
+    """Checkpoint name -> `(axis, start, count)` in the file's layout of each stored
+    (low-bit) weight that trains some of its channels: `finish_final` writes the base's
+    values outside them, never the low-bit rounding."""
+    import jax
+
+    from pockjax import lowbit
+    from pockjax.scheme import path_str
+
+    if loaded.checkpoint_name is None:
+        return {}
+    out = {}
+    for key, leaf in jax.tree_util.tree_flatten_with_path(params, is_leaf=lowbit.is_quantized)[0]:
+        if not lowbit.is_quantized(leaf) or leaf.channels is None:
+            continue
+        path = path_str(key)
+        name = loaded.checkpoint_name(path)
+        if name is None:
+            continue
+        axis, start, count = leaf.channels
+        if path in loaded.checkpoint_transposed:
+            axis = len(leaf.shape) - 1 - axis
+        out[name] = (axis, start, count)
+    return out
+
+
 def write_final(loaded: LoadedModel, params, final: Path, *, base=None, frozen=(),
-                save_dtype: str = "auto") -> None:
+                partial=None, save_dtype: str = "auto") -> None:
     """The Hugging Face folder, written beside and renamed into place (a crash leaves the
     previous one or none, never half of one). With `base` (the folder the model came
     from), `finish_final` then makes it the base's: its config's fields kept, `frozen`
     tensors (checkpoint names) copied from the base byte for byte, the others written
-    in `save_dtype` ("auto": the base's dtype)."""
+    in `save_dtype` ("auto": the base's dtype); the weights in `partial` (`partial_names`)
+    get the base's values outside their trained channels."""
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     if loaded.scheme is None:
@@ -415,7 +442,7 @@ def write_final(loaded: LoadedModel, params, final: Path, *, base=None, frozen=(
             params, is_leaf=lowbit.is_quantized)
     loaded.save(params, tmp)
     if base is not None:
-        finish_final(Path(base), tmp, frozen, save_dtype)
+        finish_final(Path(base), tmp, frozen, save_dtype, partial or {})
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -452,12 +479,15 @@ def base_dtype(folder: Path) -> str:
     return max(sizes, key=sizes.get) if sizes else "float32"
 
 
-def finish_final(base: Path, final: Path, frozen, save_dtype: str = "auto") -> None:
+def finish_final(base: Path, final: Path, frozen, save_dtype: str = "auto",
+                 partial: dict | None = None) -> None:
     """Make the written folder `final` the base model's, fine-tuned: `config.json` keeps
     every field of the base's that training did not change (token ids, initializer
     range, generation settings); the tensors named in `frozen` are the base's own bytes
     (never a dequantized or re-rounded copy); every other float tensor is stored in
-    `save_dtype` ("auto": the base's dtype, `base_dtype`)."""
+    `save_dtype` ("auto": the base's dtype, `base_dtype`); a weight in `partial`
+    (`{name: (axis, start, count)}`) takes its trained channels from the written folder
+    and the rest from the base."""
     import json
 
     import numpy as np
@@ -491,6 +521,15 @@ def finish_final(base: Path, final: Path, frozen, save_dtype: str = "auto") -> N
             if name in frozen and src is not None and src[1]["shape"] == t["shape"]:
                 entries.append((name, tuple(t["shape"]), _np_dtype(src[1]["dtype"]),
                                 lambda s=src: array(*s)))
+            elif name in (partial or {}) and src is not None and src[1]["shape"] == t["shape"]:
+                def merged(s=src, f=file, tt=t, st=start, where=partial[name]):
+                    axis, begin, count = where
+                    out = np.array(array(*s), dtype=np.float32)
+                    index = [slice(None)] * out.ndim
+                    index[axis] = slice(begin, begin + count)
+                    out[tuple(index)] = array(f, tt, st)[tuple(index)]
+                    return out.astype(target)
+                entries.append((name, tuple(t["shape"]), target, merged))
             elif t["dtype"] in _CODES:
                 entries.append((name, tuple(t["shape"]), target,
                                 lambda f=file, tt=t, st=start: array(f, tt, st).astype(target)))

@@ -42,7 +42,7 @@ import numpy as np
 from pockjax._home import claim
 from pockjax._finetune_base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
 from pockjax._finetune_model import (SAVE_DTYPES, frozen_names, lm_loss, load_model, low_bit,
-                                     nll_sum, shapes_of, stored_by_lowbit,
+                                     nll_sum, partial_names, shapes_of, stored_by_lowbit,
                                      write_final)
 from pockjax._finetune_run import FINAL, RunFolder, close_prefix_cache, fingerprint, \
     options_of, plot_losses
@@ -501,6 +501,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
 
     params = weights(loaded)
     frozen = frozen_names(loaded, chosen, params)
+    partial = partial_names(loaded, params)
 
     options = options_of(model=os.path.abspath(model), data=fingerprint(data),
                           scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
@@ -638,7 +639,8 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                    else (evaluate(state) if held is not None else None))
     seconds = history.seconds
     final = Path(out) / FINAL
-    write_final(loaded, state.params, final, base=model, frozen=frozen, save_dtype=save_dtype)
+    write_final(loaded, state.params, final, base=model, frozen=frozen, partial=partial,
+                save_dtype=save_dtype)
     if plot:
         plot_losses(Path(out))
     result = FinetuneResult(

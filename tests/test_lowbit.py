@@ -197,7 +197,7 @@ def test_a_quantized_state_saves_and_loads(tmp_path):
 
 def test_finetune_with_int4_frozen_weights(tmp_path):
     """`pockjax finetune --frozen-dtype int4`: the step trains, the loss falls, trained
-    weights are written at full precision and frozen ones dequantized to bfloat16."""
+    weights are written at full precision and frozen ones as the base file holds them."""
     from safetensors.numpy import load_file
 
     from tests.test_finetune import _folder, _jsonl, WORDS
@@ -220,8 +220,10 @@ def test_finetune_with_int4_frozen_weights(tmp_path):
     assert runs["int4"].total_params == runs["float32"].total_params
     assert runs["int4"].trainable_params == runs["float32"].trainable_params
     weights = load_file(str(tmp_path / "int4" / "final" / "model.safetensors"))
+    base = load_file(str(folder / "model.safetensors"))
     assert weights["model.layers.1.mlp.up_proj.weight"].dtype == np.float32   # trained
-    assert weights["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
+    frozen = "model.layers.0.mlp.up_proj.weight"  # the base's own bytes, not the int4 values
+    np.testing.assert_array_equal(weights[frozen], base[frozen])
 
 
 def exportable_trainer(formats, rules=None):
@@ -437,8 +439,9 @@ def test_a_weight_trained_in_part_gets_the_gradient_of_its_channels_only(axis):
 
 def test_finetune_trains_channels_on_an_int4_base(tmp_path):
     """A scheme file with Channels and `--frozen-dtype int4`: each such weight is read
-    into an int4 base with its trained channels in float32, and written back in float32
-    with those channels as trained and the others as stored."""
+    into an int4 base with its trained channels in float32, and written back with those
+    channels as trained and the others as the base file holds them (not the int4
+    rounding the step computed with)."""
     from safetensors.numpy import load_file
 
     from tests.test_finetune import _folder, _jsonl, WORDS
@@ -461,10 +464,16 @@ def test_finetune_trains_channels_on_an_int4_base(tmp_path):
     assert after[up].dtype == np.float32
     kept = before[up].shape[0] // 4
     assert not np.allclose(after[up][:kept], before[up][:kept])  # trained
-    # the rest: the int4 values of the file's weight
+    # the rest: the base file's values, not the int4 values the step read
+    np.testing.assert_array_equal(after[up][kept:], before[up][kept:])
     q = lowbit.quantize_leaf(jnp.asarray(before[up].T, jnp.float32), "int4")
-    np.testing.assert_array_equal(after[up][kept:], np.asarray(lowbit.dequantize(q)).T[kept:])
-    assert after["model.layers.0.mlp.up_proj.weight"].dtype.name == "bfloat16"  # frozen
+    assert not np.array_equal(np.asarray(lowbit.dequantize(q)).T[kept:], before[up][kept:])
+    o = "model.layers.1.self_attn.o_proj.weight"  # "in" is axis 1 in the file
+    half = before[o].shape[1] // 2
+    np.testing.assert_array_equal(after[o][:, half:], before[o][:, half:])
+    assert not np.allclose(after[o][:, :half], before[o][:, :half])
+    frozen = "model.layers.0.mlp.up_proj.weight"
+    np.testing.assert_array_equal(after[frozen], before[frozen])  # the base's bytes
 
 
 @pytest.mark.parametrize("rows_packed", [True, False], ids=["table-in-rows", "table-in-columns"])
