@@ -115,7 +115,7 @@ def export_job(model, target: str, out, *, steps: int, scheme: str = "paper",
     """
     from pockjax._finetune_model import load_model
     from pockjax.export import export
-    from pockjax.finetuning import (_check_positions, _count, choose_scheme, make_trainer,
+    from pockjax.finetuning import (check_positions, spec_number, choose_scheme, make_trainer,
                                     scheme_from_spec, trainer_params)
     from pockjax.tokenizer import Tokenizer, TokenizerError
 
@@ -132,7 +132,7 @@ def export_job(model, target: str, out, *, steps: int, scheme: str = "paper",
                             "(pockjax search, or pockjax finetune --scheme search:... writes it "
                             "in run.json) and export with --scheme FILE.json")
     model = Path(model)
-    lora = _count(str(scheme), "lora:R") if str(scheme).startswith("lora:") else None
+    lora = spec_number(str(scheme), "lora:R") if str(scheme).startswith("lora:") else None
     if lora is not None and frozen_dtype != "float32":
         raise FinetuneError(f"--scheme {scheme} with --frozen-dtype {frozen_dtype} is not "
                             f"implemented; use --frozen-dtype float32")
@@ -144,7 +144,7 @@ def export_job(model, target: str, out, *, steps: int, scheme: str = "paper",
     loaded = load_model(model, frozen_dtype=frozen_dtype, frontend=frontend, lora=lora,
                         seed=seed, scheme_of=(lambda shapes, layers: scheme_from_spec(
                             scheme, shapes, layers)) if known else None)
-    seq = _check_positions(model, seq)
+    seq = check_positions(model, seq)
     say(f"model {model}: {loaded.description}" + (f" ({loaded.note})" if loaded.note else ""))
     chosen = choose_scheme(loaded, scheme, frozen_dtype, say=say)
     if hasattr(chosen, "schemes"):

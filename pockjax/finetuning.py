@@ -112,21 +112,21 @@ def scheme_from_spec(spec: str, params, num_layers: int, *, search: Callable | N
         if spec == "full":
             return pj.Scheme(default=pj.Full())
         if spec == "paper" or spec.startswith("paper:"):
-            last = max(1, num_layers // 2) if spec == "paper" else _count(spec, "paper:K")
+            last = max(1, num_layers // 2) if spec == "paper" else spec_number(spec, "paper:K")
             return pj.schemes.transformer(params, last=last)
         if spec.startswith("last:"):
-            return pj.schemes.last_blocks(params, _count(spec, "last:N"))
+            return pj.schemes.last_blocks(params, spec_number(spec, "last:N"))
         if spec.startswith("lora:"):
             # The adapters are the model's (load_model(lora=R)); the scheme trains them.
-            _count(spec, "lora:R")
+            spec_number(spec, "lora:R")
             return pj.schemes.lora()
         if spec.startswith("blockwise:"):
             parts = spec.split(":")
             if len(parts) not in (2, 3):
                 raise FinetuneError(f"--scheme {spec!r}: blockwise:K or blockwise:K:N (K steps "
                                     f"a turn, N blocks a turn)")
-            every = _count(":".join(parts[:2]), "blockwise:K")
-            group = _count("blockwise:" + parts[2], "blockwise:K:N") if len(parts) == 3 else 1
+            every = spec_number(":".join(parts[:2]), "blockwise:K")
+            group = spec_number("blockwise:" + parts[2], "blockwise:K:N") if len(parts) == 3 else 1
             return pj.schemes.blockwise(params, every=every, group=group)
         if spec.startswith("search:"):
             if search is None:
@@ -168,7 +168,9 @@ def output_head(params) -> tuple[str, bool] | None:
     return None
 
 
-def _count(spec: str, form: str) -> int:
+def spec_number(spec: str, form: str) -> int:
+    """The positive whole number after the colon of a scheme `spec` ("last:2" -> 2);
+    `form` names the expected form in the error."""
     try:
         k = int(spec.split(":", 1)[1])
     except ValueError:
@@ -303,7 +305,7 @@ def _say(progress: bool, text: str) -> None:
         tqdm.write(f"pockjax finetune: {text}", file=sys.stderr)
 
 
-def _check_positions(model, seq: int | None) -> int:
+def check_positions(model, seq: int | None) -> int:
     """`--seq` (None: 512, or fewer where the model takes fewer), checked against the
     positions the model was built for (its config's `max_position_embeddings`, GPT-2's
     `n_positions`)."""
@@ -450,7 +452,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
 
     # The output folder before anything is read: a refused run leaves nothing behind.
     RunFolder.check(Path(out), resume=resume, overwrite=overwrite)
-    lora = _count(str(scheme), "lora:R") if str(scheme).startswith("lora:") else None
+    lora = spec_number(str(scheme), "lora:R") if str(scheme).startswith("lora:") else None
     if lora is not None and frozen_dtype != "float32":
         raise FinetuneError(f"--scheme {scheme} with --frozen-dtype {frozen_dtype} is not "
                             f"implemented; use --frozen-dtype float32")
@@ -464,7 +466,7 @@ def finetune(model, data, out, *, valid=None, scheme: str = "paper", steps: int 
                               scheme, shapes, layers)) if known else None)
 
     loaded = load()
-    seq = _check_positions(model, seq)
+    seq = check_positions(model, seq)
     try:
         tokenizer = Tokenizer.from_folder(model)
     except TokenizerError as e:

@@ -221,7 +221,7 @@ def test_corpus_leaves_out_tests_and_held_out_files():
     assert 0.02 < len(held) / (len(train) + len(held)) < 0.08
     for rel in train + held:
         assert not set(Path(rel).parts[:-1]) & quality_data.SKIP_DIRS, rel
-    assert root == quality_data.stdlib_root()
+    assert root.roots == {"stdlib": quality_data.stdlib_root()}
 
 
 def test_functions_cut_at_the_docstring():
