@@ -345,7 +345,7 @@ def run_job(artifact, data, out, *, valid=None, steps: int | None = None,
     valid_after = evaluate(step, began) if held is not None else None
     final = run.out / FINAL
     if job["with_base"]:
-        merge_final(artifact, session.param_values(), final)
+        merge_final(artifact, session.param_values(lazy=True), final)
         say(f"done: {step - start} steps in {seconds:.1f} s "
             f"({tokens / max(seconds, 1e-9):,.0f} tokens/s), model in {final}")
     else:

@@ -7,6 +7,7 @@ subclass it; like `pockjax.runtime`, this module needs numpy only, not JAX.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -66,6 +67,26 @@ def _unflatten(paths: list[str], values: dict[str, np.ndarray]):
     return listify(root)
 
 
+class _Lazy(Mapping):
+    """A read-only mapping whose values are read when looked up (`param_values(lazy=
+    True)`)."""
+
+    def __init__(self, getters: dict[str, Callable[[], np.ndarray]]):
+        self._getters = getters
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self._getters[key]()
+
+    def __contains__(self, key) -> bool:  # without reading the tensor
+        return key in self._getters
+
+    def __iter__(self):
+        return iter(self._getters)
+
+    def __len__(self) -> int:
+        return len(self._getters)
+
+
 class BaseSession:
     """What every way of running an artifact shares: the batch check, evaluation,
     parameters as a pytree and checkpoints. Subclasses set `manifest` and `_state_names`
@@ -88,13 +109,33 @@ class BaseSession:
         """The positions in the state of `eval`'s state arguments."""
         return [self._state_names.index(n) for n in self.manifest["functions"]["eval"]["state"]]
 
+    def _frozen_getters(self) -> dict[str, Callable[[], np.ndarray]]:
+        """One function per frozen weight, by name, returning it on the host. This one
+        reads them all at the first call (`_frozen_values`) and keeps them; a session
+        that can read one weight alone overrides it."""
+        names = self.manifest["functions"]["frozen"]["outputs"]
+        cache: list = []
+
+        def one(i: int) -> np.ndarray:
+            if not cache:
+                cache.append(self._frozen_values())
+            return cache[0][i]
+
+        return {name: (lambda i=i: one(i)) for i, name in enumerate(names)}
+
+    def _getters(self) -> dict[str, Callable[[], np.ndarray]]:
+        """One function per state tensor and frozen weight, by name, each reading that
+        tensor to the host when called: a caller that writes them one by one holds one
+        at a time."""
+        getters = {name: (lambda i=i: self._state_value(i))
+                   for i, name in enumerate(self._state_names)}
+        if self.manifest["functions"]["frozen"]["outputs"]:
+            getters.update(self._frozen_getters())
+        return getters
+
     def _values(self) -> dict[str, np.ndarray]:
         """Every state tensor and frozen weight by name, on the host."""
-        values = {name: self._state_value(i) for i, name in enumerate(self._state_names)}
-        frozen = self.manifest["functions"]["frozen"]["outputs"]
-        if frozen:
-            values.update(zip(frozen, self._frozen_values()))
-        return values
+        return {name: get() for name, get in self._getters().items()}
 
     # -- batches -----------------------------------------------------------------
 
@@ -148,15 +189,21 @@ class BaseSession:
         """
         return self._evaluate(batch)
 
-    def param_values(self) -> dict[str, np.ndarray]:
+    def param_values(self, lazy: bool = False) -> Mapping[str, np.ndarray]:
         """The current parameters by "/"-joined path (trained and frozen, a low-bit
         weight's parts as `weight/@data`, `weight/@master`...), as numpy arrays.
 
+        Args:
+          lazy: return a read-only mapping that reads each tensor from the device when
+            it is looked up, so that a caller going through them one by one (writing a
+            model folder) holds one tensor on the host at a time, not the model.
+
         Returns:
-          A dict from path to array.
+          A dict from path to array (with `lazy`, a mapping with the same keys).
         """
-        return {k[len("params/"):]: v for k, v in self._values().items()
-                if k.startswith("params/")}
+        getters = {k[len("params/"):]: g for k, g in self._getters().items()
+                   if k.startswith("params/")}
+        return _Lazy(getters) if lazy else {k: g() for k, g in getters.items()}
 
     def params(self):
         """The current parameters as a numpy pytree with the original paths.
@@ -219,7 +266,8 @@ class BaseSession:
         """
         from pockjax.checkpoint import write_checkpoint
 
-        values = self._values()
-        write_checkpoint(path, {k: (lambda v=v: v) for k, v in values.items()},
-                         {"step": str(int(values["step"])),
+        # One tensor on the host at a time (the getters are called once to hash, once
+        # to write): the state and the frozen weights are never all copied at once.
+        write_checkpoint(path, self._getters(),
+                         {"step": str(self.step_count),
                           "scheme": json.dumps(self.manifest["scheme"])})

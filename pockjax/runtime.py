@@ -474,6 +474,23 @@ class Session(BaseSession):
             self._state = [self._ir.asdevicearray(self.device, np.array(x, order="C"))
                            for x in values]
 
+    def _frozen_getters(self):
+        """One frozen weight at a time, copied from the mapped archive and its pages
+        handed back; the base class's (all through `frozen()`) where one is not stored
+        as mapped bytes."""
+        self._check_open()
+        names = self.manifest["functions"]["frozen"]["outputs"]
+        if self._archive_arrays(names) is None:
+            return super()._frozen_getters()
+
+        def one(name):
+            (x,) = self._archive_arrays([name])
+            out = x.copy()
+            _release([x])
+            return out
+
+        return {name: (lambda n=name: one(n)) for name in names}
+
     def _frozen_values(self):
         """The frozen weights, copied from the mapped archive (they never change), not
         through `frozen()`, which would first copy every one into a device buffer."""

@@ -29,6 +29,16 @@ def test_artifact_matches_the_jax_trainer(exported, tmp_path):
     sess.save(tmp_path / "ckpt.safetensors")
     loaded = pj.load(tmp_path / "ckpt.safetensors", like=state)
     assert_trees_close(loaded, state, rtol=1e-4, atol=1e-6)
+    # The lazy view reads a tensor when it is looked up, the same values as the dict.
+    eager, lazy = sess.param_values(), sess.param_values(lazy=True)
+    assert sorted(lazy) == sorted(eager) and len(lazy) == len(eager)
+    reads = []
+    lazy._getters = {k: (lambda k=k, g=g: reads.append(k) or g())
+                     for k, g in lazy._getters.items()}
+    assert all(k in lazy for k in eager) and "no/such" not in lazy and not reads
+    for k, v in eager.items():
+        np.testing.assert_array_equal(lazy[k], v)
+    assert sorted(reads) == sorted(eager)
 
 
 def test_manifest_describes_the_artifact(exported):
