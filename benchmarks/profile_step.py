@@ -35,6 +35,13 @@ alone, its bytes against an in-place triad's bandwidth. Writes
 
     python -m benchmarks profile --workload llama --preset tinyllama-1.1b
         --rows "pockjax sparse last-k f32,pockjax sparse last-k bf16-frozen bf16-matmul"
+
+`--torch` adds PyTorch's full fine-tuning step of the same shape (real_size.py's `torch
+full fused-adamw` row) under `torch.profiler`, its operators' own times grouped by name
+(`TORCH_GROUPS`) as a column beside the XLA rows:
+
+    python -m benchmarks profile --workload llama --preset quality-small --torch
+        --rows "pockjax full f32,jax+optax full f32"
 """
 from __future__ import annotations
 
@@ -437,8 +444,67 @@ def profile_real_size(args, rows: list[str]) -> str:
             optimizer[key] = time_optimizer(shapes)
         results[row]["optimizer_alone"] = optimizer[key]
     bandwidth = triad_bandwidth()
+    torch_result = None
+    if args.torch:
+        print(f"[PyTorch full] profiling {args.steps} steps ...", file=sys.stderr, flush=True)
+        torch_result = profile_torch(s, args.steps, args.warmup)
     return _real_size_report(args, s, rows, results, alone, bandwidth, peak_rss_mib(),
-                             describe_size(args.preset, s), label)
+                             describe_size(args.preset, s), label, torch_result)
+
+
+# PyTorch's operators by the groups of the XLA tables, from their names (first match):
+# an "aten::" key is a name prefix, any other a substring. Times are each operator's own
+# (self) time, so a composite (aten::linear, aten::matmul) counts nothing itself.
+TORCH_GROUPS = (
+    ("attention kernel (SDPA)", ("scaled_dot_product", "flash_attention")),
+    ("optimizer update", ("adam", "_foreach_")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("copy/transpose", ("aten::copy_", "aten::clone", "aten::cat", "aten::_to_copy",
+                        "aten::stack", "aten::contiguous")),
+    ("elementwise/reduce", ("aten::add", "aten::mul", "aten::div", "aten::sub", "aten::neg",
+                            "aten::pow", "aten::rsqrt", "aten::sqrt", "aten::mean",
+                            "aten::sum", "aten::silu", "aten::exp", "aten::log", "softmax",
+                            "nll_loss", "aten::sigmoid", "aten::cos", "aten::sin",
+                            "aten::where", "aten::masked_fill", "aten::lerp")),
+)
+
+
+def torch_group(name: str) -> str:
+    """The group of a PyTorch operator (`TORCH_GROUPS`), "other" where none matches."""
+    for group, keys in TORCH_GROUPS:
+        if any(name.startswith(k) if k.startswith("aten::") else k in name for k in keys):
+            return group
+    return "other"
+
+
+def profile_torch(s: dict, steps: int, warmup: int) -> dict:
+    """transformers' `LlamaForCausalLM` of shape `s` (float32, every weight, fused AdamW:
+    real_size.py's `torch full fused-adamw` row) under `torch.profiler`: ms per step of
+    each operator's own time, summed per operator, and the step's wall times."""
+    import torch
+    import transformers
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.real_size import LR, WEIGHT_DECAY, torch_config, torch_step
+
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    net = transformers.LlamaForCausalLM._from_config(torch_config(s), torch_dtype=torch.float32)
+    net.train()
+    opt = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    step = torch_step(net, opt, torch.from_numpy(make_batch("llama", s)).long())
+    for _ in range(warmup):
+        step()
+    times = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    ops = {e.key: e.self_cpu_time_total / steps / 1e3 for e in prof.key_averages()
+           if e.self_cpu_time_total > 0}
+    return dict(ops=ops, wall=statistics.mean(times), median=statistics.median(times),
+                attention=net.config._attn_implementation)
 
 
 def _dot_text(sig) -> str:
@@ -447,9 +513,12 @@ def _dot_text(sig) -> str:
     return f"{lt}{list(ld)} . {rt}{list(rd)} over {list(lc)}x{list(rc)}{batch} -> {ot}"
 
 
-def _real_size_report(args, s, rows, results, alone, bandwidth, peak_mib, title, label) -> str:
+def _real_size_report(args, s, rows, results, alone, bandwidth, peak_mib, title, label,
+                      torch_result=None) -> str:
     names = [label(r, s) for r in rows]
     groups = ["matmul", "optimizer update", "elementwise/reduce", "copy/transpose", "other"]
+    if torch_result is not None:
+        groups.insert(1, "attention kernel (SDPA)")
     pct = lambda ms, r: f"{ms:.0f} ms ({100 * ms / (r['wall'] * 1e3):.0f}%)"
     lines = [f"# Where the step's time goes at real size: {title}", "",
              f"XLA CPU, {os.cpu_count()} cores. {versions(('jax', 'jaxlib', 'flax', 'optax'))}. "
@@ -467,10 +536,21 @@ def _real_size_report(args, s, rows, results, alone, bandwidth, peak_mib, title,
              "bound of the operation's cost, and the groups add up to more than the wall time "
              "(the last rows say by how much). The matmul tables below therefore also add up "
              "each dot's time alone.", "",
-             "| group | " + " | ".join(names) + " |", "|---|" + "---:|" * len(rows)]
+             "| group | " + " | ".join(names) + (" | PyTorch full (torch.profiler) |"
+                                                   if torch_result else " |"),
+             "|---|" + "---:|" * (len(rows) + bool(torch_result))]
+    t = torch_result
     for g in groups + ["all operations", "some operation running", "wall time (mean)",
                        "wall time (median)"]:
         cells = []
+        if t is not None:
+            if g.startswith("wall time"):
+                torch_cell = f"{t['wall' if 'mean' in g else 'median'] * 1e3:.0f} ms"
+            elif g == "some operation running":
+                torch_cell = "-"
+            else:
+                torch_cell = pct(sum(v for k, v in t["ops"].items()
+                                     if g == "all operations" or torch_group(k) == g), t)
         for row in rows:
             r = results[row]
             if g.startswith("wall time"):
@@ -483,7 +563,18 @@ def _real_size_report(args, s, rows, results, alone, bandwidth, peak_mib, title,
             else:
                 cells.append(pct(sum(v for k, v in r["ops"].items()
                                      if r["described"][k]["group"] == g), r))
+        if t is not None:
+            cells.append(torch_cell)
         lines.append(f"| {g} | " + " | ".join(cells) + " |")
+    if t is not None:
+        lines += ["", f"PyTorch full: transformers' `LlamaForCausalLM` of the same shape "
+                  f"(float32, attention `{t['attention']}`, fused AdamW, every weight), "
+                  f"the same steps under `torch.profiler`; each operator's own time (self "
+                  f"CPU time), grouped by name (`profile_step.TORCH_GROUPS`). Its attention "
+                  f"is one kernel (matmuls and softmax), which XLA's rows count under matmul "
+                  f"and elementwise. Slowest operators:", ""]
+        for k, ms in sorted(t["ops"].items(), key=lambda kv: -kv[1])[:args.top]:
+            lines.append(f"- `{k}` ({torch_group(k)}): {ms:.1f} ms")
     lines += ["", "## Matmuls by role", "",
               "Role from the HLO: a dot with batch dimensions is attention's; a dot traced in "
               "the backward pass (`transpose(...)` in its name, or a custom VJP's `_bwd`) is a "
@@ -590,6 +681,9 @@ def main(argv=None):
     ap.add_argument("--out")
     ap.add_argument("--preset", help="profile real_size.py's rows at this shape of its "
                                      "(tinyllama-1.1b, llama2-7b, smoke); LLaMA only")
+    ap.add_argument("--torch", action="store_true",
+                    help="with --preset: profile PyTorch's full fine-tuning step of the same "
+                         "shape too (torch.profiler), a column beside the XLA rows")
     ap.add_argument("--limit-gib", type=float, default=20.0,
                     help="with --preset: refuse a step whose compiled memory exceeds this")
     args = ap.parse_args(argv)

@@ -506,11 +506,7 @@ def run_torch(row: str, s: dict, args) -> dict:
     torch.set_num_threads(os.cpu_count() or 1)
     rss_imports = rss_mib()
     stage("init")
-    config = transformers.LlamaConfig(
-        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"], max_position_embeddings=max(128, s["seq"]),
-        rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config = torch_config(s)
     dtype = torch.bfloat16 if row.endswith("bf16") else torch.float32
     if "qlora" in row:
         try:
@@ -538,6 +534,17 @@ def run_torch(row: str, s: dict, args) -> dict:
     losses, times = _timed(_staged(torch_step(net, opt, tokens)), args.steps, args.warmup)
     return {"losses": losses, "times": times, "rss_imports_mib": rss_imports,
             "trained_params": sum(p.numel() for p in params)}
+
+
+def torch_config(s: dict):
+    """transformers' `LlamaConfig` of shape `s` (the PyTorch rows' model)."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], max_position_embeddings=max(128, s["seq"]),
+        rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
 def torch_step(net, opt, tokens):

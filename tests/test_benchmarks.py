@@ -32,6 +32,27 @@ def test_profile_groups_convolutions_by_kind():
     assert {"depthwise conv", "conv", "matmul"} <= kinds, groups
 
 
+def test_torch_profile_groups_every_operator_of_a_step():
+    """PyTorch's step under torch.profiler: operators land in the XLA tables' groups, the
+    matmuls and the fused AdamW among them, and their own times add up to no more than
+    the steps' wall time."""
+    from benchmarks.profile_step import profile_torch, torch_group
+    from benchmarks.real_size import PRESETS
+
+    assert torch_group("aten::addmm") == torch_group("aten::mm") == "matmul"
+    assert torch_group("aten::add_") == "elementwise/reduce"
+    assert torch_group("aten::_log_softmax_backward_data") == "elementwise/reduce"
+    assert torch_group("aten::_fused_adamw_") == "optimizer update"
+    assert torch_group("aten::_scaled_dot_product_flash_attention_for_cpu_backward") == \
+        "attention kernel (SDPA)"
+    assert torch_group("aten::copy_") == "copy/transpose"
+    assert torch_group("aten::embedding_dense_backward") == "other"
+    got = profile_torch(PRESETS["smoke"], steps=2, warmup=1)
+    groups = {torch_group(k) for k in got["ops"]}
+    assert {"matmul", "optimizer update", "elementwise/reduce"} <= groups, sorted(got["ops"])
+    assert 0 < sum(got["ops"].values()) <= got["wall"] * 1e3 * 1.05
+
+
 def test_malloc_env_sets_only_the_huge_page_tunable(monkeypatch):
     from benchmarks.common import malloc_env
 
