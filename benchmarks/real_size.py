@@ -101,7 +101,7 @@ GIB = 2**30
 PRESETS = {
     "smoke": dict(layers=4, hidden=256, intermediate=688, heads=8, kv_heads=2, vocab=1024,
                   seq=32, batch=1, last=2),
-    # The quality benchmark's small model and batch (issue: the small-model step's speed).
+    # The quality benchmark's small model and batch (the profile of its step, edge_speed's).
     "quality-small": dict(layers=6, hidden=256, intermediate=688, heads=4, kv_heads=4,
                           vocab=8192, seq=256, batch=8, last=1),
     "tinyllama-1.1b": dict(layers=22, hidden=2048, intermediate=5632, heads=32, kv_heads=4,
