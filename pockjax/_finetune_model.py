@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pockjax._finetune_base import FRONTENDS, FinetuneError
+from pockjax.checkpoint import numpy_dtype, safetensors_header
 
 # LoRA's targets for `--scheme lora:R`: every linear layer of a LLaMA block.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -380,19 +381,8 @@ def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> Loade
 
 
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# safetensors' dtype codes: the float types a model folder holds, and the others.
+# safetensors' dtype codes of the float types a model folder holds.
 _CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
-_OTHER_CODES = {"I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                "BOOL": "bool"}
-
-
-def _np_dtype(code: str):
-    """The numpy dtype of a safetensors dtype code (bfloat16 from ml_dtypes)."""
-    import ml_dtypes
-    import numpy as np
-
-    name = _CODES.get(code) or _OTHER_CODES[code]
-    return np.dtype(getattr(ml_dtypes, name, None) or name)
 
 
 def partial_names(loaded: LoadedModel, params) -> dict[str, tuple[int, int, int]]:
@@ -448,19 +438,6 @@ def write_final(loaded: LoadedModel, params, final: Path, *, base=None, frozen=(
     os.replace(tmp, final)
 
 
-def _safetensors_header(path: Path) -> tuple[dict, int]:
-    """A safetensors file's header (name -> dtype, shape, data_offsets) and where its
-    data starts."""
-    import json
-    import struct
-
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
 def _tensor_files(folder: Path) -> list[Path]:
     from pockjax.models.hf import weight_files
 
@@ -471,7 +448,7 @@ def base_dtype(folder: Path) -> str:
     """The float dtype most of a model folder's tensor bytes are stored in."""
     sizes: dict[str, int] = {}
     for file in _tensor_files(folder):
-        header, _ = _safetensors_header(file)
+        header, _ = safetensors_header(file)
         for t in header.values():
             if t["dtype"] in _CODES:
                 a, b = t["data_offsets"]
@@ -496,10 +473,10 @@ def finish_final(base: Path, final: Path, frozen, save_dtype: str = "auto",
     from pockjax.models.hf import CONFIG, INDEX
 
     dtype = base_dtype(base) if save_dtype == "auto" else save_dtype
-    target = _np_dtype({v: k for k, v in _CODES.items()}[dtype])
+    target = numpy_dtype({v: k for k, v in _CODES.items()}[dtype])
     base_tensors = {}
     for file in _tensor_files(base):
-        header, start = _safetensors_header(file)
+        header, start = safetensors_header(file)
         for name, t in header.items():
             base_tensors[name] = (file, t, start)
 
@@ -510,16 +487,16 @@ def finish_final(base: Path, final: Path, frozen, save_dtype: str = "auto",
             return f.read(b - a)
 
     def array(file, t, start):
-        return np.frombuffer(raw(file, t, start), _np_dtype(t["dtype"])).reshape(t["shape"])
+        return np.frombuffer(raw(file, t, start), numpy_dtype(t["dtype"])).reshape(t["shape"])
 
     sizes = {}
     for file in _tensor_files(final):
-        header, start = _safetensors_header(file)
+        header, start = safetensors_header(file)
         entries = []
         for name, t in header.items():
             src = base_tensors.get(name)
             if name in frozen and src is not None and src[1]["shape"] == t["shape"]:
-                entries.append((name, tuple(t["shape"]), _np_dtype(src[1]["dtype"]),
+                entries.append((name, tuple(t["shape"]), numpy_dtype(src[1]["dtype"]),
                                 lambda s=src: array(*s)))
             elif name in (partial or {}) and src is not None and src[1]["shape"] == t["shape"]:
                 def merged(s=src, f=file, tt=t, st=start, where=partial[name]):
@@ -534,7 +511,7 @@ def finish_final(base: Path, final: Path, frozen, save_dtype: str = "auto",
                 entries.append((name, tuple(t["shape"]), target,
                                 lambda f=file, tt=t, st=start: array(f, tt, st).astype(target)))
             else:  # integers and the like, as written
-                entries.append((name, tuple(t["shape"]), _np_dtype(t["dtype"]),
+                entries.append((name, tuple(t["shape"]), numpy_dtype(t["dtype"]),
                                 lambda f=file, tt=t, st=start: array(f, tt, st)))
         write_safetensors(file, entries, {"format": "pt"})
         sizes[file.name] = sum(int(np.prod(e[1], dtype=np.int64)) * e[2].itemsize

@@ -32,13 +32,9 @@ def options_of(**kw) -> dict:
 
 def fingerprint(path) -> str:
     """A short SHA-256 of a file's bytes (the data a run trained on)."""
-    import hashlib
+    from pockjax.export.manifest import sha256
 
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+    return sha256(path)[:16]
 
 
 class RunFolder:

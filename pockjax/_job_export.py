@@ -16,7 +16,6 @@ the artifact directory holds what the device needs to run the job and nothing el
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from pockjax._finetune_base import FinetuneError
+from pockjax.export.manifest import sha256
 
 JOB = "job.json"
 MODEL = "model"
@@ -37,14 +37,6 @@ VERSION = 1
 _FOLDER_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                  "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                  "tokenizer.model", "vocab.json", "merges.txt")
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _trained_tensors(loaded, chosen, params) -> tuple[dict, dict]:

@@ -14,7 +14,6 @@ tensors replaced, in the base's dtype; every frozen tensor stays the base's byte
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -27,6 +26,8 @@ import numpy as np
 
 from pockjax._finetune_base import FinetuneError, Interrupted, NonFiniteLoss
 from pockjax._finetune_run import FINAL, RunFolder, fingerprint, options_of
+from pockjax.checkpoint import numpy_dtype, safetensors_header
+from pockjax.export.manifest import sha256
 
 JOB = "job.json"
 MODEL = "model"
@@ -59,11 +60,7 @@ def read_job(artifact, check_files: bool = True) -> dict:
             if not file.is_file():
                 raise FinetuneError(f"'{file}' is missing from the artifact; copy the whole "
                                     f"artifact directory again")
-            h = hashlib.sha256()
-            with open(file, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-            if h.hexdigest() != digest:
+            if sha256(file) != digest:
                 raise FinetuneError(f"'{file}' is not the file the artifact was exported with "
                                     f"(its sha256 differs); copy the artifact directory again")
     return job
@@ -89,29 +86,6 @@ def _weight_files(folder: Path) -> list[Path]:
         return [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"]
                                                .values()))]
     return [folder / "model.safetensors"]
-
-
-def _header(path: Path) -> tuple[dict, int]:
-    import struct
-
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header, 8 + n
-
-
-_CODES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64",
-          "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-          "BOOL": "bool"}
-
-
-def _dtype(code: str):
-    name = _CODES[code]
-    if name == "bfloat16":
-        import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
 
 
 def merge_final(artifact, values: dict[str, np.ndarray], final) -> None:
@@ -146,7 +120,7 @@ def merge_final(artifact, values: dict[str, np.ndarray], final) -> None:
         a, b = t["data_offsets"]
         with open(file, "rb") as fh:
             fh.seek(start + a)
-            return np.frombuffer(fh.read(b - a), _dtype(t["dtype"])).reshape(t["shape"])
+            return np.frombuffer(fh.read(b - a), numpy_dtype(t["dtype"])).reshape(t["shape"])
 
     def trained(name, file, t, start):
         spec = job["trained"][name]
@@ -174,10 +148,10 @@ def merge_final(artifact, values: dict[str, np.ndarray], final) -> None:
         return value.T if spec["transposed"] else value
 
     for file in weights:
-        header, start = _header(file)
+        header, start = safetensors_header(file)
         entries = []
         for name, t in header.items():
-            dtype = _dtype(t["dtype"])
+            dtype = numpy_dtype(t["dtype"])
             if name in job["trained"]:
                 get = (lambda n=name, t=t, d=dtype:
                        np.ascontiguousarray(trained(n, file, t, start).astype(d)))

@@ -106,6 +106,25 @@ _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16",
 _DTYPE_NAMES = {code: name for name, code in _SAFETENSORS_DTYPES.items()}
 
 
+def numpy_dtype(code: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype code ("BF16": ml_dtypes' bfloat16)."""
+    name = _DTYPE_NAMES[code]
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets; the
+    metadata left out) and the offset where its data starts."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 def write_safetensors(path: str | os.PathLike,
                       tensors: Sequence[tuple[str, tuple, Any, Callable[[], Any]]],
                       metadata: dict[str, str] | None = None) -> None:
@@ -395,15 +414,12 @@ def read(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]
             data = f.read()
         tensors = {}
         for name, t in header.items():
-            dtype = _DTYPE_NAMES[t["dtype"]]
-            if dtype == "bfloat16":
-                import ml_dtypes
-                dtype = ml_dtypes.bfloat16
+            dtype = numpy_dtype(t["dtype"])
             a, b = t["data_offsets"]
             if b > len(data):
                 raise ValueError(f"tensor '{name}' runs past the end of the file")
-            tensors[name] = np.frombuffer(data, np.dtype(dtype), count=(b - a) // np.dtype(
-                dtype).itemsize, offset=a).reshape(t["shape"])
+            tensors[name] = np.frombuffer(data, dtype, count=(b - a) // dtype.itemsize,
+                                          offset=a).reshape(t["shape"])
     except (OSError, ValueError, KeyError, struct.error) as e:
         raise CheckpointError(f"checkpoint '{path}' could not be read (truncated or corrupt?): "
                               f"{e}") from None
