@@ -68,7 +68,7 @@ def child(row: str, args) -> None:
                     steps=args.steps, batch=BATCH, seq=SEQ, lr=1e-4, overwrite=True,
                     plot=False, progress=False, compile_cache=False)
     elif row == "export":
-        from pockjax._job_export import export_job
+        from pockjax.finetuning._job_export import export_job
 
         t0 = time.perf_counter()
         export_job(folder, "host-cpu", work / "art", steps=args.steps, scheme=args.scheme,
@@ -77,7 +77,7 @@ def child(row: str, args) -> None:
         report_result({"row": row, "seconds": time.perf_counter() - t0})
         return
     else:
-        from pockjax._job_run import run_job
+        from pockjax.finetuning._job_run import run_job
 
         out = work / "run"
         run_job(work / "art", data, out, overwrite=True, progress=False)

@@ -170,8 +170,8 @@ def cmd_export(args) -> int:
 
 def _export_job(args) -> int:
     """`pockjax export --model FOLDER`: finetune's step and the device job's files."""
-    from pockjax._finetune_base import FinetuneError
-    from pockjax._job_export import export_job
+    from pockjax.finetuning._base import FinetuneError
+    from pockjax.finetuning._job_export import export_job
 
     if args.steps is None:
         raise SystemExit("pockjax export --model: give --steps N, the run's length (the "
@@ -303,7 +303,7 @@ def _batches(manifest, data_path, steps, artifact):
 
 def cmd_run(args) -> int:
     """`pockjax run`: with an artifact of `export --model` and JSONL data, the device's
-    fine-tuning job (`pockjax._job_run`); otherwise run `args.steps` training steps of
+    fine-tuning job (`pockjax.finetuning._job_run`); otherwise run `args.steps` training steps of
     artifact `args.dir`, printing each loss, and save a checkpoint with `--save`; returns
     the exit status."""
     from pockjax import runtime
@@ -348,11 +348,11 @@ def cmd_run(args) -> int:
 def _run_job(args) -> int:
     """`pockjax run DIR --data train.jsonl --out RUN`: the device's fine-tuning job."""
     from pockjax import runtime
-    from pockjax._finetune_base import FinetuneError, Interrupted
-    from pockjax._job_run import run_job
+    from pockjax.finetuning._base import FinetuneError, Interrupted
+    from pockjax.finetuning._job_run import run_job
 
     if args.write_batches:
-        from pockjax._job_run import write_batches
+        from pockjax.finetuning._job_run import write_batches
 
         if not args.data:
             raise SystemExit("pockjax run --write-batches: give --data train.jsonl")
@@ -402,8 +402,8 @@ def _run_job(args) -> int:
 def cmd_merge(args) -> int:
     """`pockjax merge`: the fine-tuned model folder from a device job's checkpoint or
     state files."""
-    from pockjax._finetune_base import FinetuneError
-    from pockjax._job_run import merge_checkpoint, merge_state
+    from pockjax.finetuning._base import FinetuneError
+    from pockjax.finetuning._job_run import merge_checkpoint, merge_state
     from pockjax.checkpoint import CheckpointError
 
     try:

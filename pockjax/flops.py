@@ -47,7 +47,7 @@ import numpy as np
 from jax.extend.core import primitives as P
 from jax.interpreters import partial_eval as pe
 
-from pockjax._jaxpr import consts_to_invars
+from pockjax._src.jaxpr import consts_to_invars
 from pockjax.transforms.sparse_grad import GradProgram
 
 __all__ = ["FlopCount", "analyze_flops", "count_flops"]

@@ -85,7 +85,7 @@ def write_back(x, d, new, start=None):
       new: the new value of `kept(x, d)`.
       start: for a Channels leaf, the start index to write at, when it must be computed
         (a traced scalar that equals the kept range's start; see
-        `pockjax._ties.tied_start`); None (the default): the kept range's start.
+        `pockjax._src.ties.tied_start`); None (the default): the kept range's start.
 
     Returns:
       `new` for a Full leaf; for a Channels leaf, `x` with the slice written by

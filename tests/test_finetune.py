@@ -765,7 +765,7 @@ def test_a_family_model_the_flax_llama_cannot_run_goes_to_torch_with_a_note(fold
     """Under `auto`, a LLaMA-family setting pockjax's LLaMA does not compute (here Phi-3's
     longrope scaling on a LLaMA config) runs through pockjax.torch with a one-line note;
     `--frontend flax` is refused with the reason."""
-    from pockjax._finetune_model import frontend_of
+    from pockjax.finetuning._model import frontend_of
 
     folder = tmp_path / "longrope"
     folder.mkdir()

@@ -15,7 +15,11 @@ OPTIONAL = {"pockjax.torch"}
 
 def _modules() -> list[str]:
     return sorted(m.name for m in pkgutil.walk_packages([str(PACKAGE)], "pockjax.")
-                  if m.name not in OPTIONAL)
+                  if not _optional(m.name))
+
+
+def _optional(module: str) -> bool:
+    return any(module == o or module.startswith(o + ".") for o in OPTIONAL)
 
 
 def test_every_module_imports_alone_in_a_fresh_interpreter():
@@ -58,7 +62,7 @@ def _is_module(package: str, name: str) -> bool:
 
 
 def test_no_module_imports_another_modules_private_names():
-    """Private modules (`pockjax/_ties.py`) are the package's own implementation and may
+    """Private modules (`pockjax/_src/ties.py`) are the package's own implementation and may
     be imported anywhere in it; a private name inside another module may not."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -85,11 +89,128 @@ def _imports(tree: ast.AST) -> list[str]:
 def test_schemes_and_the_search_import_no_flax():
     """Flax stays at the edge: `pockjax.nnx` converts modules (it registers a converter
     with `schemes.register_params_of`); the scheme helpers and the search see pytrees."""
-    search = sorted(p.name for p in PACKAGE.glob("_search_*.py"))
-    for name in ("schemes.py", "scheme_search.py", *search):
+    search = sorted(p.relative_to(PACKAGE) for p in (PACKAGE / "scheme_search").glob("*.py"))
+    for name in (Path("schemes.py"), *search):
         bad = [m for m in _imports(ast.parse((PACKAGE / name).read_text()))
                if m.split(".")[0] == "flax" or m.startswith("pockjax.nnx")]
         assert not bad, f"pockjax/{name} imports {bad}"
+
+
+def _module_files(package: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of `package` (a folder)."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _import_graph(package: Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same package it imports, counting every import
+    statement in the file (inside functions and `TYPE_CHECKING` blocks too)."""
+    files = _module_files(package)
+    graph = {}
+    for module, path in files.items():
+        graph[module] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files
+                           else node.module for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in files:
+                    target = target.rpartition(".")[0]
+                if target and target != module:
+                    graph[module].add(target)
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm,
+    iterative)."""
+    index, low, on_stack, stack, found = {}, {}, set(), [], []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_the_circle_finder_finds_circles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e"}, "f": set()}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_run_one_way():
+    """No import circles in the package or the benchmarks: every import (also those
+    inside functions) runs from a module to one that does not import it back."""
+    circles = {folder: _circles(_import_graph(PACKAGE.parent / folder))
+               for folder in ("pockjax", "benchmarks")}
+    assert circles == {"pockjax": [], "benchmarks": []}, circles
+
+
+def test_the_layout_stays_readable_from_ls():
+    """At most 20 modules directly in `pockjax/` (the rest live in one folder per idea),
+    and no module of the package over 600 lines."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 20, top
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, long
+
+
+def test_every_public_name_of_version_0_1_still_imports():
+    """`tests/public_names.json` lists each public module of pockjax 0.1 (no underscore in
+    its path) and its `__all__`: each still imports from the same path (a renamed one may
+    warn)."""
+    import importlib
+    import json
+    import warnings
+
+    listed = json.loads((Path(__file__).parent / "public_names.json").read_text())
+    missing = []
+    for module_name, names in listed.items():
+        if _optional(module_name):
+            continue
+        module = importlib.import_module(module_name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            missing += [f"{module_name}.{n}" for n in names if not hasattr(module, n)]
+    assert len(listed) > 40 and not missing, missing
 
 
 def _pockjax_names(tree: ast.AST) -> set[str]:

@@ -186,7 +186,7 @@ def test_sdpa_override_matches_torch_values_and_gradients(variant):
 
 def test_upstream_torchax_sdpa_still_nan_on_fully_masked_rows():
     """Fails once torchax returns 0 for a query row whose keys are all masked: then the
-    `_sdpa` override in pockjax/torch.py (`environment()`) can be removed."""
+    `_sdpa` override in pockjax/torch/__init__.py (`environment()`) can be removed."""
     import torchax.tensor
 
     raw = torchax.tensor.Environment()

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import pockjax as pj
-from pockjax._jaxpr import inline_calls, is_var, producers
+from pockjax._src.jaxpr import inline_calls, is_var, producers
 from tests.helpers import assert_trees_close
 
 D = 16
@@ -505,7 +505,7 @@ def test_a_held_ctrl_c_goes_to_the_handler_installed_before(sigint_raises):
     import os
     import signal
 
-    from pockjax._interrupt import InterruptAfter
+    from pockjax.train._interrupt import InterruptAfter
 
     seen = []
     signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))

@@ -260,7 +260,7 @@ def test_upstream_iree_vulkan_subgroup_size_still_needs_workaround(vulkan_device
     wrong, = _run(_compile(mlir, _vulkan("valhall")), vulkan_device, x)
     assert abs(float(wrong) - float(x.max())) > 1e-3, (
         "IREE's Vulkan runtime now runs (or refuses) a kernel compiled for another subgroup "
-        "size correctly: review the device check of pockjax/runtime.py (_check_vulkan)")
+        "size correctly: review the device check of pockjax/runtime/__init__.py (_check_vulkan)")
 
 
 def test_upstream_iree_vulkan_narrow_storage_still_needs_workaround(vulkan_device):
@@ -323,7 +323,7 @@ def test_upstream_iree_device_array_frees_device_first_still_needs_workaround(tm
                          cwd=tmp_path, timeout=300)
     assert run.returncode == -11 and "freed" not in run.stdout, (
         f"freeing the array no longer crashes (exit {run.returncode}): review the release "
-        f"order of Session.close in pockjax/runtime.py\n{run.stderr[-2000:]}")
+        f"order of Session.close in pockjax/runtime/__init__.py\n{run.stderr[-2000:]}")
 
 
 # --------------------------------------------------------------------------- XLA's CPU backend
@@ -368,7 +368,7 @@ def test_upstream_xla_cpu_checkpoint_still_needs_workaround():
                     for r in (False, True))
     assert remat >= 0.95 * plain, (
         f"jax.checkpoint now saves memory on XLA's CPU backend ({remat} vs {plain} bytes): "
-        "review checkpoint_call(recompute_after_cotangent=True) in pockjax/_remat.py and "
+        "review checkpoint_call(recompute_after_cotangent=True) in pockjax/train/_remat.py and "
         "_remat_block in pockjax/models/llama.py")
 
 
@@ -404,7 +404,7 @@ def test_upstream_xla_cpu_early_converts_still_needs_workaround():
         assert temp >= every_copy, (
             f"XLA now converts each weight when its layer runs ({upcast.__name__}: {temp} "
             f"bytes of temporaries, all copies are {every_copy}): review one_after in "
-            "pockjax/lowbit.py")
+            "pockjax/lowbit/__init__.py")
 
 
 def test_upstream_xla_cpu_reduction_fused_into_dot_still_needs_workaround():
@@ -532,14 +532,14 @@ def test_upstream_jax_source_info_user_frame_still_needs_workaround():
     """Ledger: "Equation source info".
 
     `jax.extend.source_info_util` exports `summarize`, `user_context` and
-    `current_name_stack`, but not `user_frame`, which pockjax/_jaxpr.py needs too."""
+    `current_name_stack`, but not `user_frame`, which pockjax/_src/jaxpr.py needs too."""
     import jax.extend.source_info_util as public
     from jax._src import source_info_util as private
 
     assert hasattr(private, "user_frame")
     assert not hasattr(public, "user_frame"), (
         "jax.extend.source_info_util now exports user_frame: import from it in "
-        "pockjax/_jaxpr.py instead of jax._src")
+        "pockjax/_src/jaxpr.py instead of jax._src")
 
 
 # --------------------------------------------------------------------------- torchax
@@ -604,7 +604,7 @@ def test_upstream_torchax_import_dimname_still_needs_workaround(raw_torchax_impo
     error = raw_torchax_import["error"]
     assert error is not None and "Dimname" in error, (
         "torchax now imports with this torch: named_overloads_tolerated in "
-        "pockjax/_torch_env.py can go")
+        "pockjax/torch/_env.py can go")
 
 
 @torchax_installed
@@ -615,7 +615,7 @@ def test_upstream_torchax_import_sets_env_var_still_needs_workaround(raw_torchax
     (seen through the Dimname placeholders alone, without `import_torchax`'s clean-up)."""
     assert raw_torchax_import["telemetry"] == "1", (
         "torchax no longer sets ENABLE_RUNTIME_UPTIME_TELEMETRY: the environment clean-up "
-        "of import_torchax in pockjax/_torch_env.py can go")
+        "of import_torchax in pockjax/torch/_env.py can go")
 
 
 @torchax_installed
@@ -639,7 +639,7 @@ def test_upstream_torchax_batch_norm_still_needs_workaround(torchax_env):
     assert np.array_equal(np.asarray(after["running_mean"]), np.zeros(3)) and \
         np.array_equal(np.asarray(after["running_var"]), np.ones(3)), (
             "torchax now updates batch norm's running statistics: review _batch_norm in "
-            "pockjax/_torch_env.py (torch's unbiased running variance too)")
+            "pockjax/torch/_env.py (torch's unbiased running variance too)")
 
 
 @torchax_installed

@@ -35,8 +35,8 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from pockjax import lowbit
-from pockjax._jaxpr import avals, bind, interpret, is_var
-from pockjax._ties import tie_zero
+from pockjax._src.jaxpr import avals, bind, interpret, is_var
+from pockjax._src.ties import tie_zero
 from pockjax.export.manifest import SCOPE
 from pockjax.export.targets import ExportError
 from pockjax.optim import fused
@@ -177,7 +177,7 @@ def tie_weight_reads(closed: jex.ClosedJaxpr, weights) -> jex.ClosedJaxpr:
     also through `pockjax.optim.fused.VIEWS`, e.g. a Channels slice or a transpose) is
     tied by data to the matmul's other operand: the weight plus an exact zero (-0.0, so
     `-0.0` weights stay as they are) computed from one element of it
-    (`pockjax._ties.tie_zero`). Matmuls inside loop, cond and remat bodies, and
+    (`pockjax._src.ties.tie_zero`). Matmuls inside loop, cond and remat bodies, and
     matmuls of two trained weights, are left as they are.
 
     With data tiling (the CPU targets) IREE packs a matmul's weight operand into its tile

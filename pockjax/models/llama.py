@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pockjax._home import claim
+from pockjax._src.home import claim
 from pockjax.data import check_token_ids
 # `REMAT`, `NARROW_MATMUL` and `apply_rope` are only re-exported: names of this module.
 from pockjax.models._llama_config import REMAT, SUPPORTED_FAMILIES, LlamaConfig  # noqa: F401

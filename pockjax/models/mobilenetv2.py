@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 # Re-exported: the kernels are public names of this module.
-from pockjax._home import claim
+from pockjax._src.home import claim
 from pockjax.models._mobilenetv2_kernels import (batch_norm, batch_statistics,  # noqa: F401
                                                  depthwise_conv, normalized, pointwise_conv)
 from pockjax.models._mobilenetv2_layers import ConvBN, DepthwiseConv, InvertedResidual

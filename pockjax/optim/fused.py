@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pockjax._jaxpr import dependencies, interpret, is_var, producers
+from pockjax._src.jaxpr import dependencies, interpret, is_var, producers
 from pockjax.optim.perleaf import UpdatePlan
-from pockjax._ties import tie_zero, tied_start, token
+from pockjax._src.ties import tie_zero, tied_start, token
 from pockjax.scheme import Channels
 from pockjax.view import kept, trained_indices, write_back
 
@@ -152,7 +152,7 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
       weight once per step (more temporaries, slower steps);
     - "barrier": an optimization barrier over the gradient, the parameter and the
       readers' outputs, and for partial (Channels) writes a data-dependent start index
-      (see `pockjax._ties.token`); kept for comparison.
+      (see `pockjax._src.ties.token`); kept for comparison.
 
     On a mesh, `reads` are the values the forward and backward read in place of the
     parameters (FSDP: the gathered weights), and `grad_shardings` lays out each

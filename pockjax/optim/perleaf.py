@@ -20,7 +20,7 @@ import jax
 import jax.extend.core as jex
 from jax.interpreters import partial_eval as pe
 
-from pockjax._jaxpr import consts_to_invars, dependencies
+from pockjax._src.jaxpr import consts_to_invars, dependencies
 
 __all__ = ["LeafUpdate", "UpdatePlan", "plan_updates"]
 

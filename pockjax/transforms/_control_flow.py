@@ -15,7 +15,7 @@ import jax.extend.core as jex
 import numpy as np
 from jax.extend.core import primitives as P
 
-from pockjax._jaxpr import bind, consts_to_invars, is_var, var_shape
+from pockjax._src.jaxpr import bind, consts_to_invars, is_var, var_shape
 from pockjax.transforms import pushdown  # the pass: bodies are rewritten with `pushdown.rewrite`
 from pockjax.transforms._boxes import full_box
 from pockjax.transforms._plans import Decline, OnWholeInputs, Whole

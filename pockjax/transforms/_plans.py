@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, NamedTuple, Union
 
-from pockjax._jaxpr import bind, is_var, var_shape
+from pockjax._src.jaxpr import bind, is_var, var_shape
 from pockjax.transforms._boxes import full_box
 
 

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Sequence, Union
 
 import jax.extend.core as jex
 
-from pockjax._jaxpr import describe_source, var_shape
+from pockjax._src.jaxpr import describe_source, var_shape
 from pockjax.transforms._boxes import box_shape, full_box
 from pockjax.transforms._plans import Decline, Narrowed, Plan, Whole
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from jax.extend.core import primitives as P
 
-from pockjax._jaxpr import bind, is_var, var_shape
+from pockjax._src.jaxpr import bind, is_var, var_shape
 from pockjax.transforms._boxes import full_box
 from pockjax.transforms._plans import Decline
 from pockjax.transforms._rules import RULES, BoxRule

@@ -10,7 +10,7 @@ import math
 
 from jax.extend.core import primitives as P
 
-from pockjax._jaxpr import bind, is_var, var_shape
+from pockjax._src.jaxpr import bind, is_var, var_shape
 from pockjax.transforms._boxes import box_shape, full_box
 from pockjax.transforms._plans import Decline
 from pockjax.transforms._rules import RULES, BoxRule

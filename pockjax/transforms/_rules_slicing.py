@@ -11,7 +11,7 @@ from __future__ import annotations
 from jax import lax
 from jax.extend.core import primitives as P
 
-from pockjax._jaxpr import bind, is_var, var_shape
+from pockjax._src.jaxpr import bind, is_var, var_shape
 from pockjax.transforms._boxes import box_shape, full_box
 from pockjax.transforms._plans import Alias, Decline
 from pockjax.transforms._rules import RULES, BoxRule

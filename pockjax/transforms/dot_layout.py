@@ -26,7 +26,7 @@ import jax.extend.core as jex
 from jax import lax
 from jax.interpreters import partial_eval as pe
 
-from pockjax._jaxpr import avals, interpret, is_var, producers
+from pockjax._src.jaxpr import avals, interpret, is_var, producers
 
 __all__ = ["swap_transposed_dots", "transposed_dots_kept", "enabled"]
 

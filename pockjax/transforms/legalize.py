@@ -59,7 +59,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import primitives as P
 
-from pockjax._jaxpr import bind, call_body, interpret
+from pockjax._src.jaxpr import bind, call_body, interpret
 
 __all__ = ["legalize_for_iree", "select_and_scatter_add", "unbatched_gather",
            "unbatched_scatter_add"]

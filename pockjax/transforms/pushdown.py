@@ -49,8 +49,8 @@ from typing import Sequence
 import jax
 import jax.extend.core as jex
 
-from pockjax._home import claim
-from pockjax._jaxpr import as_source, avals, inline_calls, is_var, var_shape
+from pockjax._src.home import claim
+from pockjax._src.jaxpr import as_source, avals, inline_calls, is_var, var_shape
 from pockjax.transforms._boxes import Box, box_shape, full_box, is_full, slice_to_box
 from pockjax.transforms._control_flow import BodyRewrite
 from pockjax.transforms._plans import Alias, Decline, Narrowed, Plan, Whole

@@ -18,7 +18,7 @@ import jax.extend.core as jex
 from jax import lax
 from jax.extend.core import primitives as P
 
-from pockjax._jaxpr import avals, inline_calls, interpret, is_var
+from pockjax._src.jaxpr import avals, inline_calls, interpret, is_var
 
 __all__ = ["split_scans"]
 

@@ -8,7 +8,7 @@ import pytest
 from jax import lax
 
 import pockjax as pj
-from pockjax._jaxpr import is_var, var_shape
+from pockjax._src.jaxpr import is_var, var_shape
 from pockjax.transforms import _rules_elementwise, _rules_layout, pushdown
 from tests.helpers import assert_matches_dense, assert_trees_close, flops
 

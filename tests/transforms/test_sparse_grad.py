@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import pockjax as pj
-from pockjax._jaxpr import describe_source
+from pockjax._src.jaxpr import describe_source
 from pockjax.transforms import TracedValueError
 from tests.helpers import assert_matches_dense, assert_trees_close, dense_view
 

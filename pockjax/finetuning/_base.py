@@ -1,0 +1,29 @@
+"""What the parts of the fine-tuning job share: its errors and the values its options
+take.
+
+`pockjax.finetuning` (the job), `pockjax.finetuning._model` (the model folder),
+`pockjax.finetuning._run` (the run folder) and `pockjax.finetuning._cli` (the command lines)
+raise these errors and check options against these values; `pockjax.finetuning`
+re-exports them.
+"""
+from __future__ import annotations
+
+FRONTENDS = ("auto", "flax", "torch")
+"""The model code `finetune(frontend=...)` (`--frontend`) runs, as `load_model` reads it."""
+SCHEDULES = ("cosine", "linear", "constant")
+"""The learning-rate decays `finetune(schedule=...)` (`--schedule`) takes."""
+
+
+class FinetuneError(RuntimeError):
+    """Raised when a fine-tuning run cannot start or go on; the message says why and what
+    to do."""
+
+
+class NonFiniteLoss(FinetuneError):
+    """Raised when the loss becomes NaN or infinite; the last good checkpoint is left as
+    it was."""
+
+
+class Interrupted(FinetuneError):
+    """Raised when Ctrl-C stops the run; a checkpoint of the last completed step was
+    written (where a step completed)."""
