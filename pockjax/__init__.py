@@ -27,6 +27,7 @@ _WHERE = {
     "ExportError": "export.targets",
     "search_scheme": "scheme_search", "SearchReport": "scheme_search",
     "finetune": "finetuning", "FinetuneError": "finetuning", "FinetuneResult": "finetuning",
+    "FinetuneOptions": "finetuning",
     "Tokenizer": "tokenizer", "TokenizerError": "tokenizer",
     "count_flops": "flops",
     "compiled_memory": "measure", "tree_bytes": "measure", "format_bytes": "measure",
@@ -77,7 +78,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names load on f
     from pockjax.measure import compiled_memory, format_bytes, format_flops, tree_bytes  # noqa: F401
     from pockjax.checkpoint import CheckpointError, load, save  # noqa: F401
     from pockjax.export.targets import ExportError  # noqa: F401
-    from pockjax.finetuning import FinetuneError, FinetuneResult, finetune  # noqa: F401
+    from pockjax.finetuning import (FinetuneError, FinetuneOptions,  # noqa: F401
+                                    FinetuneResult, finetune)
     from pockjax.flops import count_flops  # noqa: F401
     from pockjax.tokenizer import Tokenizer, TokenizerError  # noqa: F401
     from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError  # noqa: F401

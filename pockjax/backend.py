@@ -23,7 +23,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = ["BACKENDS", "BackendChoice", "Runner"]
 

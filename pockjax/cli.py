@@ -170,18 +170,12 @@ def cmd_export(args) -> int:
 
 def _export_job(args) -> int:
     """`pockjax export --model FOLDER`: finetune's step and the device job's files."""
-    from pockjax.finetuning._base import FinetuneError
+    from pockjax.finetuning import FinetuneError, FinetuneOptions
     from pockjax.finetuning._job_export import export_job
 
-    if args.steps is None:
-        raise SystemExit("pockjax export --model: give --steps N, the run's length (the "
-                         "learning-rate schedule is built for it)")
     try:
-        art = export_job(args.model, args.target, args.out, steps=args.steps,
-                         scheme=args.scheme or "paper", frozen_dtype=args.frozen_dtype,
-                         moments=args.moments, lr=args.lr, schedule=args.schedule,
-                         warmup=args.warmup, weight_decay=args.weight_decay, batch=args.batch,
-                         seq=args.seq, frontend=args.frontend, seed=args.seed, gpu=args.gpu,
+        options = FinetuneOptions.from_args(args, job=True, scheme=args.scheme or "paper")
+        art = export_job(args.model, args.target, args.out, options=options, gpu=args.gpu,
                          extra_flags=tuple(args.flag or ()), base=args.base)
     except KeyboardInterrupt:
         raise _Interrupted(f"nothing was written ('{args.out}' is as it was)") from None
@@ -487,6 +481,8 @@ def main(argv=None) -> int:
     `search`, 2 when the command raised `ExportError` and 130 when it was interrupted
     with Ctrl-C (`finetune` and `generate` return `pockjax.finetuning`'s status).
     """
+    from pockjax import finetuning
+
     ap = argparse.ArgumentParser(prog="pockjax", description="Sparse on-device training with JAX and IREE")
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("targets", help="list export targets and their IREE flags")
@@ -504,19 +500,9 @@ def main(argv=None) -> int:
     e.add_argument("--scheme", help="with MODULE:ATTR: train this scheme (JSON from `pockjax "
                                     "search` or Scheme.to_json) instead of the trainer's; with "
                                     "--model: as finetune's --scheme (default paper)")
-    job = e.add_argument_group("with --model: finetune's options (see `pockjax finetune -h`)")
-    job.add_argument("--steps", type=int, help="the run's steps (the learning-rate schedule "
-                                               "is built for them); required")
-    job.add_argument("--batch", type=int, default=4)
-    job.add_argument("--seq", type=int)
-    job.add_argument("--lr", type=float, default=1e-4)
-    job.add_argument("--warmup", type=int, default=0)
-    job.add_argument("--schedule", default="cosine", choices=("cosine", "linear", "constant"))
-    job.add_argument("--weight-decay", type=float, default=0.0)
-    job.add_argument("--frozen-dtype", default="float32")
-    job.add_argument("--moments", default="float32", choices=("float32", "bfloat16", "int8"))
-    job.add_argument("--frontend", default="auto", choices=("auto", "flax", "torch"))
-    job.add_argument("--seed", type=int, default=0, help="the data order's seed")
+    job = e.add_argument_group("with --model: finetune's options (see `pockjax finetune -h`); "
+                               "--steps is required")
+    finetuning.FinetuneOptions.add_arguments(job, job=True, without=("scheme",))
     job.add_argument("--no-base", dest="base", action="store_false",
                      help="leave the base model's weights out of the artifact (the device "
                           "then writes checkpoints only, no fine-tuned folder)")
@@ -581,8 +567,6 @@ def main(argv=None) -> int:
     s.add_argument("--flop-budget", type=float, help="GFLOP per step")
     s.add_argument("--report", help="write the full report as JSON")
     s.add_argument("--plot", help="write contribution vs memory as a PNG")
-    from pockjax import finetuning
-
     f = sub.add_parser("finetune", help="fine-tune a Hugging Face model folder on a JSONL "
                                         "file (checkpoints, resume, a Hugging Face folder out)",
                        description=finetuning.__doc__.split("\n\n")[0])

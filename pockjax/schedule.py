@@ -32,7 +32,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -348,51 +348,3 @@ class ScheduledTrainer:
 
     def __repr__(self) -> str:
         return f"ScheduledTrainer({self.schedule!r}, {len(self._trainers)} distinct schemes)"
-
-
-def blockwise(params, *, every: int, group: int = 1, order: str = "descending",
-              seed: int = 0, extra: Sequence[str] = (), name: str | None = None) -> Schedule:
-    """Every block of the model in turn, `group` blocks at a time, each group trained in
-    full for `every` steps (block-coordinate descent over the blocks).
-
-    Args:
-      params: the model's parameters (or a model `pockjax.schemes.params_of` takes).
-      every: steps a group trains before the next one's turn.
-      group: blocks per group, a positive whole number (default 1; the last group may be
-        smaller).
-      order: "descending" (the default: the last group first, the blocks nearest the
-        output, whose gradients cost least), "ascending", or "random" (`Schedule`'s
-        random order).
-      seed: the random order's seed; default 0.
-      extra: glob patterns trained in full in every turn as well (e.g. the final norm);
-        default none.
-      name: the blocks' container, as in `pockjax.schemes.blocks`; None (the default)
-        picks the one with the most blocks.
-
-    Returns:
-      A `Schedule` with one scheme per group (`{block}/**` trained in full, everything
-      else frozen but `extra`).
-
-    Raises:
-      SchemeError: the parameters have no repeated blocks (or none named `name`),
-        `group` is not a positive whole number, `order` is unknown, no parameter matches
-        `extra`, or `every` is not a positive whole number.
-    """
-    from pockjax import schemes as _schemes
-
-    names = _schemes.blocks(params, name)
-    if not isinstance(group, (int, np.integer)) or group < 1:
-        raise SchemeError(f"blockwise: group is the blocks trained together, a positive "
-                          f"whole number, got {group!r}")
-    if order not in ("descending", "ascending", "random"):
-        raise SchemeError(f"blockwise: order is 'descending', 'ascending' or 'random', got "
-                          f"{order!r}")
-    groups = [names[i:i + group] for i in range(0, len(names), group)]
-    if order == "descending":
-        groups = groups[::-1]
-    from pockjax.scheme import Frozen, Full
-    also = _schemes._keep_matching([(p, Full()) for p in extra], _schemes.param_paths(params),
-                                   f"extra patterns {list(extra)}") if extra else []
-    schemes = [Scheme([(f"{b}/**", Full()) for b in g] + also, default=Frozen())
-               for g in groups]
-    return Schedule(tuple(schemes), every, "random" if order == "random" else "cycle", seed)

@@ -17,9 +17,11 @@ Scheme({'layers/2/**/q_proj/kernel': Full(), 'layers/2/**/up_proj/kernel': Full(
 """
 from __future__ import annotations
 
+import numbers
 import re
 from typing import Any, Callable, Sequence
 
+from pockjax.schedule import Schedule
 from pockjax.scheme import Channels, Decision, Frozen, Full, Scheme, SchemeError, \
     glob_to_regex, leaves_with_paths
 
@@ -432,7 +434,6 @@ def schedule(schemes: Sequence[Scheme], *, every: int, order: str = "cycle", see
       SchemeError: `schemes` is empty or holds something other than `Scheme`s, `every`
         is not a positive whole number, or `order` is unknown.
     """
-    from pockjax.schedule import Schedule
     return Schedule(tuple(schemes), every, order, seed)
 
 
@@ -461,6 +462,18 @@ def blockwise(params, *, every: int, group: int = 1, order: str = "descending",
       SchemeError: the parameters have no repeated blocks (or none named `name`),
         `group`, `every` or `order` is invalid, or no parameter matches `extra`.
     """
-    from pockjax.schedule import blockwise as _blockwise
-    return _blockwise(params, every=every, group=group, order=order, seed=seed, extra=extra,
-                      name=name)
+    names = blocks(params, name)
+    if not isinstance(group, numbers.Integral) or isinstance(group, bool) or group < 1:
+        raise SchemeError(f"blockwise: group is the blocks trained together, a positive "
+                          f"whole number, got {group!r}")
+    if order not in ("descending", "ascending", "random"):
+        raise SchemeError(f"blockwise: order is 'descending', 'ascending' or 'random', got "
+                          f"{order!r}")
+    groups = [names[i:i + group] for i in range(0, len(names), group)]
+    if order == "descending":
+        groups = groups[::-1]
+    also = _keep_matching([(p, Full()) for p in extra], param_paths(params),
+                          f"extra patterns {list(extra)}") if extra else []
+    schemes = [Scheme([(f"{b}/**", Full()) for b in g] + also, default=Frozen())
+               for g in groups]
+    return Schedule(tuple(schemes), every, "random" if order == "random" else "cycle", seed)

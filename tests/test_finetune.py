@@ -521,7 +521,7 @@ def test_prefix_cache_gives_the_same_run_and_says_so(folders, data, tmp_path, ca
                        progress=True, **{k: v for k, v in common.items() if k != "epochs"})
     assert "prefix cache off (auto): each example is seen once" in capsys.readouterr().err
     assert once.steps == 2
-    with pytest.raises(pj.FinetuneError, match="--prefix-cache must be auto, on or off"):
+    with pytest.raises(pj.FinetuneError, match="--prefix-cache must be one of auto, on, off"):
         pj.finetune(folders["llama"], data["train"], tmp_path / "bad", prefix_cache="yes",
                     progress=False)
     # A schedule: the cut is below the lowest block any of its schemes trains.

@@ -229,14 +229,19 @@ def test_fit_with_the_prefix_cache_equals_fit_without():
         return jax.tree_util.tree_map(lambda x: x[ids], data)
 
     a, ha = pj.fit(trainer, trainer.init(params), batch_of, 9, progress=False)
-    b, hb = pj.fit(trainer, trainer.init(params), batch_of, 9, progress=False, prefix_cache=True)
-    c, hc = pj.fit(trainer, trainer.init(params), batch_of, 9, progress=False, prefix_cache=0)
+    with PrefixCachedTrainer(trainer) as cached:
+        b, hb = pj.fit(cached, trainer.init(params), batch_of, 9, progress=False)
+    assert cached.caches() == []  # closed on leaving the block
+    with PrefixCachedTrainer(trainer, budget_bytes=0) as cached:
+        c, hc = pj.fit(cached, trainer.init(params), batch_of, 9, progress=False)
     np.testing.assert_array_equal(ha.loss, hb.loss)
     np.testing.assert_array_equal(ha.loss, hc.loss)
     _assert_same(a, b)
     _assert_same(a, c)
-    with pytest.raises(ValueError, match="prefix_cache must be True, False, 'auto' or a byte"):
-        pj.fit(trainer, trainer.init(params), batch_of, 1, progress=False, prefix_cache="yes")
+    with pytest.raises(TypeError, match="wrap the trainer first, pj.prefix.PrefixCachedTrainer"):
+        pj.fit(trainer, trainer.init(params), batch_of, 1, progress=False, prefix_cache=True)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'setps'"):
+        pj.fit(trainer, trainer.init(params), batch_of, 1, progress=False, setps=3)
     # auto: a cut this small against this little prefix work is not worth it here, or it
     # is; either way the report says which and the results are the same.
     cached = PrefixCachedTrainer(trainer, auto=True)

@@ -368,7 +368,7 @@ def test_upstream_xla_cpu_checkpoint_still_needs_workaround():
                     for r in (False, True))
     assert remat >= 0.95 * plain, (
         f"jax.checkpoint now saves memory on XLA's CPU backend ({remat} vs {plain} bytes): "
-        "review checkpoint_call(recompute_after_cotangent=True) in pockjax/train/_remat.py and "
+        "review checkpoint_call(recompute_after_cotangent=True) in pockjax/remat.py and "
         "_remat_block in pockjax/models/llama.py")
 
 

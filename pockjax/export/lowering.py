@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.extend.core as jex
@@ -45,8 +45,6 @@ from pockjax.transforms import dot_layout
 from pockjax.transforms.legalize import legalize_for_iree
 from pockjax.view import trained_indices
 
-if TYPE_CHECKING:  # the trainer is passed in; export does not import train at run time
-    from pockjax.train import SparseTrainer, TrainState
 
 __all__ = ["Slot", "Lowered", "lower_step", "tie_weight_reads"]
 
@@ -242,7 +240,7 @@ def _legalized(fn, *avals_, backend=None, weights=()):
     return run
 
 
-def lower_step(trainer: SparseTrainer, state: TrainState, batch, *, donate: bool = True,
+def lower_step(trainer, state, batch, *, donate: bool = True,
                placement: str | None = None, ties: str = "data",
                backend: str | None = None, tie_weights: bool = False,
                prefix=None) -> Lowered:
@@ -324,14 +322,12 @@ def _lower_step(trainer, state, batch, *, donate, placement, ties, backend, tie_
 
     aux_paths: list[str] = []
 
-    from pockjax.train import step_variant  # at use: export does not import train otherwise
-
     def flat_step(mut, frz, batch_leaves):
         step, train, opt = mut[0], mut[1:1 + n_train], mut[1 + n_train:]
         st = state.replace(step=step, params=params_from(train, frz),
                            opt_state=jax.tree_util.tree_unflatten(opt_def, opt))
-        new, metrics = step_variant(trainer, st, jax.tree_util.tree_unflatten(batch_def, batch_leaves),
-                                    placement=placement, ties=ties)
+        new, metrics = trainer.step_variant(st, jax.tree_util.tree_unflatten(batch_def, batch_leaves),
+                                            placement=placement, ties=ties)
         new_params = jax.tree_util.tree_leaves(new.params)
         aux = leaves_with_paths(metrics.get("aux"))[0] if "aux" in metrics else []
         aux_paths[:] = [f"aux/{p}" if p else "aux" for p, _ in aux]

@@ -1,9 +1,9 @@
 """The command lines `pockjax finetune` and `pockjax generate`: their options, and the
 functions that run them from parsed arguments.
 
-`pockjax.cli` builds its subcommands with `add_arguments` / `add_generate_arguments` and
-runs them with `main` (`pockjax.finetuning.finetune`) and `generate_main`
-(`generate_text`); `pockjax.finetuning` re-exports these names for it.
+`pockjax.cli` builds its subcommands with `add_arguments` (`FinetuneOptions`' flags) /
+`add_generate_arguments` and runs them with `main` (`pockjax.finetuning.finetune`) and
+`generate_main` (`generate_text`); `pockjax.finetuning` hands these names on.
 """
 from __future__ import annotations
 
@@ -11,90 +11,28 @@ import sys
 
 import numpy as np
 
-from pockjax.finetuning._base import FRONTENDS, SCHEDULES, FinetuneError, Interrupted
-from pockjax.finetuning._model import SAVE_DTYPES
+from pockjax.finetuning._base import FRONTENDS, FinetuneError, Interrupted
+from pockjax.finetuning._options import FinetuneOptions
 
 
 def add_arguments(p) -> None:
-    """`pockjax finetune`'s options (the same as `finetune`'s arguments)."""
+    """`pockjax finetune`'s options: its three folders and `FinetuneOptions`' fields."""
     p.add_argument("--model", required=True, help="a Hugging Face model folder (config.json, "
                    "model.safetensors, tokenizer.json)")
     p.add_argument("--data", required=True, help='a JSONL file: {"text"}, {"prompt", '
                    '"completion"} or {"messages": [{"role", "content"}, ...]} per line')
-    p.add_argument("--valid", help="held-out JSONL, evaluated every --eval-every steps")
     p.add_argument("--out", required=True, help="the run's folder (checkpoints, metrics.jsonl, "
                    "loss.png, final/)")
-    p.add_argument("--scheme", default="paper", help="paper (PockEngine's transformer scheme, "
-                   "last half of the blocks) | paper:K | full | last:N | paper[:K]+head, last:N+head "
-                   "(the output head trains too) | blockwise:K[:N] (the "
-                   "blocks, N at a time, each trained K steps in turn) | lora:R (LoRA of rank "
-                   "R on every linear layer, merged at the end) | search:BUDGET "
-                   "(e.g. search:40%% or search:4GiB) | FILE.json (default: paper)")
-    g = p.add_mutually_exclusive_group()
-    g.add_argument("--steps", type=int, help="training steps")
-    g.add_argument("--epochs", type=float, help="passes over the data (default 1)")
-    p.add_argument("--batch", type=int, default=4, help="examples per step (default 4)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per example; longer ones are "
-                   "cut (default 512, or the model's max_position_embeddings where fewer)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
-    p.add_argument("--warmup", type=int, default=0, help="linear warm-up steps (default 0)")
-    p.add_argument("--schedule", default="cosine", choices=SCHEDULES,
-                   help="decay after the warm-up (default cosine)")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--eval-every", type=int, help="steps between evaluations (default: at the "
-                   "start and the end)")
-    p.add_argument("--save-every", type=int, help="steps between checkpoints (default: at the "
-                   "end, and on Ctrl-C)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--overwrite", action="store_true", help="start again in --out")
-    p.add_argument("--seed", type=int, default=0, help="seed of the data order")
-    p.add_argument("--frozen-dtype", default="float32", metavar="FORMAT",
-                   help="storage of the frozen weights: float32, bfloat16 (LLaMA families), "
-                        "int8 (a scale per output channel) or int4 (a scale per group of 64 "
-                        "inputs; int4:GROUP sets the group), dequantized where each is used "
-                        "(pockjax.lowbit); the fine-tuned model holds the base's own "
-                        "frozen tensors either way")
-    p.add_argument("--moments", default="float32", choices=("float32", "bfloat16", "int8"),
-                   help="storage of AdamW's two moments: float32 (8 bytes a trained value), "
-                        "bfloat16 (4) or int8 (2, block-wise; pockjax.optim.adamw); the "
-                        "trained weights stay float32")
-    p.add_argument("--frontend", default="auto", choices=FRONTENDS, help="the model code: "
-                   "auto (pockjax's Flax LLaMA for LLaMA families, pockjax.torch for other "
-                   "causal LMs), flax, or torch (transformers' own module for any family)")
-    p.add_argument("--skip-nonfinite", action="store_true", help="skip a step whose loss or "
-                   "gradient is not finite instead of stopping")
-    p.add_argument("--prefix-cache", default="auto", choices=("auto", "on", "off"),
-                   help="compute the frozen prefix once per example when the data repeats "
-                        "(auto: when it saves enough; same results either way)")
-    p.add_argument("--save-dtype", default="auto", choices=SAVE_DTYPES,
-                   help="the float type of final/'s trained tensors (default auto: the base "
-                        "model's); the tensors the scheme freezes are the base's own bytes")
-    p.add_argument("--no-cache", dest="compile_cache", action="store_false",
-                   help="do not use JAX's persistent compilation cache (default: on, in "
-                        "~/.cache/pockjax/jax, so a second run of the same shapes starts "
-                        "without compiling)")
-    p.add_argument("--no-plot", dest="plot", action="store_false", help="do not draw loss.png "
-                   "(matplotlib) at the end; metrics.jsonl is written either way")
+    FinetuneOptions.add_arguments(p)
 
 
 def main(args) -> int:
     """Run `pockjax finetune` from parsed `args`; the exit status."""
-    # Imported here: pockjax.finetuning imports this module (it re-exports its names).
-    from pockjax.finetuning import finetune
+    from pockjax.finetuning._job import finetune
 
     try:
-        result = finetune(args.model, args.data, args.out, valid=args.valid, scheme=args.scheme,
-                          steps=args.steps, epochs=args.epochs, batch=args.batch, seq=args.seq,
-                          lr=args.lr, warmup=args.warmup, schedule=args.schedule,
-                          weight_decay=args.weight_decay, eval_every=args.eval_every,
-                          save_every=args.save_every, keep=args.keep, resume=args.resume,
-                          overwrite=args.overwrite, seed=args.seed,
-                          frozen_dtype=args.frozen_dtype, moments=args.moments,
-                          skip_nonfinite=args.skip_nonfinite,
-                          frontend=args.frontend, plot=args.plot,
-                          prefix_cache=args.prefix_cache, save_dtype=args.save_dtype,
-                          compile_cache=args.compile_cache)
+        result = finetune(args.model, args.data, args.out,
+                          options=FinetuneOptions.from_args(args))
     except Interrupted as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
         return 130

@@ -17,7 +17,6 @@ the artifact directory holds what the device needs to run the job and nothing el
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -27,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from pockjax.finetuning._base import FinetuneError
+from pockjax.finetuning._options import FinetuneOptions
 from pockjax.export.manifest import sha256
 
 JOB = "job.json"
@@ -88,16 +88,15 @@ def _trained_tensors(loaded, chosen, params) -> tuple[dict, dict]:
     return out, lora
 
 
-def export_job(model, target: str, out, *, steps: int, scheme: str = "paper",
-               frozen_dtype: str = "float32", moments: str = "float32", lr: float = 1e-4,
-               schedule: str = "cosine", warmup: int = 0, weight_decay: float = 0.0,
-               batch: int = 4, seq: int | None = None, frontend: str = "auto", seed: int = 0,
+def export_job(model, target: str, out, *, options: FinetuneOptions | None = None,
                gpu: str | None = None, extra_flags=(), base: bool = True,
-               progress: bool = True):
+               progress: bool = True, **keywords):
     """Export `finetune`'s step for the model folder `model` to the artifact directory
     `out` (replaced atomically), with `job.json` and `model/` beside it (see the module
-    docstring). The arguments are `finetune`'s; `steps` is the run's length, which the
-    learning-rate schedule is built for. Returns the `Artifact`.
+    docstring). The options are `finetune`'s that shape the step (`FinetuneOptions.names(
+    job=True)`: `steps`, the run's length that the learning-rate schedule is built for and
+    which is required, `scheme`, `batch`, `seq`, `lr`, ...), as keywords or `options`.
+    Returns the `Artifact`.
 
     Raises:
       FinetuneError: a bad option, a model folder that does not load, a scheme that
@@ -105,47 +104,48 @@ def export_job(model, target: str, out, *, steps: int, scheme: str = "paper",
       ExportError: the target, GPU family or a flag is wrong, or the step does not
         compile for the target.
     """
-    from pockjax.finetuning._model import load_model
     from pockjax.export import export
-    from pockjax.finetuning import (check_positions, spec_number, choose_scheme, make_trainer,
-                                    scheme_from_spec, trainer_params)
+    from pockjax.finetuning._job import check_positions, make_trainer, trainer_params
+    from pockjax.finetuning._model import load_model
+    from pockjax.finetuning._spec import choose_scheme
     from pockjax.tokenizer import Tokenizer, TokenizerError
 
+    if options is None:
+        unknown = sorted(set(keywords) - set(FinetuneOptions.names(job=True)))
+        if unknown:
+            raise TypeError(f"export_job() got an unexpected keyword argument {unknown[0]!r}; "
+                            f"its options are {', '.join(FinetuneOptions.names(job=True))}")
+        options = FinetuneOptions(**keywords)
+    elif keywords:
+        raise FinetuneError("give the options as keywords or as options=, not both")
+    o = options
+    scheme, steps, batch, frozen_dtype = o.scheme, o.steps, o.batch, o.frozen_dtype
     say = (lambda text: print(f"pockjax export: {text}", file=sys.stderr, flush=True)) \
         if progress else (lambda text: None)
-    for name, value in (("steps", steps), ("batch", batch)):
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise FinetuneError(f"--{name} must be a positive whole number, got {value!r}")
-    if not (lr > 0 and math.isfinite(lr)) or warmup < 0:
-        raise FinetuneError(f"--lr must be a positive finite number and --warmup >= 0, got "
-                            f"{lr!r}, {warmup!r}")
-    if str(scheme).startswith("search:"):
+    if steps is None:
+        raise FinetuneError("give --steps N, the run's length (the learning-rate schedule is "
+                            "built for it)")
+    if scheme.kind == "search":
         raise FinetuneError("--scheme search:BUDGET needs the data; choose the scheme first "
                             "(pockjax search, or pockjax finetune --scheme search:... writes it "
                             "in run.json) and export with --scheme FILE.json")
+    if scheme.kind == "blockwise":
+        raise FinetuneError(f"--scheme {scheme}: a schedule changes which weights train as it "
+                            f"goes, and an artifact compiles one step; export one scheme")
     model = Path(model)
-    lora = spec_number(str(scheme), "lora:R") if str(scheme).startswith("lora:") else None
-    if lora is not None and frozen_dtype != "float32":
-        raise FinetuneError(f"--scheme {scheme} with --frozen-dtype {frozen_dtype} is not "
-                            f"implemented; use --frozen-dtype float32")
     try:
         tokenizer = Tokenizer.from_folder(model)
     except TokenizerError as e:
         raise FinetuneError(str(e)) from None
-    known = not str(scheme).startswith("blockwise:")
-    loaded = load_model(model, frozen_dtype=frozen_dtype, frontend=frontend, lora=lora,
-                        seed=seed, scheme_of=(lambda shapes, layers: scheme_from_spec(
-                            scheme, shapes, layers)) if known else None)
-    seq = check_positions(model, seq)
+    loaded = load_model(model, frozen_dtype=frozen_dtype, frontend=o.frontend,
+                        lora=scheme.lora_rank, seed=o.seed, scheme_of=scheme.build)
+    seq = check_positions(model, o.seq)
     say(f"model {model}: {loaded.description}" + (f" ({loaded.note})" if loaded.note else ""))
     chosen = choose_scheme(loaded, scheme, frozen_dtype, say=say)
-    if hasattr(chosen, "schemes"):
-        raise FinetuneError(f"--scheme {scheme}: a schedule changes which weights train as it "
-                            f"goes, and an artifact compiles one step; export one scheme")
     params = trainer_params(loaded, chosen, frozen_dtype)
     trained, adapters = _trained_tensors(loaded, chosen, params)
-    trainer = make_trainer(loaded, chosen, lr=lr, warmup=warmup, total=steps,
-                           schedule=schedule, weight_decay=weight_decay, moments=moments)
+    trainer = make_trainer(loaded, chosen, lr=o.lr, warmup=o.warmup, total=steps,
+                           schedule=o.schedule, weight_decay=o.weight_decay, moments=o.moments)
     state = trainer.init(params, copy=False)
     example = {"tokens": np.zeros((batch, seq), np.int32),
                "mask": np.zeros((batch, seq), np.float32)}
@@ -177,9 +177,10 @@ def export_job(model, target: str, out, *, steps: int, scheme: str = "paper",
     job = {"format": FORMAT, "version": VERSION, "base": str(model.resolve()),
            "model_type": json.loads((model / "config.json").read_text()).get("model_type"),
            "vocab_size": loaded.vocab_size, "batch": batch, "seq": seq, "steps": steps,
-           "lr": lr, "schedule": schedule, "warmup": warmup, "weight_decay": weight_decay,
-           "seed": seed, "scheme": scheme, "scheme_json": chosen.to_json(),
-           "frozen_dtype": frozen_dtype, "moments": moments, "frontend": loaded.kind,
+           "lr": o.lr, "schedule": o.schedule, "warmup": o.warmup,
+           "weight_decay": o.weight_decay, "seed": o.seed, "scheme": str(scheme),
+           "scheme_json": chosen.to_json(), "frozen_dtype": frozen_dtype,
+           "moments": o.moments, "frontend": loaded.kind,
            "pad_id": pad, "trainable_params": info.trainable_params,
            "total_params": info.total_params, "with_base": base, "trained": trained,
            "lora": adapters,

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from pockjax.finetuning._base import FinetuneError, Interrupted, NonFiniteLoss
-from pockjax.finetuning._run import FINAL, RunFolder, fingerprint, options_of
+from pockjax.finetuning._run import FINAL, RunFolder, fingerprint, run_options
 from pockjax.checkpoint import numpy_dtype, safetensors_header
 from pockjax.export.manifest import sha256
 
@@ -216,12 +216,12 @@ def run_job(artifact, data, out, *, valid=None, steps: int | None = None,
         raise FinetuneError(f"{total} steps asked for, and the artifact's learning-rate "
                             f"schedule was built for {job['steps']}; export again with "
                             f"--steps {total}, or run at most {job['steps']}")
-    options = options_of(model=str(artifact.resolve()), data=fingerprint(data),
-                         scheme=job["scheme_json"], total_steps=job["steps"], batch=batch,
-                         seq=seq, lr=job["lr"], warmup=job["warmup"], schedule=job["schedule"],
-                         seed=seed, frozen_dtype=job["frozen_dtype"], skip_nonfinite=False,
-                         weight_decay=job["weight_decay"], frontend=job["frontend"],
-                         moments=job["moments"])
+    options = run_options(model=str(artifact.resolve()), data=fingerprint(data),
+                          scheme=job["scheme_json"], total_steps=job["steps"], batch=batch,
+                          seq=seq, lr=job["lr"], warmup=job["warmup"], schedule=job["schedule"],
+                          seed=seed, frozen_dtype=job["frozen_dtype"], skip_nonfinite=False,
+                          weight_decay=job["weight_decay"], frontend=job["frontend"],
+                          moments=job["moments"])
     for line in [train.describe(), *([held.describe()] if held is not None else [])]:
         say(line)
     if session is None:
@@ -354,7 +354,7 @@ def write_batches(artifact, data, folder, *, steps: int | None = None,
     """
     from pockjax.data import batch_at, read_jsonl
     from pockjax.export.manifest import PARAMS, VMFB, read_manifest
-    from pockjax.tokenizer import Tokenizer, TokenizerError
+    from pockjax.tokenizer import Tokenizer
 
     artifact, folder = Path(artifact).resolve(), Path(folder)
     job = read_job(artifact)

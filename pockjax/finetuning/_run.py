@@ -13,21 +13,22 @@ import sys
 from pathlib import Path
 
 from pockjax.finetuning._base import FinetuneError
+from pockjax.finetuning._options import RESULT_OPTIONS, FinetuneOptions
 
 RUN = "run.json"
 CHECKPOINTS = "checkpoints"
 METRICS = "metrics.jsonl"
 FINAL = "final"
-# Options that change what a run computes: a resumed run must have the same ones.
-RESULT_OPTIONS = ("model", "data", "scheme", "total_steps", "batch", "seq", "lr", "warmup",
-                  "schedule", "seed", "frozen_dtype", "skip_nonfinite", "weight_decay",
-                  "frontend", "moments")
 _DEFAULTS = {"frontend": "auto", "moments": "float32"}  # what a run.json without them used
 
 
-def options_of(**kw) -> dict:
-    """The options `run.json` records, out of the keyword arguments."""
-    return {k: kw.get(k, _DEFAULTS.get(k)) for k in RESULT_OPTIONS}
+def run_options(options: FinetuneOptions | None = None, **values) -> dict:
+    """What `run.json` records (`RESULT_OPTIONS`): each from `values` where given, else
+    from `options`."""
+    missing = [k for k in RESULT_OPTIONS if k not in values and options is None]
+    if missing:
+        raise TypeError(f"run_options: no value for {', '.join(missing)}")
+    return {k: values[k] if k in values else getattr(options, k) for k in RESULT_OPTIONS}
 
 
 def fingerprint(path) -> str:
@@ -93,11 +94,11 @@ class RunFolder:
         return sorted(found)
 
     def save(self, state, keep: int) -> Path:
-        import pockjax as pj
+        from pockjax.checkpoint import save
 
         step = int(state.step)
         path = self.out / CHECKPOINTS / f"step-{step:08d}.safetensors"
-        pj.save(path, state)
+        save(path, state)
         for _, old in self.checkpoints()[:-keep]:
             old.unlink(missing_ok=True)
         return path
@@ -105,12 +106,12 @@ class RunFolder:
     def restore(self, like):
         """The newest checkpoint that loads, or None; a damaged newer one is named.
         `like` is a state, or a function of the checkpoint's step giving one."""
-        import pockjax as pj
+        from pockjax.checkpoint import CheckpointError, load
 
         for step, path in reversed(self.checkpoints()):
             try:
-                return pj.load(path, like=like(step) if callable(like) else like), path
-            except pj.CheckpointError as e:
+                return load(path, like=like(step) if callable(like) else like), path
+            except CheckpointError as e:
                 print(f"pockjax finetune: skipping checkpoint {path.name}: {e}", file=sys.stderr)
         return None, None
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -17,11 +16,8 @@ from flax import nnx
 
 from pockjax.data import check_token_ids
 
-if TYPE_CHECKING:
-    from pockjax.models.llama import Llama
 
-
-def generate(model: Llama, prompt: jax.Array, max_new_tokens: int, *,
+def generate(model, prompt: jax.Array, max_new_tokens: int, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              stop_token: int | None = None) -> jax.Array:
     """`prompt` followed by `max_new_tokens` tokens decoded with a key/value cache.

@@ -245,7 +245,7 @@ def _remat_block(layer: LlamaBlock, h, cos, sin, mask):
     plain `jax.checkpoint` XLA's CPU scheduler moved the recomputation next to the
     forward pass, and nothing was saved). The same mechanism as
     `pockjax.nnx.Trainer(remat="layers/*")`."""
-    from pockjax.train import checkpoint_call
+    from pockjax.remat import checkpoint_call
 
     graphdef, state = nnx.split(layer)
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from pockjax.nnx._state import module_at
 from pockjax.scheme import glob_to_regex
-from pockjax.train import checkpoint_call
+from pockjax.remat import checkpoint_call
 
 
 def _has_call(cls: type) -> bool:

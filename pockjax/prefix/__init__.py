@@ -386,6 +386,12 @@ class PrefixCachedTrainer:
             cache.close()
         self._splits.clear()
 
+    def __enter__(self) -> "PrefixCachedTrainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
 
 def _suffix(split: PrefixSplit):
     """The split's suffix as a trainer's loss: it reads stored (`pockjax.lowbit`) weights

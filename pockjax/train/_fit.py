@@ -18,7 +18,7 @@ from pockjax.train._interrupt import InterruptAfter
 from pockjax.train._state import TrainState
 
 if TYPE_CHECKING:
-    from pockjax.train import SparseTrainer
+    from pockjax.train._trainer import SparseTrainer
 
 
 @dataclasses.dataclass
@@ -143,8 +143,7 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         save: Callable | None = None, save_every: int | None = None,
         on_record: Callable[[dict], None] | None = None, stop_nonfinite: bool = False,
         tokens: Callable[[int], int] | None = None,
-        prefix_cache: bool | str | int = False,
-        compile_cache: bool = True) -> tuple[TrainState, History]:
+        compile_cache: bool = True, **unknown) -> tuple[TrainState, History]:
     """Run `trainer` (a `SparseTrainer`, or any `step(state, batch) -> (state, metrics)`)
     from step `start` to step `steps`, or until the batches run out.
 
@@ -187,12 +186,6 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
       stop_nonfinite: raise `NonFiniteLoss` at the first NaN or infinite loss, before
         anything after the step before it is saved.
       tokens: `tokens(step)`, the tokens in the (0-based) step's batch, for tokens/s.
-      prefix_cache: for data seen more than once: compute the frozen prefix of the step
-        once per example and keep its output (`pockjax.prefix.PrefixCachedTrainer`,
-        examples named by a hash of their contents; the same results as without it).
-        True, an int (the RAM budget in bytes), "auto" (only where the prefix is a
-        large enough part of the step) or False (the default). The cache is dropped
-        when fit returns.
       compile_cache: use JAX's persistent compilation cache (`use_compile_cache`: a
         folder under the user's cache directory), so a second run of the same shapes
         does not compile again; default True. False leaves JAX's settings as they are.
@@ -201,8 +194,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
       `(state, History)`: the state after the last completed step and what the run did.
 
     Raises:
-      ValueError: `steps` is negative, `prefix_cache` is not one of its values, or
-        `batches` is a function and `steps` is None.
+      ValueError: `steps` is negative, or `batches` is a function and `steps` is None.
+      TypeError: an unknown keyword; `prefix_cache=` names the trainer that replaces it.
       NonFiniteLoss: with `stop_nonfinite`, a step's loss is NaN or infinite.
     """
     from tqdm.auto import tqdm
@@ -211,18 +204,14 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         raise ValueError(f"steps must be >= 0, got {steps}")
     if compile_cache:
         use_compile_cache()
-    cached = None
-    if prefix_cache is not False and prefix_cache is not None:
-        from pockjax.prefix import PrefixCachedTrainer
-
-        budget = (prefix_cache if isinstance(prefix_cache, int) and not
-                  isinstance(prefix_cache, bool) else None)
-        if not (prefix_cache is True or prefix_cache == "auto" or
-                (budget is not None and budget >= 0)):
-            raise ValueError(f"prefix_cache must be True, False, 'auto' or a byte budget (an "
-                             f"int >= 0), got {prefix_cache!r}")
-        trainer = cached = PrefixCachedTrainer(trainer, budget_bytes=budget,
-                                               auto=prefix_cache == "auto")
+    if unknown:
+        name = next(iter(unknown))
+        if name == "prefix_cache":
+            raise TypeError("fit takes a trainer and runs it: for the prefix cache, wrap the "
+                            "trainer first, pj.prefix.PrefixCachedTrainer(trainer, "
+                            "budget_bytes=..., auto=...), pass that to fit and close() it "
+                            "after")
+        raise TypeError(f"fit() got an unexpected keyword argument {name!r}")
     if callable(batches) and not hasattr(batches, "__iter__"):
         if steps is None:
             raise ValueError("batches given as a function of the step need steps= (the step "
@@ -321,8 +310,6 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
             save(state)
     finally:
         bar.close()
-        if cached is not None:
-            cached.close()
     seconds = time.perf_counter() - began if began is not None else 0.0
     if interrupted:
         warnings.warn(f"fit: interrupted (Ctrl-C) after {step - start} steps; returning the "

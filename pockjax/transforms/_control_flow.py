@@ -1,7 +1,7 @@
 """Push-down rules of `scan`, `remat`, `cond`, `while` and the custom-derivative calls.
 
 A box of a `scan`, `remat` or `cond` output becomes an extra output of the rewritten
-body (a `BodyRewrite` plan), which `pushdown.rewrite` rewrites recursively; `while`
+body (a `BodyRewrite` plan), which `rewrite` (`_pass`) rewrites recursively; `while`
 bodies are rewritten in place; `custom_jvp_call` and `custom_vjp_call` decline.
 Registered into `RULES` (`_rules`) on import; `pushdown` imports this module.
 """
@@ -16,7 +16,7 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from pockjax._src.jaxpr import bind, consts_to_invars, is_var, var_shape
-from pockjax.transforms import pushdown  # the pass: bodies are rewritten with `pushdown.rewrite`
+from pockjax.transforms._pass import rewrite
 from pockjax.transforms._boxes import full_box
 from pockjax.transforms._plans import Decline, OnWholeInputs, Whole
 from pockjax.transforms._rules import RULES
@@ -45,7 +45,7 @@ class BodyRewrite(OnWholeInputs):
         body output that the rewritten body returns.
       unchanged: True when every output is needed whole: the call is re-bound as it is.
       bind: `bind(eqn, ops, body_needs, stats)` -> the outputs of the call with its
-        body rewritten (`pushdown.rewrite(body, body_needs, stats)`), flat, on whole inputs
+        body rewritten (`rewrite(body, body_needs, stats)`), flat, on whole inputs
         `ops`.
       outer_box: `outer_box(eqn, j, box)` -> the box of the call's output `j` that box
         `box` of body output `j` gives; by default the same box (a scan's adds the
@@ -120,7 +120,7 @@ def _scan_outer_box(eqn, i, b):
 
 def _bind_scan(eqn, ops, body_needs, stats):
     p = eqn.params
-    new = pushdown.rewrite(p["jaxpr"], body_needs, stats)
+    new = rewrite(p["jaxpr"], body_needs, stats)
     consts = list(new.consts)
     return P.scan_p.bind(*consts, *ops, **{
         **p, "jaxpr": jex.ClosedJaxpr(consts_to_invars(new), []),
@@ -137,7 +137,7 @@ def _remat_rule(eqn, wanted, analysis):
 def _bind_remat(eqn, ops, body_needs, stats):
     p = eqn.params
     stats.rule(eqn.primitive.name)
-    new = pushdown.rewrite(jex.ClosedJaxpr(p["jaxpr"], []), body_needs, stats)
+    new = rewrite(jex.ClosedJaxpr(p["jaxpr"], []), body_needs, stats)
     # Bound directly (not through jax.checkpoint) to keep `differentiated`, which
     # stops XLA from merging the recomputation with the forward pass.
     return P.remat_p.bind(*new.consts, *ops, jaxpr=consts_to_invars(new),
@@ -155,7 +155,7 @@ def _cond_rule(eqn, wanted, analysis):
 def _bind_cond(eqn, ops, body_needs, stats):
     p = eqn.params
     stats.rule(eqn.primitive.name)
-    new = [pushdown.rewrite(br, body_needs, stats) for br in p["branches"]]
+    new = [rewrite(br, body_needs, stats) for br in p["branches"]]
     # Every branch takes the consts of all branches and uses its own.
     all_consts = [c for b in new for c in b.consts]
     const_avals = [jax.core.ShapedArray(np.shape(c), c.dtype) for c in all_consts]
@@ -184,8 +184,8 @@ def _run_while(ctx, eqn, stats):
     ops = [ctx.get(v, None) for v in eqn.invars]
     cn, bn = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts, init = ops[:cn], ops[cn:cn + bn], ops[cn + bn:]
-    new_body = pushdown.rewrite(p["body_jaxpr"], None, stats)
-    new_cond = pushdown.rewrite(p["cond_jaxpr"], None, stats)
+    new_body = rewrite(p["body_jaxpr"], None, stats)
+    new_cond = rewrite(p["cond_jaxpr"], None, stats)
     bc, cc = list(new_body.consts), list(new_cond.consts)
     return P.while_p.bind(*cc, *cond_consts, *bc, *body_consts, *init, **{
         **p, "body_jaxpr": jex.ClosedJaxpr(consts_to_invars(new_body), []),

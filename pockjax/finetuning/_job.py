@@ -1,0 +1,487 @@
+"""The fine-tuning run: `finetune` (a model folder and JSONL in, a run folder out) and
+the pieces the device job's export shares with it (`trainer_params`, `make_trainer`,
+`check_positions`)."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from pockjax.finetuning._base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
+from pockjax.finetuning._model import (frozen_names, lm_loss, load_model, low_bit, nll_sum,
+                                       partial_names, stored_by_lowbit, write_final)
+from pockjax.finetuning._options import FinetuneOptions
+from pockjax.finetuning._run import (FINAL, RunFolder, close_prefix_cache, fingerprint,
+                                     plot_losses, run_options)
+from pockjax.finetuning._spec import choose_scheme
+
+
+@dataclasses.dataclass
+class FinetuneResult:
+    """What a `finetune` run did: its folder, steps, losses and speed.
+
+    Attributes:
+      out: the run's folder.
+      final: the Hugging Face folder of the fine-tuned model (`out/final`).
+      steps: the run's total step count.
+      start_step: the step it resumed from (0 for a new run).
+      train_loss: the mean loss of the last (up to) 10 steps run in this call; NaN
+        when none ran.
+      valid_loss_before: the validation loss before training, or None (no `valid`
+        data, or a resumed run).
+      valid_loss: the validation loss at the end, or None without `valid` data.
+      seconds: training seconds in this call.
+      tokens_per_second: tokens of the examples trained on (padding not counted) per
+        second in this call.
+      skipped: steps skipped for a non-finite loss or gradient (`skip_nonfinite`).
+      trainable_params: parameters the scheme trains (the first scheme's for a
+        schedule).
+      total_params: all parameters of the model.
+    """
+
+    out: str
+    final: str                      # the Hugging Face folder of the fine-tuned model
+    steps: int
+    start_step: int                 # > 0 when resumed
+    train_loss: float               # mean over the last (up to) 10 steps run here
+    valid_loss_before: float | None
+    valid_loss: float | None
+    seconds: float
+    tokens_per_second: float
+    skipped: int
+    trainable_params: int
+    total_params: int
+
+
+def _schedule(lr: float, warmup: int, total: int, kind: str):
+    import optax
+
+    if kind not in SCHEDULES:
+        raise FinetuneError(f"--schedule {kind!r}: choose one of {', '.join(SCHEDULES)}")
+    decay = max(total - warmup, 1)
+    after = {"cosine": optax.cosine_decay_schedule(lr, decay),
+             "linear": optax.linear_schedule(lr, 0.0, decay),
+             "constant": optax.constant_schedule(lr)}[kind]
+    if warmup <= 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
+
+
+def trainer_params(loaded, chosen, frozen_dtype: str):
+    """The loaded model's parameters as `finetune`'s trainer takes them: trained leaves
+    float32, frozen ones stored in `frozen_dtype` (bfloat16 `lowbit` nodes, or the
+    integer formats) where the loading did not store them already."""
+    params = loaded.params
+    if frozen_dtype != "float32" and loaded.kind == "flax" and loaded.scheme is None:
+        from pockjax.models.llama import cast_frozen
+        # Trained leaves float32; frozen ones bfloat16 (Cast nodes), or plain bfloat16
+        # arrays that lowbit.quantize stores in the integer format below.
+        params = cast_frozen(params, chosen, native=low_bit(frozen_dtype))
+    if stored_by_lowbit(frozen_dtype, loaded):
+        import jax.numpy as jnp
+
+        from pockjax import lowbit
+        try:  # trained leaves stay float32; the step computes the frozen ones in float32
+            params = lowbit.quantize(params, chosen, frozen_dtype, dtype=jnp.float32)
+        except lowbit.QuantizeError as e:
+            raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
+    return params
+
+
+def make_trainer(loaded, chosen, *, lr: float, warmup: int, total: int, schedule: str,
+                 weight_decay: float, moments: str, skip_nonfinite: bool = False):
+    """`finetune`'s training step for a loaded model and scheme: `lm_loss` of the model,
+    AdamW with the learning-rate schedule over `total` steps, `pockjax.sparse_train`."""
+    from pockjax.optim import adamw
+    from pockjax.train import sparse_train
+
+    def loss_fn(p, b):
+        return lm_loss(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"])
+
+    optimizer = adamw(_schedule(lr, warmup, total, schedule),
+                               weight_decay=weight_decay, moments=moments)
+    return sparse_train(loss_fn, optimizer=optimizer, scheme=chosen,
+                           skip_nonfinite=skip_nonfinite)
+
+
+def _say(progress: bool, text: str) -> None:
+    if progress:
+        from tqdm.auto import tqdm
+        tqdm.write(f"pockjax finetune: {text}", file=sys.stderr)
+
+
+def check_positions(model, seq: int | None) -> int:
+    """`--seq` (None: 512, or fewer where the model takes fewer), checked against the
+    positions the model was built for (its config's `max_position_embeddings`, GPT-2's
+    `n_positions`)."""
+    from pockjax.finetuning._model import position_limit
+    from pockjax.models.hf import read_config
+
+    limit = position_limit(read_config(model))
+    if seq is None:
+        return 512 if limit is None else min(512, limit)
+    if limit is not None and seq > limit:
+        raise FinetuneError(f"--seq {seq}: the model in '{model}' takes at most {limit} "
+                            f"positions (max_position_embeddings in its config.json); pass "
+                            f"--seq {limit} or less")
+    return seq
+
+
+def _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr, cache,
+                   progress):
+    """`pockjax.search_scheme` over the model's candidates under `budget`, on the first batches
+    of the training data (scored on the validation data, or on training batches the
+    search does not train on)."""
+    import optax
+
+    from pockjax.data import batch_at, eval_batches
+    from pockjax.scheme_search import search_scheme
+    from pockjax.train import sparse_train
+
+    steps = 10
+    train_batches = [batch_at(train, i, batch, seq, seed=seed, pad_id=pad) for i in range(steps)]
+    heldout = (list(eval_batches(held, batch, seq, pad))[:4] if held is not None else
+               [batch_at(train, steps + i, batch, seq, seed=seed, pad_id=pad) for i in range(2)])
+
+    def factory(scheme):
+        return sparse_train(loss_fn, optimizer=optax.adamw(lr), scheme=scheme)
+
+    try:
+        scheme, report = search_scheme(factory, loaded.params, (train_batches, heldout),
+                                       budget=budget, steps=steps, cache=str(cache),
+                                   progress=progress)
+    except ValueError as e:
+        raise FinetuneError(f"--scheme search:{budget}: {e}") from None
+    _say(progress, f"search under {budget}: trains {', '.join(report.chosen)}")
+    return scheme
+
+
+def finetune(model, data, out, *, options: FinetuneOptions | None = None,
+             **keywords) -> FinetuneResult:
+    """Fine-tune the model in folder `model` on the JSONL file `data`; the run goes in
+    folder `out` (see the module docstring for what it holds).
+
+    The options are `FinetuneOptions`' fields, given as keywords or as `options` (not
+    both); they are checked before anything is read.
+
+    Args:
+      model: a Hugging Face model folder (config.json, safetensors, tokenizer.json).
+      data: a JSONL file of `{"text"}`, `{"prompt", "completion"}` or `{"messages"}`
+        records (`pockjax.data.read_jsonl`).
+      out: the run's folder; must be new or empty unless it holds a run and `resume`
+        or `overwrite` is given.
+      valid: a JSONL file of held-out records, evaluated (loss and perplexity) every
+        `eval_every` steps, before the first step of a run that starts at step 0, and at
+        the end; None (the default) for no evaluation.
+      scheme: "paper" (PockEngine's transformer scheme on the last half of the blocks),
+        "paper:K" (on the last K), "full", "last:N" (the last N blocks in full),
+        any of these three with "+head" (the output head trains too, in full),
+        "blockwise:K" / "blockwise:K:N" (the blocks take turns, N at a time, K steps
+        each: `pockjax.schemes.blockwise`), "lora:R" (LoRA of rank R on every linear
+        layer of the blocks, merged into the weights in `final/`), "search:BUDGET"
+        (`pockjax.search_scheme` under a budget such as "40%" or "4GiB"), or a scheme JSON file
+        (`Scheme.to_json`). Default "paper"; see `scheme_from_spec`.
+      steps: the run's total training steps, a positive whole number; give this or
+        `epochs`, not both.
+      epochs: passes over the data instead of `steps` (a positive number, rounded up to
+        whole steps); with neither, 1 epoch.
+      batch: examples per step; default 4.
+      seq: tokens per example, at least 2 (longer examples are cut), at most the
+        model's positions (`max_position_embeddings`); default 512, or the model's
+        positions where fewer.
+      lr: AdamW's peak learning rate, positive; default 1e-4.
+      warmup: linear warm-up steps from 0 to `lr`; default 0.
+      schedule: the decay after the warm-up: "cosine" (the default, to 0 at the last
+        step), "linear" (to 0 at the last step) or "constant".
+      weight_decay: AdamW's weight decay; default 0.
+      eval_every: steps between evaluations of `valid`; None (the default): before the
+        first step and at the end only.
+      save_every: steps between checkpoints; None (the default): at the end (and on
+        Ctrl-C) only.
+      keep: how many checkpoints are kept, the newest; default 3.
+      resume: continue the run in `out` from its newest checkpoint that loads; the
+        options that change what the run computes must be the same. With nothing to
+        resume, a new run starts.
+      overwrite: start again in `out`, deleting its run; not together with `resume`.
+      seed: the data order's seed (and the LoRA adapters' initialisation); default 0.
+      frozen_dtype: the storage of the frozen weights: "float32" (the default),
+        "bfloat16", or "int8" / "int4" / "int4:GROUP" (`pockjax.lowbit`); not with
+        "lora:R" or "blockwise" schemes.
+      moments: the storage of AdamW's two moments: "float32" (the default), "bfloat16"
+        or "int8" (`pockjax.optim.adamw`; the trained weights stay float32).
+      frontend: "auto" (the default), "flax" or "torch": which model code runs
+        (`load_model`).
+      skip_nonfinite: skip a step whose loss or gradient is not finite (counted) instead
+        of stopping; default False.
+      plot: draw `loss.png` at the end (matplotlib, skipped where it is not installed);
+        the metrics log is written either way. Default True.
+      prefix_cache: "auto" (the default: when the data is seen more than once and the
+        frozen prefix is a large enough part of the step, compute it once per example and
+        keep its output; `pockjax.prefix`), "on" or "off". The results are the same; a
+        line in the log says whether it is on and what it saves. Values past a quarter of
+        the available memory (at most 4 GiB) go to `out/prefix-cache/`, removed at the end.
+      save_dtype: the float type of `final/`'s trained tensors: "auto" (the default: the
+        base model's, as its safetensors store it), "float32", "bfloat16" or "float16".
+        The tensors the scheme never trains are the base's own bytes, and `config.json`
+        keeps every field of the base's.
+      compile_cache: use JAX's persistent compilation cache (a folder under the user's
+        cache directory, `pockjax.train.compile_cache_dir`), so a second run of the same
+        shapes starts without compiling; default True. The first step's compilation
+        seconds are in `metrics.jsonl` (`compile_seconds`) either way.
+      progress: a progress bar and log lines on stderr; default True.
+      options: a `FinetuneOptions` instead of the keywords.
+
+    Returns:
+      A `FinetuneResult`.
+
+    Raises:
+      FinetuneError: bad options, data, model or output folder (the message names it).
+      NonFiniteLoss: the loss became NaN or infinite (the last good checkpoint stays).
+      Interrupted: Ctrl-C; the last completed step was saved, `resume=True` continues.
+    """
+    import jax
+
+    from pockjax.data import (DataError, batch_at, batch_examples, eval_batches, pad_batch,
+                              read_jsonl, steps_per_epoch)
+    from pockjax.schedule import Schedule
+    from pockjax.tokenizer import Tokenizer, TokenizerError
+    from pockjax.train import NonFiniteLoss as StepNotFinite, fit
+
+    o = _options(options, keywords)
+    scheme, steps, epochs, batch, seq = o.scheme, o.steps, o.epochs, o.batch, o.seq
+    lr, warmup, schedule, weight_decay, seed = o.lr, o.warmup, o.schedule, o.weight_decay, o.seed
+    frozen_dtype, moments, frontend, progress = o.frozen_dtype, o.moments, o.frontend, o.progress
+    resume, overwrite, keep, valid = o.resume, o.overwrite, o.keep, o.valid
+    eval_every, save_every, prefix_cache = o.eval_every, o.save_every, o.prefix_cache
+
+    # The output folder before anything is read: a refused run leaves nothing behind.
+    RunFolder.check(Path(out), resume=resume, overwrite=overwrite)
+    lora = scheme.lora_rank
+
+    def load():
+        # A scheme known from the names and shapes: the frozen weights are stored in
+        # frozen_dtype as they are read (the model is never whole in a wider type).
+        return load_model(model, frozen_dtype=frozen_dtype, frontend=frontend, lora=lora,
+                          seed=seed, scheme_of=scheme.build if scheme.known_before_loading
+                          else None)
+
+    loaded = load()
+    seq = check_positions(model, seq)
+    try:
+        tokenizer = Tokenizer.from_folder(model)
+    except TokenizerError as e:
+        raise FinetuneError(str(e)) from None
+    try:
+        train = read_jsonl(data, tokenizer, seq, vocab_size=loaded.vocab_size)
+        held = None if valid is None else read_jsonl(valid, tokenizer, seq,
+                                                     vocab_size=loaded.vocab_size)
+    except (DataError, TokenizerError) as e:
+        raise FinetuneError(str(e)) from None
+    except ValueError as e:  # a token id outside the model's vocabulary (the message says)
+        raise FinetuneError(str(e)) from None
+    pad = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
+    per_epoch = steps_per_epoch(len(train), batch)
+    total = int(steps) if steps is not None else max(1, math.ceil((epochs or 1) * per_epoch))
+    note = f" ({loaded.note})" if loaded.note else ""
+    for line in [f"model {model}: {loaded.description}{note}", train.describe(),
+                 *([held.describe()] if held is not None else [])]:
+        _say(progress, line)
+
+    def loss_fn(p, b):
+        return lm_loss(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"])
+
+    def search(budget):
+        return _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr,
+                              Path(out) / "search-cache", progress)
+
+    chosen = choose_scheme(loaded, scheme, frozen_dtype, search=search,
+                           say=lambda text: _say(progress, text))
+    scheduled = isinstance(chosen, Schedule)
+
+    def weights(loaded):
+        return trainer_params(loaded, chosen, frozen_dtype)
+
+    params = weights(loaded)
+    frozen = frozen_names(loaded, chosen, params)
+    partial = partial_names(loaded, params)
+
+    recorded = run_options(o, model=os.path.abspath(model), data=fingerprint(data),
+                           scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
+                           total_steps=total, seq=seq)
+    run = RunFolder(Path(out), recorded, resume=resume, overwrite=overwrite)
+
+    trainer = make_trainer(loaded, chosen, lr=lr, warmup=warmup, total=total,
+                           schedule=schedule, weight_decay=weight_decay, moments=moments,
+                           skip_nonfinite=o.skip_nonfinite)
+    state = trainer.init(params, copy=False)
+    info = trainer.explain(state, batch_at(train, 0, batch, seq, seed=seed, pad_id=pad))
+    turn = (f" (in turns of {chosen.every} steps; {len(chosen.schemes)} schemes, the first "
+            f"shown)" if scheduled else "")
+    _say(progress, f"scheme {scheme}: {info.trainable_params:,} of {info.total_params:,} "
+                   f"parameters train{turn}; {total} steps of {batch} x {seq} tokens "
+                   f"({per_epoch} per epoch)")
+    start = 0
+    if resume:
+        if scheduled:
+            like = lambda s: trainer.init(params, copy=False, step=s)  # noqa: E731
+        else:
+            # A checkpoint holds every weight: the loaded ones are dropped before it is
+            # read (the state in memory once), and loaded again only if none loads.
+            like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                          state)
+            if run.checkpoints():
+                state = params = loaded.params = None
+        restored, path = run.restore(like)
+        if restored is not None:
+            state, start = restored, int(restored.step)
+            params = loaded.params = like = None
+            _say(progress, f"resumed from {path.name} (step {start} of {total})")
+        elif state is None:
+            loaded = load()
+            params = weights(loaded)
+            state = trainer.init(params, copy=False)
+        run.trim_log(start)
+
+    from pockjax import lowbit
+
+    # The state's frozen weights may be stored in low precision: dequantized where used.
+    batch_nll = jax.jit(lowbit.at_use(lambda p, b: nll_sum(loaded.apply(p, b["tokens"]),
+                                                           b["tokens"], b["mask"])))
+
+    def evaluate(state) -> float | None:
+        if held is None:
+            return None
+        total_nll = count = 0.0
+        for b in eval_batches(held, batch, seq, pad):
+            s, n = batch_nll(state.params, b)
+            total_nll, count = total_nll + float(s), count + float(n)
+        return total_nll / count
+
+    schedule_fn = _schedule(lr, warmup, total, schedule)
+    saved: list[Path] = []
+    skips = [0]
+
+    def batch_of(step):
+        return pad_batch(batch_examples(train, step, batch, seed=seed), batch, seq, pad)
+
+    def tokens_of(step):
+        return sum(len(e.ids) for e in batch_examples(train, step, batch, seed=seed))
+
+    def record(r):
+        """fit's records, with the learning rate and perplexity, to metrics.jsonl."""
+        if "valid_loss" in r:
+            value = r["valid_loss"]
+            r = {"step": r["step"], "valid_loss": value, "valid_ppl": math.exp(min(value, 700)),
+                 "seconds": r["seconds"]}
+            _say(progress, f"step {r['step']}: valid loss {value:.4f} (perplexity "
+                           f"{r['valid_ppl']:.2f})")
+        elif r.get("skipped"):
+            skips[0] += 1
+            _say(progress, f"step {r['step']}: the loss is not finite; step skipped "
+                           f"({skips[0]} so far)")
+        else:
+            first = r.get("compile_seconds")
+            r = {"step": r["step"], "loss": r["loss"], "lr": float(schedule_fn(r["step"] - 1)),
+                 "tokens": r["tokens"], "seconds": r["seconds"]}
+            if first is not None:
+                r["compile_seconds"] = first
+                _say(progress, f"step {r['step']}: {r['seconds']:.1f} s, of which compiling "
+                               f"{first:.1f} s" + (" (the compilation cache was on)"
+                                                    if o.compile_cache else ""))
+        run.log(r)
+
+    step_fn, cached = trainer, None
+    if prefix_cache == "off":
+        pass
+    elif prefix_cache == "auto" and total <= per_epoch:
+        _say(progress, "prefix cache off (auto): each example is seen once")
+    else:
+        from pockjax.prefix import PrefixCachedTrainer, PrefixCacheError
+
+        spill = Path(out) / "prefix-cache"
+        shutil.rmtree(spill, ignore_errors=True)
+        cached = PrefixCachedTrainer(trainer, spill_dir=str(spill), auto=prefix_cache == "auto")
+        try:
+            report = cached.report(state, batch_of(start))
+        except PrefixCacheError as e:
+            raise FinetuneError(f"--prefix-cache on: {e}") from None
+        _say(progress, f"{report}; RAM budget {cached.budget_bytes / 2**30:.2f} GiB")
+        step_fn = cached if report.on else trainer
+
+    try:
+        with warnings.catch_warnings():  # finetune says it itself, with the checkpoint
+            warnings.filterwarnings("ignore", message="fit: interrupted")
+            state, history = fit(step_fn, state, batch_of, total, start=start,
+                                 progress=progress, log_every=1, desc="finetune",
+                                 evaluate=evaluate if held is not None else None,
+                                 eval_every=eval_every, save=lambda s: saved.append(
+                                     run.save(s, keep)), save_every=save_every,
+                                 on_record=record, stop_nonfinite=True, tokens=tokens_of,
+                                 compile_cache=o.compile_cache)
+    except StepNotFinite as e:
+        close_prefix_cache(cached, out)
+        kept = run.checkpoints()
+        where = (f"the last checkpoint, {kept[-1][1]}, is from step {kept[-1][0]}"
+                 if kept else "no checkpoint was written")
+        raise NonFiniteLoss(f"step {e.step}: the loss is {e.loss}; the run stopped and {where}. "
+                            f"Lower the learning rate (--lr {lr:g}), add warm-up (--warmup), "
+                            f"or pass --skip-nonfinite to skip such steps") from None
+    close_prefix_cache(cached, out)
+    if history.interrupted:
+        if history.steps > 0:
+            raise Interrupted(f"interrupted at step {start + history.steps} of {total}; saved "
+                              f"{saved[-1]}; continue with --resume")
+        raise Interrupted(f"interrupted before the first step completed; nothing was saved "
+                          f"(step {start}); run again (with --resume to continue)")
+    valid_before = history.valid[0][2] if history.valid and history.valid[0][0] == 0 else None
+    valid_after = (history.valid[-1][2] if history.valid and history.valid[-1][0] == total
+                   else (evaluate(state) if held is not None else None))
+    seconds = history.seconds
+    final = Path(out) / FINAL
+    write_final(loaded, state.params, final, base=model, frozen=frozen, partial=partial,
+                save_dtype=o.save_dtype)
+    if o.plot:
+        plot_losses(Path(out))
+    result = FinetuneResult(
+        out=str(out), final=str(final), steps=total, start_step=start,
+        train_loss=float(np.mean(history.loss[-10:])) if len(history.loss) else float("nan"),
+        valid_loss_before=valid_before, valid_loss=valid_after, seconds=seconds,
+        tokens_per_second=history.tokens / seconds if seconds > 0 else float("nan"),
+        skipped=history.skipped, trainable_params=info.trainable_params,
+        total_params=info.total_params)
+    _say(progress, f"done: {total - start} steps in {seconds:.1f} s "
+                   f"({result.tokens_per_second:,.0f} tokens/s), model in {final}")
+    return result
+
+
+def _options(options: FinetuneOptions | None, keywords: dict) -> FinetuneOptions:
+    """`finetune`'s options: `options`, or the keywords (checked by `FinetuneOptions`)."""
+    if options is not None:
+        if keywords:
+            raise FinetuneError(f"give the options as keywords or as options=, not both "
+                                f"(got options= and {', '.join(sorted(keywords))})")
+        if not isinstance(options, FinetuneOptions):
+            raise FinetuneError(f"options must be a pockjax.finetuning.FinetuneOptions, got "
+                                f"{type(options).__name__}")
+        return options
+    unknown = sorted(set(keywords) - set(FinetuneOptions.names()))
+    if unknown:
+        raise TypeError(f"finetune() got an unexpected keyword argument {unknown[0]!r}; its "
+                        f"options are {', '.join(FinetuneOptions.names())}")
+    return FinetuneOptions(**keywords)
+
+
+# help() and editors show the options as keywords, with their defaults.
+finetune.__signature__ = inspect.Signature(
+    [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("model", "data", "out")]
+    + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
+       for f in dataclasses.fields(FinetuneOptions)]
+    + [inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None)],
+    return_annotation="FinetuneResult")

@@ -1,0 +1,192 @@
+"""The fine-tuning job's options, in one place: `FinetuneOptions` holds their defaults,
+checks and help. `pockjax finetune`'s flags (`add_arguments`), `pockjax.finetune`'s
+keywords, `pockjax export --model`'s job flags, the options `run.json` records and the
+resume check (`RESULT_OPTIONS`) are all read from its fields.
+
+Imports no JAX: the device job (`pockjax run`) records its runs with `run_options`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import numbers
+
+from pockjax.finetuning._base import FRONTENDS, SCHEDULES, FinetuneError
+from pockjax.finetuning._model import SAVE_DTYPES
+from pockjax.finetuning._spec import SchemeSpec
+
+
+def _option(default, help: str, *, result: bool = False, job: bool = False, flag: str | None = None,
+            choices=None, metavar: str | None = None):
+    """A field of `FinetuneOptions`. `result`: it changes what the run computes (recorded
+    in `run.json`; a resumed run must have the same value). `job`: `pockjax export
+    --model` takes it too (the device job's step is built from it). `flag`: the command
+    line's flag where it is not `--name-with-dashes` (`--no-plot`)."""
+    return dataclasses.field(default=default, metadata=dict(
+        help=help, result=result, job=job, flag=flag, choices=choices, metavar=metavar))
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneOptions:
+    """What `pockjax finetune` / `pockjax.finetune(model, data, out, **options)` does
+    besides its three folders; checked when made (a bad value raises `FinetuneError`
+    naming the flag). `scheme` is read into a `SchemeSpec`.
+
+    Each field's help is `pockjax finetune -h`'s; `finetune`'s docstring says more.
+    """
+
+    valid: str | None = _option(None, "held-out JSONL, evaluated every --eval-every steps",
+                                metavar="FILE")
+    scheme: SchemeSpec | str = _option(
+        "paper", "paper (PockEngine's transformer scheme, last half of the blocks) | paper:K "
+        "| full | last:N | paper[:K]+head, last:N+head (the output head trains too) | "
+        "blockwise:K[:N] (the blocks, N at a time, each trained K steps in turn) | lora:R "
+        "(LoRA of rank R on every linear layer, merged at the end) | search:BUDGET (e.g. "
+        "search:40%% or search:4GiB) | FILE.json (default: paper)", result=True, job=True)
+    steps: int | None = _option(None, "training steps (with export --model: the run's length, "
+                                "which the learning-rate schedule is built for)", job=True)
+    epochs: float | None = _option(None, "passes over the data (default 1)")
+    batch: int = _option(4, "examples per step (default 4)", result=True, job=True)
+    seq: int | None = _option(None, "tokens per example; longer ones are cut (default 512, or "
+                              "the model's max_position_embeddings where fewer)", result=True,
+                              job=True)
+    lr: float = _option(1e-4, "AdamW learning rate (default 1e-4)", result=True, job=True)
+    warmup: int = _option(0, "linear warm-up steps (default 0)", result=True, job=True)
+    schedule: str = _option("cosine", "decay after the warm-up (default cosine)", result=True,
+                            job=True, choices=SCHEDULES)
+    weight_decay: float = _option(0.0, "AdamW weight decay (default 0)", result=True, job=True)
+    eval_every: int | None = _option(None, "steps between evaluations (default: at the start "
+                                     "and the end)")
+    save_every: int | None = _option(None, "steps between checkpoints (default: at the end, "
+                                     "and on Ctrl-C)")
+    keep: int = _option(3, "checkpoints kept (default 3)")
+    resume: bool = _option(False, "continue the run in --out")
+    overwrite: bool = _option(False, "start again in --out")
+    seed: int = _option(0, "seed of the data order (and of LoRA's adapters)", result=True,
+                        job=True)
+    frozen_dtype: str = _option(
+        "float32", "storage of the frozen weights: float32, bfloat16 (LLaMA families), int8 "
+        "(a scale per output channel) or int4 (a scale per group of 64 inputs; int4:GROUP "
+        "sets the group), dequantized where each is used (pockjax.lowbit); the fine-tuned "
+        "model holds the base's own frozen tensors either way", result=True, job=True,
+        metavar="FORMAT")
+    moments: str = _option(
+        "float32", "storage of AdamW's two moments: float32 (8 bytes a trained value), "
+        "bfloat16 (4) or int8 (2, block-wise; pockjax.optim.adamw); the trained weights stay "
+        "float32", result=True, job=True, metavar="{float32,bfloat16,int8}")
+    skip_nonfinite: bool = _option(False, "skip a step whose loss or gradient is not finite "
+                                   "instead of stopping", result=True)
+    frontend: str = _option(
+        "auto", "the model code: auto (pockjax's Flax LLaMA for LLaMA families, pockjax.torch "
+        "for other causal LMs), flax, or torch (transformers' own module for any family)",
+        result=True, job=True, choices=FRONTENDS)
+    plot: bool = _option(True, "do not draw loss.png (matplotlib) at the end; metrics.jsonl is "
+                         "written either way", flag="--no-plot")
+    prefix_cache: str = _option("auto", "compute the frozen prefix once per example when the "
+                                "data repeats (auto: when it saves enough; same results either "
+                                "way)", choices=("auto", "on", "off"))
+    save_dtype: str = _option("auto", "the float type of final/'s trained tensors (default "
+                              "auto: the base model's); the tensors the scheme freezes are the "
+                              "base's own bytes", choices=SAVE_DTYPES)
+    compile_cache: bool = _option(True, "do not use JAX's persistent compilation cache "
+                                  "(default: on, in ~/.cache/pockjax/jax, so a second run of "
+                                  "the same shapes starts without compiling)", flag="--no-cache")
+    progress: bool = _option(True, "a progress bar and log lines on stderr")
+
+    def __post_init__(self):
+        object.__setattr__(self, "scheme", SchemeSpec.parse(self.scheme))
+        if self.steps is not None and self.epochs is not None:
+            raise FinetuneError("give --steps or --epochs, not both")
+        for name in ("batch", "keep", "steps", "seq", "eval_every", "save_every"):
+            value = getattr(self, name)
+            if value is None and name not in ("batch", "keep"):
+                continue
+            if not _whole(value) or value < 1:
+                raise FinetuneError(f"{_flag(name)} must be a positive whole number, got "
+                                    f"{value!r}")
+        if self.seq is not None and self.seq < 2:
+            raise FinetuneError(f"--seq must be at least 2 (a token and the one it predicts), "
+                                f"got {self.seq}")
+        if self.epochs is not None and not (_real(self.epochs) and self.epochs > 0):
+            raise FinetuneError(f"--epochs must be positive, got {self.epochs!r}")
+        if not (_real(self.lr) and self.lr > 0 and math.isfinite(self.lr)):
+            raise FinetuneError(f"--lr must be a positive finite number, got {self.lr!r}")
+        if not (_whole(self.warmup) and self.warmup >= 0):
+            raise FinetuneError(f"--warmup must be a whole number >= 0, got {self.warmup!r}")
+        if not (_real(self.weight_decay) and self.weight_decay >= 0
+                and math.isfinite(self.weight_decay)):
+            raise FinetuneError(f"--weight-decay must be a finite number >= 0, got "
+                                f"{self.weight_decay!r}")
+        if not _whole(self.seed):
+            raise FinetuneError(f"--seed must be a whole number, got {self.seed!r}")
+        if self.resume and self.overwrite:
+            raise FinetuneError("give --resume or --overwrite, not both")
+        from pockjax.optim.moments import MOMENTS  # JAX: only where options are made
+
+        for field in dataclasses.fields(self):
+            choices = MOMENTS if field.name == "moments" else field.metadata["choices"]
+            value = getattr(self, field.name)
+            if choices is not None and value not in choices:
+                raise FinetuneError(f"{_flag(field.name)} must be one of {', '.join(choices)}, "
+                                    f"got {value!r}")
+        if self.scheme.lora_rank is not None and self.frozen_dtype != "float32":
+            raise FinetuneError(f"--scheme {self.scheme} with --frozen-dtype "
+                                f"{self.frozen_dtype} is not implemented; use --frozen-dtype "
+                                f"float32")
+
+    @classmethod
+    def names(cls, *, job: bool = False) -> tuple[str, ...]:
+        """The options' names; `job`: only those `pockjax export --model` takes."""
+        return tuple(f.name for f in dataclasses.fields(cls) if not job or f.metadata["job"])
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, *, job: bool = False,
+                  **given) -> "FinetuneOptions":
+        """The options from parsed `add_arguments` flags (`job`, as there), and `given`
+        (the options a parser holds under other terms)."""
+        return cls(**{name: getattr(args, name) for name in cls.names(job=job)
+                      if hasattr(args, name) and name not in given}, **given)
+
+    @classmethod
+    def add_arguments(cls, parser, *, job: bool = False, without: tuple[str, ...] = ()) -> None:
+        """Add the options' flags to an argparse parser (or group); `job`: only those
+        `pockjax export --model` takes; `without`: options the parser has already.
+        `--steps` and `--epochs` exclude each other."""
+        both = parser.add_mutually_exclusive_group() if not job else parser
+        for field in dataclasses.fields(cls):
+            meta = field.metadata
+            if field.name in ("progress", *without) or (job and not meta["job"]):
+                continue
+            flag = meta["flag"] or _flag(field.name)
+            target = both if field.name in ("steps", "epochs") else parser
+            if isinstance(field.default, bool):
+                action = "store_false" if field.default else "store_true"
+                target.add_argument(flag, dest=field.name, action=action, help=meta["help"])
+                continue
+            kind = {"steps": int, "epochs": float, "batch": int, "seq": int, "lr": float,
+                    "warmup": int, "weight_decay": float, "eval_every": int,
+                    "save_every": int, "keep": int, "seed": int}.get(field.name)
+            target.add_argument(flag, dest=field.name, default=field.default, type=kind,
+                                choices=meta["choices"], metavar=meta["metavar"],
+                                help=meta["help"])
+
+
+RESULT_OPTIONS = ("model", "data", "scheme", "total_steps") + tuple(
+    f.name for f in dataclasses.fields(FinetuneOptions)
+    if f.metadata["result"] and f.name not in ("scheme", "steps"))
+"""What `run.json` records: the options that change what a run computes (its model, the
+data's fingerprint, the scheme resolved, the run's length, and the fields marked so); a
+resumed run must have the same."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
