@@ -53,6 +53,23 @@ def trim_heap() -> None:
         pass
 
 
+def timed_steps(step, steps: int, warmup: int) -> tuple[list[float], list[float]]:
+    """`warmup + steps` calls of `step()`: every step's loss and the timed steps' seconds.
+    `step()` returns the loss as a float (synchronised); warm-up includes compilation.
+    After the first step, every row hands the C heap's freed pages back to the OS."""
+    losses, times = [], []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        loss = step()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            times.append(dt)
+        losses.append(loss)
+        if i == 0:
+            trim_heap()
+    return losses, times
+
+
 def report_result(result: dict) -> None:
     """A row process's answer to `run_row` (on stdout)."""
     result["rss_peak_mib"] = peak_rss_mib()

@@ -242,7 +242,7 @@ def _gpu_name() -> str:
 
 def llama7b(args) -> None:
     from benchmarks import real_size
-    from benchmarks.paper_table import _timed
+    from benchmarks.common import timed_steps
 
     s = real_size.PRESETS[args.preset]
     row = args.row
@@ -254,7 +254,7 @@ def llama7b(args) -> None:
 
         step, _, info = real_size.jax_row(row, s, limit_gib=1e9)
         setup = time.perf_counter() - t0
-        losses, times = _timed(step, args.steps, args.warmup)
+        losses, times = timed_steps(step, args.steps, args.warmup)
         stats = jax.devices()[0].memory_stats() or {}
         out = {"losses": losses, "times": times, "setup_s": setup,
                "gpu_peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
@@ -270,7 +270,8 @@ def _torch_row(row: str, s: dict, args) -> dict:
     import transformers
     from peft import LoraConfig, get_peft_model
 
-    from benchmarks.paper_table import _timed, make_batch
+    from benchmarks.common import timed_steps
+    from benchmarks.paper_table import make_batch
     from benchmarks.real_size import LR, WEIGHT_DECAY, torch_step
 
     torch.manual_seed(0)
@@ -293,7 +294,7 @@ def _torch_row(row: str, s: dict, args) -> dict:
     if dev == "cuda":
         torch.cuda.reset_peak_memory_stats()
 
-    losses, times = _timed(torch_step(net, opt, tokens), args.steps, args.warmup)
+    losses, times = timed_steps(torch_step(net, opt, tokens), args.steps, args.warmup)
     return {"losses": losses, "times": times, "setup_s": setup,
             "gpu_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else 0.0,
             "trained_params": sum(p.numel() for p in params), "torch": torch.__version__,

@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (ROOT, commit, peak_rss_mib, report_result, rss_mib,  # noqa: E402
                                run_row, versions)
+from benchmarks.real_size_models import PRESETS, llama_config  # noqa: E402
 
 ROWS = ("stored while read", "read whole, then quantized")
 SHARD_BYTES = 2 << 30
@@ -46,14 +47,13 @@ def write_folder(preset: str, folder: Path) -> Path:
     import ml_dtypes
     import numpy as np
 
-    from benchmarks import real_size
     from pockjax.checkpoint import write_atomic, write_safetensors
     from pockjax.models.hf import CONFIG, INDEX, checkpoint_tensors
 
     if (folder / CONFIG).is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    config = real_size.llama_config(real_size.PRESETS[preset])
+    config = llama_config(PRESETS[preset])
     rng = np.random.default_rng(0)
     shard, size, weight_map, total, files = {}, 0, {}, 0, 0
 
@@ -125,10 +125,8 @@ def row(args) -> dict:
 
 
 def main(argv=None) -> None:
-    from benchmarks import real_size
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama", default="tinyllama-1.1b", choices=list(real_size.PRESETS))
+    ap.add_argument("--llama", default="tinyllama-1.1b", choices=list(PRESETS))
     ap.add_argument("--frozen-dtype", default="int4")
     ap.add_argument("--scheme", default="paper:2", help="a finetune --scheme (default paper:2)")
     ap.add_argument("--rounds", type=int, default=1)
@@ -158,10 +156,9 @@ def main(argv=None) -> None:
 
 
 def write(out: str, args, on_disk: int, results: dict) -> None:
-    from benchmarks import real_size
     from pockjax.checkpoint import write_atomic
 
-    s = real_size.PRESETS[args.llama]
+    s = PRESETS[args.llama]
     ok = {n: [r for r in rs if "error" not in r] for n, rs in results.items()}
     digests = {r["digest"] for rs in ok.values() for r in rs}
     lines = [f"# Loading {args.llama}'s shape for fine-tuning with {args.frozen_dtype} frozen "

@@ -39,7 +39,6 @@ tables and writes benchmarks/results/paper_table.md and paper_table.png.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
 import platform
@@ -53,157 +52,19 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (ROOT, add_malloc_option, commit, malloc_env,  # noqa: E402
-                               report_result, rss_mib, run_row as run_process, trim_heap,
+                               report_result, rss_mib, run_row as run_process, timed_steps,
                                versions)
-
-WORKLOADS = ["llama", "mobilenetv2"]
-FOLDED = "pockjax sparse (frozen BN folded)"
-AUTO = "pockjax sparse (backend auto)"  # pj.nnx.Trainer(backend="auto"): XLA or IREE, faster
-TORCH_FROZEN_EVAL = "torch frozen (frozen BN eval)"
-ROWS = ["torch full", "torch frozen", TORCH_FROZEN_EVAL, "torch lora r8", "torch.compile full",
-        "jax+optax full", "jax+optax multi_transform", "pockjax full", "pockjax sparse", FOLDED,
-        AUTO, "pockjax sparse iree host-cpu", f"{FOLDED} iree host-cpu", "pockjax.torch full",
-        "pockjax.torch sparse"]
-# MobileNetV2 with the batch norms the sparse scheme freezes entirely in inference mode
-# (running statistics), folded into their convolutions: a different function from the
-# training-mode rows by design, compared with a plain-JAX reference of the same semantics.
-FROZEN_BN_ROWS = (TORCH_FROZEN_EVAL, FOLDED, f"{FOLDED} iree host-cpu")
-# pockjax on the Hugging Face LlamaForCausalLM the torch rows run, brought in through
-# pockjax.torch (torchax), against the Flax LLaMA rows: the frontend's overhead.
-TORCH_FRONTEND_ROWS = ("pockjax.torch full", "pockjax.torch sparse")
-LR = 1e-4
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-# --------------------------------------------------------------------------- workloads
-
-
-PRESETS = {
-    "llama": {"llama2-7b": dict(layers=32, hidden=4096, intermediate=11008, heads=32, kv_heads=32,
-                                vocab=32000, seq=512, batch=1)},
-    "mobilenetv2": {},
-}
-
-
-def sizes(workload: str, quick: bool, spec: str | None = None) -> dict:
-    """The workload's sizes: the default or `--quick` ones, then `spec` (a preset name
-    such as "llama2-7b", or "key=value,..." overrides)."""
-    if workload == "llama":
-        s = (dict(layers=4, hidden=256, intermediate=688, seq=64, batch=4) if quick else
-             dict(layers=8, hidden=512, intermediate=1376, seq=128, batch=8))
-        s.update(heads=8, kv_heads=8, vocab=256)
-    else:
-        s = dict(width=0.5, size=64, batch=8) if quick else dict(width=1.0, size=128, batch=16)
-    for item in (spec or "").split(","):
-        item = item.strip()
-        if not item:
-            continue
-        if item in PRESETS[workload]:
-            s.update(PRESETS[workload][item])
-            continue
-        key, eq, value = item.partition("=")
-        if not eq or key not in s:
-            raise SystemExit(f"--{workload} {spec!r}: expected a preset "
-                             f"({', '.join(PRESETS[workload]) or 'none'}) or key=value with keys "
-                             f"{', '.join(s)}")
-        s[key] = type(s[key])(float(value)) if isinstance(s[key], int) else type(s[key])(value)
-    return s
-
-
-def describe(workload: str, s: dict) -> str:
-    if workload == "llama":
-        return (f"LLaMA {s['layers']} layers, hidden {s['hidden']}, MLP {s['intermediate']}, "
-                f"{s['heads']} heads ({s['kv_heads']} key/value), vocabulary {s['vocab']}; "
-                f"sequence {s['seq']}, batch {s['batch']}")
-    return (f"MobileNetV2 width {s['width']}, {s['size']}x{s['size']} images, 10 classes, "
-            f"batch {s['batch']}, batch norm in training mode (but in the frozen-BN rows)")
-
-
-def items_per_step(workload: str, s: dict) -> tuple[int, str]:
-    return (s["batch"] * s["seq"], "tokens/s") if workload == "llama" else (s["batch"], "images/s")
-
-
-def make_model(workload: str, s: dict):
-    from flax import nnx
-
-    from pockjax.models import Llama, MobileNetV2
-    from pockjax.models.llama import LlamaConfig
-
-    if workload == "llama":
-        config = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"],
-                             intermediate_size=s["intermediate"], num_layers=s["layers"],
-                             num_heads=s["heads"], num_kv_heads=s["kv_heads"],
-                             max_position_embeddings=max(128, s["seq"]))
-        return Llama(config, rngs=nnx.Rngs(0))
-    return MobileNetV2(10, width_mult=s["width"], input_size=s["size"], rngs=nnx.Rngs(0))
-
-
-def make_batch(workload: str, s: dict):
-    """numpy data from a fixed seed: tokens [B, T], or (images NHWC, labels)."""
-    rng = np.random.default_rng(0)
-    if workload == "llama":
-        return rng.integers(0, s["vocab"], size=(s["batch"], s["seq"])).astype(np.int32)
-    x = rng.standard_normal((s["batch"], s["size"], s["size"], 3)).astype(np.float32)
-    return x, rng.integers(0, 10, size=s["batch"]).astype(np.int32)
-
-
-def jax_loss(workload: str):
-    import jax
-    import jax.numpy as jnp
-    import optax
-
-    def lm_loss(model, tokens):
-        logits = model(tokens)[:, :-1]
-        targets = jax.nn.one_hot(tokens[:, 1:], logits.shape[-1])
-        return -jnp.mean(jnp.sum(targets * jax.nn.log_softmax(logits), axis=-1))
-
-    def image_loss(model, batch):
-        x, y = batch
-        return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
-
-    return lm_loss if workload == "llama" else image_loss
-
-
-def sparse_scheme(workload: str, model):
-    import pockjax as pj
-
-    if workload == "llama":
-        return pj.schemes.transformer(model, last=max(1, model.config.num_layers // 2),
-                                      extra=["lm_head/**"])
-    return pj.schemes.mobilenetv2(model, norms=True)
+from benchmarks.paper_table_report import PACKAGES, chart, table  # noqa: E402
+from benchmarks.paper_table_workloads import (AUTO, FOLDED, FROZEN_BN_ROWS,  # noqa: E402
+                                              LORA_TARGETS, LR, ROWS, TORCH_FRONTEND_ROWS,
+                                              TORCH_FROZEN_EVAL, WORKLOADS, jax_loss,
+                                              make_batch, make_model, sizes, sparse_scheme,
+                                              torch_name, trained_paths)
+from benchmarks.paper_table_workloads import describe  # noqa: E402,F401  (profile_step's)
 
 
 def _path(keys) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
-
-
-def trained_paths(workload: str, model) -> list[str]:
-    """Parameters the sparse scheme trains at all (partially trained tensors count whole)."""
-    import pockjax as pj
-
-    scheme = sparse_scheme(workload, model)
-    return [p for p in pj.nnx.param_paths(model) if not isinstance(scheme.match(p), pj.Frozen)]
-
-
-def torch_name(workload: str, path: str) -> str:
-    """A JAX parameter path as the PyTorch model names it."""
-    if workload == "mobilenetv2":
-        parts = path.split("/")
-        parts[-1] = {"kernel": "weight", "scale": "weight"}.get(parts[-1], parts[-1])
-        return ".".join(parts)
-    table = {"embed/embedding": "model.embed_tokens.weight", "norm/scale": "model.norm.weight",
-             "lm_head/kernel": "lm_head.weight"}
-    if path in table:
-        return table[path]
-    parts = path.split("/")
-    if len(parts) == 5:  # layers/{i}/attn|mlp/{name}/kernel
-        group = "self_attn" if parts[2] == "attn" else "mlp"
-        return f"model.layers.{parts[1]}.{group}.{parts[3]}.weight"
-    _, i, module, leaf = parts
-    norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-    if module in norms:
-        return f"model.layers.{i}.{norms[module]}.weight"
-    raise ValueError(f"no PyTorch name for {path!r}")
 
 
 # --------------------------------------------------------------------------- preparation
@@ -249,25 +110,6 @@ def prepare(workload: str, s: dict, data_dir: str) -> dict:
         with open(os.path.join(data_dir, "frozen_bn.json"), "w") as f:
             json.dump(eval_norms, f)
     return out
-
-
-# --------------------------------------------------------------------------- timing
-
-
-def _timed(step, steps: int, warmup: int) -> tuple[list[float], list[float]]:
-    """`step()` returns the loss as a float (synchronised); warm-up includes compilation.
-    After the first step, every row hands the C heap's freed pages back to the OS."""
-    losses, times = [], []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        loss = step()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(dt)
-        losses.append(loss)
-        if i == 0:
-            trim_heap()
-    return losses, times
 
 
 # --------------------------------------------------------------------------- PyTorch rows
@@ -410,7 +252,7 @@ def run_torch(workload: str, row: str, s: dict, args) -> dict:
         opt.step()
         return float(loss.detach())
 
-    losses, times = _timed(step, args.steps, args.warmup)
+    losses, times = timed_steps(step, args.steps, args.warmup)
     return {"losses": losses, "times": times, "rss_imports_mib": rss_imports,
             "trained_params": sum(p.numel() for p in params)}
 
@@ -509,7 +351,7 @@ def run_jax(workload: str, row: str, s: dict, args) -> dict:
     extra = {"trained_params": trained_params, "rss_imports_mib": rss_imports}
     if iree:
         return {**extra, **run_iree(workload, trainer, batch, args)}
-    losses, times = _timed(step, args.steps, args.warmup)
+    losses, times = timed_steps(step, args.steps, args.warmup)
     if trainer is not None and trainer.choice is not None:
         extra["backend"] = str(trainer.choice)
     return {"losses": losses, "times": times, **extra, **_memory(compiled())}
@@ -547,7 +389,7 @@ def run_pockjax_torch(workload: str, row: str, s: dict, args) -> dict:
         state[0], metrics = trainer(state[0], tokens)
         return float(jax.block_until_ready(metrics["loss"]))
 
-    losses, times = _timed(step, args.steps, args.warmup)
+    losses, times = timed_steps(step, args.steps, args.warmup)
     trained = sum(int(np.prod(np.shape(x))) for x in
                   jax.tree_util.tree_leaves(pj.trainable_view(state[0].params, scheme)))
     return {"losses": losses, "times": times, "trained_params": trained,
@@ -580,7 +422,7 @@ def run_iree(workload: str, trainer, batch, args) -> dict:
                     treedef, [got[f"aux/model_state/{p}"] for p, _ in flat])
                 return float(got["loss"])
 
-        losses, times = _timed(step, args.steps, args.warmup)
+        losses, times = timed_steps(step, args.steps, args.warmup)
         return {"losses": losses, "times": times, "export_s": export_s}
     finally:
         shutil.rmtree(out, ignore_errors=True)
@@ -606,158 +448,6 @@ def run_row(workload: str, row: str, args) -> dict:
             cmd += [f"--{w}", getattr(args, w)]
     return run_process(cmd + (["--quick"] if args.quick else []), args.timeout,
                        env=getattr(args, "env", None))
-
-
-PACKAGES = ("pockjax", "jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft",
-            "iree-base-compiler", "iree-base-runtime")
-
-
-def _cell(text: str) -> str:
-    return text.replace("|", "/").replace("\n", " ")
-
-
-def table(workload: str, s: dict, prep: dict, results: dict, rows: list[str], args) -> list[str]:
-    n, unit = items_per_step(workload, s)
-    ok = lambda r: r in results and "error" not in results[r]
-    med = lambda r: statistics.median(results[r]["times"]) * 1e3
-    ref = med("torch full") if ok("torch full") else None
-    lines = [f"## {workload}: {describe(workload, s)}", "",
-             f"Sparse scheme: {prep['trained_tensors']} of {prep['tensors']} parameter tensors "
-             f"train. JAX first-batch loss {prep['jax_first_loss']:.6f}.", "",
-             f"| row | median ms | min-max ms | {unit} | speed vs torch full | trained params "
-             f"| GFLOP | XLA temp MiB | RSS after imports MiB | peak RSS MiB "
-             f"| loss step 1 -> {args.warmup + args.steps} |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for row in rows:
-        r = results[row]
-        if "error" in r:
-            lines.append(f"| {row} | {_cell('failed: ' + r['error'])} |" + " |" * 9)
-            continue
-        t = np.asarray(r["times"]) * 1e3
-        cells = [row, f"{med(row):.1f}", f"{t.min():.1f}-{t.max():.1f}",
-                 f"{n / (med(row) / 1e3):,.0f}", f"{ref / med(row):.2f}x" if ref else "-",
-                 f"{r['trained_params']:,}" if "trained_params" in r else "-",
-                 f"{r['gflop']:.2f}" if "gflop" in r else "-",
-                 f"{r['temp_mib']:.1f}" if "temp_mib" in r else "-",
-                 f"{r['rss_imports_mib']:.0f}" if "rss_imports_mib" in r else "-",
-                 f"{r['rss_peak_mib']:.0f}",
-                 f"{r['losses'][0]:.5f} -> {r['losses'][-1]:.5f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines.append("")
-    for row in rows:
-        if ok(row) and row.startswith("torch"):
-            first = results[row]["losses"][0]
-            want = prep["jax_first_loss_frozen_bn" if row in FROZEN_BN_ROWS else "jax_first_loss"]
-            rel = abs(first - want) / abs(want)
-            lines.append(f"- port check, {row}: first-batch loss {first:.6f} vs JAX "
-                         f"{want:.6f} (relative difference {rel:.1e})"
-                         + ("; this process imported JAX" if results[row].get("imports_jax")
-                            else ""))
-    for row in rows:
-        if not ok(row) or row.startswith("torch") or row in TORCH_FRONTEND_ROWS:
-            continue
-        frozen_bn = row in FROZEN_BN_ROWS
-        want = prep["jax_first_loss_frozen_bn" if frozen_bn else "jax_first_loss"]
-        first = results[row]["losses"][0]
-        rel = abs(first - want) / abs(want)
-        lines.append(f"- same-loss check, {row}: first-batch loss {first:.6f} vs plain JAX "
-                     f"{want:.6f}" + (" (flax eval-mode batch norm, not folded, in the "
-                                      f"{len(prep['frozen_bn'])} frozen ones)" if frozen_bn else "")
-                     + f": relative difference {rel:.1e} -> {'ok' if rel <= 1e-5 else 'DIFFERS'}")
-    if any(ok(r) for r in FROZEN_BN_ROWS):
-        lines.append(f"- the frozen-BN rows put {', '.join(prep['frozen_bn'])} (every batch norm "
-                     "whose scale and bias the scheme freezes) in inference mode: running "
-                     "statistics, not updated; their loss differs from the training-mode rows "
-                     "by design")
-    for mine, flax in (("pockjax.torch sparse", "pockjax sparse"),
-                       ("pockjax.torch full", "pockjax full")):
-        if ok(mine) and ok(flax):
-            lines.append(f"- frontend overhead, {mine} (HF LlamaForCausalLM through torchax) vs "
-                         f"{flax} (Flax LLaMA): {med(mine) / med(flax):.2f}x the step time, "
-                         f"first loss {results[mine]['losses'][0]:.6f} vs "
-                         f"{results[flax]['losses'][0]:.6f}")
-    if ok(AUTO) and "backend" in results[AUTO]:
-        lines.append(f"- {AUTO}: {results[AUTO]['backend']} (the measurement and the IREE "
-                     "export are in the warm-up steps)")
-    for row in ("pockjax sparse iree host-cpu", f"{FOLDED} iree host-cpu"):
-        if ok(row):
-            lines.append(f"- {row}: IREE export and compilation took "
-                         f"{results[row]['export_s']:.1f} s")
-    lines += ["", "Targets:", ""] + targets(workload, results, med, ok) + [""]
-    return lines
-
-
-def targets(workload: str, results: dict, med, ok) -> list[str]:
-    out = []
-
-    def check(name, a, b, want, fmt):
-        if not (ok(a) and ok(b)):
-            out.append(f"- {name}: not measured ({a} or {b} failed)")
-            return
-        value, held = fmt(a, b)
-        out.append(f"- {name}: {value} (target {want}) -> {'holds' if held else 'MISSED'}")
-
-    if workload == "mobilenetv2":  # issue #19's targets
-        ratio = lambda a, b: (f"{med(b) / med(a):.2f}x", med(b) / med(a))
-        for a, b, want in (("pockjax sparse", "torch full", 1.5),
-                           ("pockjax sparse", "torch frozen", 1.15),
-                           (FOLDED, "torch full", 1.5),
-                           (FOLDED, TORCH_FROZEN_EVAL, 1.15),
-                           ("pockjax full", "torch full", 1.0),
-                           ("pockjax full", "jax+optax full", 1.0)):
-            check(f"{a} vs {b}, speed", a, b, f">= {want}x",
-                  lambda a, b, want=want: (ratio(a, b)[0], ratio(a, b)[1] >= want))
-        for a in ("pockjax sparse", FOLDED):
-            check(f"{a} vs torch full, peak RSS", a, "torch full", "< 1",
-                  lambda a, b: (f"{results[a]['rss_peak_mib'] / results[b]['rss_peak_mib']:.2f}",
-                                results[a]["rss_peak_mib"] < results[b]["rss_peak_mib"]))
-        return out
-    speed = 4.4
-    check("pockjax sparse vs torch full, speed", "pockjax sparse", "torch full", f">= {speed}x",
-          lambda a, b: (f"{med(b) / med(a):.2f}x", med(b) / med(a) >= speed))
-    check("pockjax sparse vs torch lora r8, speed", "pockjax sparse", "torch lora r8", "> 1x",
-          lambda a, b: (f"{med(b) / med(a):.2f}x", med(b) / med(a) > 1))
-    check("pockjax sparse vs torch lora r8, final loss", "pockjax sparse", "torch lora r8",
-          "<= LoRA's", lambda a, b: (f"{results[a]['losses'][-1]:.5f} vs "
-                                     f"{results[b]['losses'][-1]:.5f}",
-                                     results[a]["losses"][-1] <= results[b]["losses"][-1]))
-    check("pockjax sparse vs torch full, peak RSS", "pockjax sparse", "torch full", "<= 0.5",
-          lambda a, b: (f"{results[a]['rss_peak_mib'] / results[b]['rss_peak_mib']:.2f}",
-                        results[a]["rss_peak_mib"] <= 0.5 * results[b]["rss_peak_mib"]))
-    check("pockjax full vs jax+optax full, speed", "pockjax full", "jax+optax full", ">= 1x",
-          lambda a, b: (f"{med(b) / med(a):.2f}x", med(b) / med(a) >= 1.0))
-    return out
-
-
-def chart(all_results: dict, rows: list[str], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    workloads = list(all_results)
-    fig, axes = plt.subplots(len(workloads), 2, figsize=(13, 4.2 * len(workloads)), squeeze=False)
-    for i, w in enumerate(workloads):
-        res = all_results[w]
-        names = [r for r in rows if r in res]
-        good = ["error" not in res[r] for r in names]
-        lat = [statistics.median(res[r]["times"]) * 1e3 if g else 0 for r, g in zip(names, good)]
-        mem = [res[r]["rss_peak_mib"] if g else 0 for r, g in zip(names, good)]
-        colors = ["tab:orange" if r.startswith("torch") else "tab:green" if r.startswith(
-            "pockjax") else "tab:blue" for r in names]
-        for ax, values, label in ((axes[i][0], lat, "median step latency (ms)"),
-                                  (axes[i][1], mem, "peak RSS (MiB)")):
-            ax.barh(names, values, color=colors)
-            for y, (v, g) in enumerate(zip(values, good)):
-                ax.text(v, y, f" {v:.0f}" if g else " failed", va="center", fontsize=8)
-            ax.invert_yaxis()
-            ax.set_xlabel(label)
-            ax.set_title(f"{w}: {label}")
-    fig.tight_layout()
-    from pockjax.checkpoint import write_atomic
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    write_atomic(path, buf.getvalue())
 
 
 def main(argv=None):

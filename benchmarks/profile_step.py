@@ -294,12 +294,12 @@ def time_dot(signature, budget: int = 768 * 2**20, repeats: int = 3) -> tuple[fl
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.real_size import _uniform
+    from benchmarks.real_size_models import uniform_noise
 
     lt, ld, rt, rd, (lc, rc, lb, rb), ot = signature
     f = jax.jit(lambda a, b: jax.lax.dot_general(a, b, ((lc, rc), (lb, rb)),
                                                  preferred_element_type=_dtype(ot)))
-    make = jax.jit(_uniform, static_argnums=(1, 2, 3))
+    make = jax.jit(uniform_noise, static_argnums=(1, 2, 3))
     size = math.prod(ld) * _BYTES[lt] + math.prod(rd) * _BYTES[rt]
     pairs = [(make(jnp.uint32(2 * i + 1), ld, _dtype(lt), 1.0),
               make(jnp.uint32(2 * i + 2), rd, _dtype(rt), 1.0))
