@@ -19,8 +19,8 @@ from jax import lax
 
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
 
-__all__ = ["trainable_view", "apply_sparse_updates", "resolved_decisions", "trained_indices",
-           "kept", "write_back"]
+__all__ = ["trainable_view", "apply_sparse_updates", "resolved_decisions", "ResolvedScheme",
+           "trained_indices", "kept", "write_back"]
 
 
 def resolved_decisions(params, scheme: Scheme | Any):
@@ -45,6 +45,41 @@ def resolved_decisions(params, scheme: Scheme | Any):
         raise SchemeError("expected a pockjax.Scheme or the result of scheme.resolve(params) "
                           f"({n} decisions); got {type(scheme).__name__}")
     return leaves
+
+
+class ResolvedScheme:
+    """A scheme resolved once per parameter structure. Called with a parameter tree it
+    gives `resolved_decisions(params, scheme)`, computed the first time that structure
+    (tree, shapes, dtypes) is seen and kept after. A trainer holds one
+    (`SparseTrainer.decisions`) and hands it to its gradient, its report and export, so
+    the scheme is matched against the parameters' paths once.
+
+    Args:
+      scheme: the `Scheme`.
+    """
+
+    def __init__(self, scheme: Scheme):
+        if not isinstance(scheme, Scheme):
+            raise SchemeError(f"scheme must be a pockjax.Scheme, got {type(scheme).__name__}")
+        self.scheme = scheme
+        self._seen: dict = {}
+
+    def __call__(self, params) -> list:
+        """The decision of each leaf of `params`, in flattening order (a new list each
+        call; the resolving is done once).
+
+        Raises:
+          SchemeError: as `Scheme.resolve`.
+        """
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        key = (treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
+                              for x in leaves))
+        if key not in self._seen:
+            self._seen[key] = tuple(resolved_decisions(params, self.scheme))
+        return list(self._seen[key])
+
+    def __repr__(self) -> str:
+        return f"ResolvedScheme({self.scheme!r}, {len(self._seen)} structures)"
 
 
 def trained_indices(decisions) -> list[int]:

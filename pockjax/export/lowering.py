@@ -295,7 +295,7 @@ def _lower_step(trainer, state, batch, *, donate, placement, ties, backend, tie_
     if trainer.layout is not None:
         # An artifact runs on one device: the same step without the mesh layout.
         trainer = trainer.replace(layout=None)
-    decisions = jax.tree_util.tree_leaves(trainer.scheme.resolve(state.params))
+    decisions = trainer.decisions(state.params)
     named_params, params_def = leaves_with_paths(state.params)
     named_opt, opt_def = leaves_with_paths(state.opt_state)
     named_batch, batch_def = leaves_with_paths(batch)

@@ -21,7 +21,7 @@ from pockjax.flops import count_flops
 from pockjax.measure import compiled_memory, format_bytes, format_flops, tree_bytes
 from pockjax.scheme import Full
 from pockjax.transforms.sparse_grad import TransformInfo, is_dynamic
-from pockjax.view import resolved_decisions, trained_indices
+from pockjax.view import trained_indices
 
 
 def memory_breakdown(loss_fn, has_aux: bool, state, batch, decisions,
@@ -269,7 +269,7 @@ def build_report(trainer, state, batch) -> "TrainReport":
     memory, memory_full = compiled_memory(sparse), compiled_memory(full)
     breakdown = breakdown_full = None
     if trainer.layout is None:  # on a mesh the per-device split is the layout's
-        decisions = resolved_decisions(state.params, trainer.scheme)
+        decisions = trainer.decisions(state.params)
         breakdown = memory_breakdown(trainer._loss, trainer.has_aux, state, batch, decisions,
                                      memory["temp"])
         everything = TrainState(state.step, state.params, full_state, None)

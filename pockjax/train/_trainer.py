@@ -20,7 +20,7 @@ from pockjax.train._report import TrainReport, build_report, full_training_trace
 from pockjax.optim import fused, perleaf
 from pockjax.scheme import Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.transforms.sparse_grad import SparseGradFn, TransformInfo, is_dynamic
-from pockjax.view import resolved_decisions, trainable_view
+from pockjax.view import ResolvedScheme, trainable_view
 
 class SparseTrainer:
     """A compiled sparse training step; make one with `pockjax.sparse_train`.
@@ -80,10 +80,14 @@ class SparseTrainer:
             lowbit.format_of(frozen_dtype) if not isinstance(frozen_dtype, Mapping) else \
                 [lowbit.format_of(f) for f in frozen_dtype.values()]  # unknown names fail here
         self.frozen_dtype = frozen_dtype
+        # The scheme's decision per parameter leaf, resolved once per parameter structure
+        # and handed to the gradient, the report and export.
+        self.decisions = ResolvedScheme(scheme)
         # What the step differentiates: the loss, on quantized frozen weights where the
         # parameters hold them (dequantized at each use), checkpointed as `remat` says.
         self._loss = checkpointed(lowbit.at_use(loss_fn), self.remat)
-        self._grad = SparseGradFn(self._loss, scheme, 0, has_aux, with_value=True)
+        self._grad = SparseGradFn(self._loss, scheme, 0, has_aux, with_value=True,
+                                  resolved=self.decisions)
         self._plans: dict = {}
         self._step_jit = jax.jit(self.step, donate_argnums=(0,) if donate else ())
         functools.update_wrapper(self, loss_fn)
@@ -121,8 +125,8 @@ class SparseTrainer:
           TypeError: `params` mixes arrays and `jax.ShapeDtypeStruct`s.
         """
         scheme, optimizer = self.scheme, self.optimizer
-        scheme.resolve(params)  # scheme errors surface here, outside any trace
-        init = lambda p: optimizer.init(trainable_view(p, scheme))
+        self.decisions(params)  # scheme errors surface here, outside any trace
+        init = lambda p: optimizer.init(self._view(p))
         if self.frozen_dtype is not None:
             quantize = lambda p: lowbit.quantize(p, scheme, self.frozen_dtype)
             params = (jax.eval_shape(quantize, params) if is_abstract(params, "params")
@@ -147,13 +151,17 @@ class SparseTrainer:
     def _shardings(self, params, opt_state, decisions=None) -> TrainState:
         """Where each array of the state lives on the mesh (a TrainState of shardings)."""
         layout = self.layout
-        decisions = resolved_decisions(params, self.scheme) if decisions is None else decisions
+        decisions = self.decisions(params) if decisions is None else decisions
         view = jax.eval_shape(lambda p: trainable_view(p, decisions_tree(p, decisions)), abstract_arrays(params))
         view_shardings = layout.view_shardings(params, decisions)
         return TrainState(
             layout.replicated, layout.param_shardings(params, decisions),
             layout.opt_state_shardings(self.optimizer, view, view_shardings, abstract_arrays(opt_state)),
             self.scheme)
+
+    def _view(self, params):
+        """The trainable view of `params` under the resolved scheme."""
+        return trainable_view(params, decisions_tree(params, self.decisions(params)))
 
     # -- the step --------------------------------------------------------------
 
@@ -385,7 +393,7 @@ class SparseTrainer:
           `(mode, reason)`: "fused" (each leaf updated right after its gradient) or
           "global" (after the whole backward pass), and the reason in words.
         """
-        view = jax.eval_shape(lambda p: trainable_view(p, self.scheme), abstract_arrays(state.params))
+        view = jax.eval_shape(self._view, abstract_arrays(state.params))
         return self._mode(self._plan(view, state.opt_state))
 
     def _mode(self, plan: perleaf.UpdatePlan) -> tuple[str, str]:

@@ -152,6 +152,7 @@ class Alias:
         ctx.put(eqn.outvars[0], full_box(var_shape(eqn.outvars[0])), ctx.get(self.source))
 
 
-Plan = Union[Narrowed, Whole, Alias, "BodyRewrite"]
-"""What a rule returns when it does not decline: each plan has `inputs(eqn)` (the input
-boxes it reads) and `emit(ctx, eqn, stats)` (computes the wanted output boxes)."""
+Plan = Union[Narrowed, Whole, Alias, OnWholeInputs]
+"""What a rule returns when it does not decline (the call rules' `BodyRewrite` is an
+`OnWholeInputs`): each plan has `inputs(eqn)` (the input boxes it reads) and
+`emit(ctx, eqn, stats)` (computes the wanted output boxes)."""

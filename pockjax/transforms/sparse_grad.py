@@ -33,8 +33,8 @@ import numpy as np
 
 from pockjax import lowbit
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
-from pockjax.view import (apply_sparse_updates, resolved_decisions,  # noqa: F401
-                          trainable_view)
+from pockjax.view import (ResolvedScheme, apply_sparse_updates,  # noqa: F401
+                          resolved_decisions, trainable_view)
 from pockjax.transforms import dot_layout
 from pockjax.transforms._kept_grad import kept_value_and_grad, make_jaxpr_with_aux, push_down
 
@@ -214,15 +214,19 @@ class SparseGradFn:
         index in that tuple: `0/...`).
       has_aux: whether `fun` returns `(value, aux)`.
       with_value: return the value with the gradient (`sparse_value_and_grad`).
+      resolved: the `pockjax.view.ResolvedScheme` of `scheme` to use (a trainer shares
+        its own); None (the default) makes one.
 
     Raises:
       SchemeError: `scheme` is not a `Scheme`.
       TypeError: `argnums` is not an int or a tuple of ints.
     """
 
-    def __init__(self, fun, scheme, argnums, has_aux, with_value):
+    def __init__(self, fun, scheme, argnums, has_aux, with_value, resolved=None):
         if not isinstance(scheme, Scheme):
             raise SchemeError(f"scheme must be a pockjax.Scheme, got {type(scheme).__name__}")
+        # The scheme resolved once per parameter structure (a trainer shares its own).
+        self._resolved = ResolvedScheme(scheme) if resolved is None else resolved
         if isinstance(argnums, (list, tuple)):
             argnums = tuple(int(a) for a in argnums)
         elif not isinstance(argnums, (int, np.integer)):
@@ -268,7 +272,7 @@ class SparseGradFn:
         """
         nums, diff, rest = self._split_args(args, kwargs)
         named, diff_def = leaves_with_paths(diff)
-        decisions = resolved_decisions(diff, self.scheme)
+        decisions = self._resolved(diff)
         other_leaves, other_def = jax.tree_util.tree_flatten((rest, kwargs))
         dyn_mask = [is_dynamic(x) for x in other_leaves]
         static = tuple(None if m else x for x, m in zip(other_leaves, dyn_mask))
