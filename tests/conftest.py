@@ -15,21 +15,21 @@ settings.load_profile("pockjax")
 # order (`--dist loadfile --no-loadscope-reorder`); starting the long ones first keeps
 # one worker from running a long file alone at the end.
 LONGEST_FIRST = (
-    "tests/test_examples.py", "tests/test_quality.py", "tests/test_docs.py",
+    "tests/test_examples.py", "tests/benchmarks/test_quality.py", "tests/test_docs.py",
     "tests/export/test_targets.py",
-    "tests/test_differential.py", "tests/test_torch.py", "tests/test_finetune.py",
+    "tests/train/test_differential.py", "tests/torch/test_torch.py", "tests/finetuning/test_finetune.py",
     "tests/test_remat.py", "tests/models/test_mobilenetv2.py",
     "tests/models/test_mobilenetv2_kernels.py", "tests/transforms/test_sparse_grad.py",
-    "tests/export/test_vulkan.py", "tests/export/test_host_cpu.py", "tests/test_prefix.py",
-    "tests/test_lowbit.py", "tests/test_search.py", "tests/test_workarounds.py",
-    "tests/test_batchnorm.py", "tests/models/test_llama_mixed_precision.py",
+    "tests/export/test_vulkan.py", "tests/export/test_host_cpu.py", "tests/prefix/test_prefix.py",
+    "tests/test_lowbit.py", "tests/scheme_search/test_search.py", "tests/test_workarounds.py",
+    "tests/models/test_batchnorm.py", "tests/models/test_llama_mixed_precision.py",
     "tests/export/test_stream.py", "tests/transforms/test_rules.py",
     "tests/export/test_arm64.py",
 )
 
 
 # Markers (declared in pyproject.toml) for deselecting groups locally: `-m "not emulator"`.
-SLOW_FILES = ("tests/test_examples.py", "tests/test_quality.py", "tests/test_demo.py")
+SLOW_FILES = ("tests/test_examples.py", "tests/benchmarks/test_quality.py", "tests/test_demo.py")
 EMULATOR_WORDS = ("vulkan", "arm64", "lavapipe", "qemu")
 
 

@@ -11,7 +11,7 @@ import pockjax as pj
 from pockjax.backend import BackendChoice, Runner
 from tests.export.models import mlp
 from tests.helpers import assert_trees_close
-from tests.test_train import reference_steps
+from tests.train.test_train import reference_steps
 
 
 def adversarial_batches(n=4):

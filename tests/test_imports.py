@@ -193,6 +193,23 @@ def test_the_layout_stays_readable_from_ls():
     assert not long, long
 
 
+def test_benchmark_scripts_stay_short():
+    """No benchmark module over 800 lines: a script's rows, report and plot live in
+    modules of their own."""
+    long = {p.name: n for p in (PACKAGE.parent / "benchmarks").glob("*.py")
+            if (n := len(p.read_text().splitlines())) > 800}
+    assert not long, long
+
+
+def test_tests_mirror_the_package():
+    """A test folder is named after the package folder (or `benchmarks/`) it tests, so
+    the tests of `pockjax/train/` are in `tests/train/`."""
+    folders = {p.name for p in Path(__file__).parent.iterdir()
+               if p.is_dir() and not p.name.startswith((".", "__"))}
+    packages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")} | {"benchmarks"}
+    assert folders <= packages, folders - packages
+
+
 def test_every_public_name_of_version_0_1_still_imports():
     """`tests/public_names.json` lists each public module of pockjax 0.1 (no underscore in
     its path) and its `__all__`: each still imports from the same path (a renamed one may

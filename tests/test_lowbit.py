@@ -200,7 +200,7 @@ def test_finetune_with_int4_frozen_weights(tmp_path):
     weights are written at full precision and frozen ones as the base file holds them."""
     from safetensors.numpy import load_file
 
-    from tests.test_finetune import _folder, _jsonl, WORDS
+    from tests.finetuning.test_finetune import _folder, _jsonl, WORDS
 
     folder = _folder(tmp_path, "llama")
     rng = np.random.default_rng(1)
@@ -254,7 +254,7 @@ def test_finetune_stores_each_frozen_weight_as_it_is_read(tmp_path, monkeypatch,
     what was stored so far plus that one tensor's copies, never a whole model."""
     from pockjax.finetuning._model import load_model
     from pockjax.models.hf import load_llama
-    from tests.test_finetune import _folder
+    from tests.finetuning.test_finetune import _folder
 
     folder = _folder(tmp_path, "llama")
     # One weight trains, so the stored model is well under the bfloat16 one.
@@ -271,7 +271,7 @@ def test_finetune_stores_each_frozen_weight_as_it_is_read(tmp_path, monkeypatch,
                      4 * int(np.prod(w.shape))))
         return convert_leaf(w, fmt, **kw)
 
-    monkeypatch.setattr(lowbit, "quantize_leaf", watched)
+    monkeypatch.setattr("pockjax.lowbit._store.quantize_leaf", watched)  # store_leaf's
     loaded = load_model(folder, frozen_dtype=frozen_dtype, scheme_of=scheme_of)
     assert loaded.scheme is not None and loaded.scheme.to_json() == scheme.to_json()
     frozen = pj.scheme.leaves_with_paths(scheme.resolve(reference))[0]
@@ -444,7 +444,7 @@ def test_finetune_trains_channels_on_an_int4_base(tmp_path):
     rounding the step computed with)."""
     from safetensors.numpy import load_file
 
-    from tests.test_finetune import _folder, _jsonl, WORDS
+    from tests.finetuning.test_finetune import _folder, _jsonl, WORDS
 
     folder = _folder(tmp_path, "llama")
     rng = np.random.default_rng(1)
@@ -510,7 +510,7 @@ def test_large_products_go_in_pieces_and_lookups_read_their_rows(fmt, rows_packe
     q = lowbit.quantize(params, scheme, fmt, layouts=layouts)
     frozen = {k: v for k, v in q.items() if k != "w"}
     float_copy = vocab * width * 4
-    monkeypatch.setattr(lowbit, "PIECE_BYTES", float_copy // 8)
+    monkeypatch.setattr("pockjax.lowbit._use.PIECE_BYTES", float_copy // 8)  # at_use's
     grad = jax.jit(jax.grad(lambda t, f, ids: lowbit.at_use(loss)({**f, "w": t}, ids)))
     want = jax.grad(lambda t: loss({**_deq(frozen), "w": t}, ids))(q["w"])
     got = grad(q["w"], frozen, ids)

@@ -3,7 +3,7 @@
 loss function.
 
 Checked against independent references: plain `jax.grad` + the same optax chain on the
-kept slices (tests/test_differential.py's reference), the same trainer without remat,
+kept slices (tests/train/test_differential.py's reference), the same trainer without remat,
 and XLA's compiled memory (never wall-clock)."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pockjax as pj
 from pockjax.models.llama import Llama, LlamaConfig
 from pockjax.scheme import exact_pattern
 from tests.helpers import assert_trees_close, dense_view
-from tests.test_differential import assert_like_reference, reference_run
+from tests.train.test_differential import assert_like_reference, reference_run
 
 STEPS = 3
 

@@ -286,7 +286,7 @@ def test_nnx_trainer_on_a_mesh(mesh, param_axis):
     the running statistics carried step to step, as on one device."""
     from flax import nnx
 
-    from tests.test_nnx import Net, xent
+    from tests.nnx.test_nnx import Net, xent
 
     kx, ky = jax.random.split(jax.random.key(1))
     batch = (jax.random.normal(kx, (16, 6)), jax.random.randint(ky, (16,), 0, 3))

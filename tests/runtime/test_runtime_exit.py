@@ -18,7 +18,7 @@ from pockjax import runtime
 from pockjax.export import ExportError
 from tests.export.models import make
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # A user's script: some JAX work, then the artifact, then a plain exit. JAX is imported
 # because the crash showed with it (its allocations reuse the freed device's memory);

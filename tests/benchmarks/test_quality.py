@@ -18,7 +18,7 @@ import pytest
 
 from benchmarks import pretrain, quality, quality_data
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_quick(work: Path, out: Path) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ import pockjax as pj
 from pockjax.data import DataError, batch_at, read_jsonl
 from pockjax.finetuning import NonFiniteLoss, load_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
@@ -392,7 +392,7 @@ def test_a_torch_frontend_model_takes_bfloat16_frozen_weights(folders, data, tmp
 
 
 def test_search_scheme_is_pockjax_search_under_the_budget(folders, data, tmp_path, monkeypatch):
-    # The wiring only (the search itself is tested in tests/test_search.py): the budget,
+    # The wiring only (the search itself is tested in tests/scheme_search/test_search.py): the budget,
     # training and held-out batches of the run's shape reach pj.search_scheme, and the scheme it
     # returns is the one trained.
     import pockjax.scheme_search as scheme_search

@@ -19,9 +19,9 @@ from safetensors.numpy import load_file
 
 import pockjax as pj
 from pockjax.cli import main
-from tests.test_finetune import WORDS, _completions, _folder, _jsonl
+from tests.finetuning.test_finetune import WORDS, _completions, _folder, _jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPTIONS = ["--scheme", "paper", "--steps", "8", "--batch", "4", "--seq", "24", "--lr", "3e-3"]
 
 

@@ -18,7 +18,7 @@ import pytest
 
 import pockjax as pj
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 # Run inside the runtime-only environment: three steps, then the losses and parameters.
@@ -149,7 +149,7 @@ def test_a_device_without_jax_fine_tunes_a_model_folder(runtime_env, tmp_path):
     from safetensors.numpy import load_file
 
     from pockjax.cli import main
-    from tests.test_finetune import WORDS, _completions, _folder, _jsonl
+    from tests.finetuning.test_finetune import WORDS, _completions, _folder, _jsonl
 
     model = _folder(tmp_path, "llama")
     rng = np.random.default_rng(1)

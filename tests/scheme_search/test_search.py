@@ -73,7 +73,7 @@ def factory(scheme):
 
 
 def problem():
-    """For the CLI: `pockjax search tests/test_search.py:problem`."""
+    """For the CLI: `pockjax search tests/scheme_search/test_search.py:problem`."""
     return factory, student(), DATA
 
 
@@ -309,7 +309,7 @@ def test_module_candidates_cover_the_whole_model():
 def test_nnx_search_and_trainer(tmp_path):
     from flax import nnx
 
-    from tests.test_nnx import Net, xent
+    from tests.nnx.test_nnx import Net, xent
 
     kx, ky = jax.random.split(jax.random.key(3))
     x = np.asarray(jax.random.normal(kx, (64, 6)))
@@ -329,11 +329,11 @@ def test_nnx_search_and_trainer(tmp_path):
 
 def test_cli_search_then_export_with_the_scheme(searched, tmp_path):
     _, report, cache = searched
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": root}
     out = tmp_path / "scheme.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "pockjax.cli", "search", "tests/test_search.py:problem",
+        [sys.executable, "-m", "pockjax.cli", "search", "tests/scheme_search/test_search.py:problem",
          "--budget", BUDGET, "--steps", str(STEPS), "--cache", cache, "--out", str(out),
          "--report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png")],
         cwd=root, env=env, capture_output=True, text=True, timeout=600)
@@ -341,7 +341,7 @@ def test_cli_search_then_export_with_the_scheme(searched, tmp_path):
     assert "chosen (*)" in proc.stdout and (tmp_path / "r.png").exists()
     assert pj.Scheme.from_json(out.read_text()) == report.scheme
     bad = subprocess.run(
-        [sys.executable, "-m", "pockjax.cli", "search", "tests/test_search.py:problem",
+        [sys.executable, "-m", "pockjax.cli", "search", "tests/scheme_search/test_search.py:problem",
          "--budget", "100%", "--steps", str(STEPS), "--cache", cache, "--out", str(tmp_path / "x")],
         cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "at least full fine-tuning's step memory" in bad.stderr
