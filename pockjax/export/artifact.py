@@ -172,8 +172,7 @@ def _tied_if_smaller(trainer, state, batch, tgt, flags, lowered, stream, report,
 
 
 def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "export",
-           gpu: str | None = None, extra_flags=(), progress: bool = False,
-           prefix=None) -> Artifact:
+           gpu: str | None = None, extra_flags=(), progress: bool = False) -> Artifact:
     """Compile the training step for `target` and write the artifact directory.
 
     The directory holds `train_step.vmfb`, `params.irpa` and `manifest.json`. The
@@ -183,9 +182,9 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     targets the step with each trained weight's matmul reads tied to their other operand
     is compiled too and kept when its plan allocates less.
 
-    `prefix` (from `pockjax.prefix.PrefixCachedTrainer.export`): `trainer` is a prefix
-    cache's suffix and the artifact also gets a `prefix` function computing the cut
-    values of a batch (see `pockjax.export.lowering.lower_step`).
+    The trainer says what is compiled (`trainer.export_step(state, batch)`): a
+    `SparseTrainer` its step; a `pockjax.prefix.PrefixCachedTrainer` the cached step's
+    suffix, with a `prefix` function in the artifact computing a batch's cut values.
 
     The directory is built under a temporary name next to `out_dir` and renamed into
     place, so a failed or interrupted export leaves no half artifact (and keeps an
@@ -193,7 +192,8 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     seconds so far (`pockjax export` does this).
 
     Args:
-      trainer: the `SparseTrainer` whose step is exported.
+      trainer: a `SparseTrainer` or a `PrefixCachedTrainer` (any trainer with
+        `export_step`).
       state: its `TrainState`, made of arrays: the parameters' and optimizer state's
         initial values go into the artifact.
       batch: an example batch; its shapes and dtypes are the ones compiled for.
@@ -203,9 +203,6 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
         target's default.
       extra_flags: further compiler flags, each starting with `--`.
       progress: name each stage on stderr as it starts.
-      prefix: `prefix(params, batch) -> cut values` of a prefix cache whose suffix
-        `trainer` is; its batch is then `{"batch": ..., "cut": [...]}`. None: a plain
-        step.
 
     Returns:
       The `Artifact`: its directory and manifest.
@@ -218,6 +215,10 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
         (`host-vulkan`), or an `out_dir` that exists and is not a directory.
     """
     tgt, flags = resolve_target(target, gpu, tuple(extra_flags))
+    if not hasattr(trainer, "export_step"):
+        raise ExportError(f"pockjax.export takes a SparseTrainer (pockjax.sparse_train) or a "
+                          f"PrefixCachedTrainer, got {type(trainer).__name__}; a scheme "
+                          f"schedule's steps are exported one scheme at a time")
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree_util.tree_leaves(state)):
         raise ExportError("this TrainState holds shapes (jax.ShapeDtypeStruct), not arrays; an "
                           "artifact carries the parameters' values, so export needs a state made "
@@ -231,6 +232,7 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     started = time.perf_counter()
     say = _Progress(progress)
     say("lowering the training step to StableHLO")
+    trainer, batch, prefix = trainer.export_step(state, batch)
     lowered = lower_step(trainer, state, batch, backend=tgt.backend, prefix=prefix)
     mlir, device = lowered.mlir, None
     if tgt.local_device:

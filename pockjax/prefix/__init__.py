@@ -360,6 +360,16 @@ class PrefixCachedTrainer:
         """
         from pockjax.export.artifact import export
 
+        return export(self, state, batch, target=target, out_dir=out_dir, gpu=gpu,
+                      extra_flags=extra_flags, progress=progress)
+
+    def export_step(self, state, batch):
+        """What `pockjax.export` compiles for this trainer: `(the suffix's trainer, the
+        suffix's batch {"batch": batch, "cut": values}, the prefix function)`.
+
+        Raises:
+          PrefixCacheError: as `export`.
+        """
         if self._scheduled():
             raise PrefixCacheError("a scheme schedule's steps are not exported; export "
                                    "one scheme's trainer")
@@ -368,9 +378,7 @@ class PrefixCachedTrainer:
                                    f"{self.report(state, batch)}")
         split, prefix, suffix, _ = self._splits[self._signature(state.params, batch)]
         cut = [np.asarray(v) for v in jax.device_get(prefix(state.params, batch))]
-        return export(suffix, state, {"batch": batch, "cut": cut}, target=target,
-                      out_dir=out_dir, gpu=gpu, extra_flags=extra_flags, progress=progress,
-                      prefix=split.prefix)
+        return suffix, {"batch": batch, "cut": cut}, split.prefix
 
     def caches(self) -> list[PrefixCache]:
         """The caches of the batch signatures that use one.

@@ -441,6 +441,12 @@ class SparseTrainer:
         return export(self, state, batch, target=target, out_dir=out_dir, gpu=gpu,
                       extra_flags=extra_flags, progress=progress)
 
+    def export_step(self, state: TrainState, batch):
+        """What `pockjax.export` compiles for this trainer: `(self, batch, None)`, its
+        own step on the batch as given, with no prefix function (a
+        `PrefixCachedTrainer` gives its suffix and prefix)."""
+        return self, batch, None
+
     # -- reports ---------------------------------------------------------------
 
     def _full_lowered(self, state: TrainState, batch) -> jax.stages.Lowered:

@@ -279,7 +279,8 @@ def test_export_runs_the_prefix_and_the_suffix_on_iree(tmp_path):
     cached = PrefixCachedTrainer(trainer)
     batch = jax.tree_util.tree_map(lambda x: x[:BATCH], data)
     state = trainer.init(params)
-    art = cached.export(state, batch, target="host-cpu", out_dir=tmp_path / "art")
+    # pj.export takes either trainer (cached.export(...) is the same call).
+    art = pj.export(cached, state, batch, target="host-cpu", out_dir=tmp_path / "art")
     assert art.manifest["functions"]["prefix"]["outputs"] == ["cut/0"]
     split, _, _ = cached.split(state, batch)
     sess = runtime.load(str(tmp_path / "art"))
@@ -325,3 +326,5 @@ def test_argument_errors_name_the_fix():
     scheduled = pj.sparse_train(loss, optimizer=optax.sgd(0.1), scheme=schedule)
     with pytest.raises(PrefixCacheError, match="schedule's steps are not exported"):
         PrefixCachedTrainer(scheduled).export(scheduled.init(params), batch)
+    with pytest.raises(pj.export.ExportError, match="takes a SparseTrainer .* got ScheduledTrainer"):
+        pj.export(scheduled, scheduled.init(params), batch)
