@@ -8,6 +8,8 @@ re-exports them.
 """
 from __future__ import annotations
 
+from pockjax._src import errors
+
 FRONTENDS = ("auto", "flax", "torch")
 """The model code `finetune(frontend=...)` (`--frontend`) runs, as `load_model` reads it."""
 SCHEDULES = ("cosine", "linear", "constant")
@@ -19,9 +21,12 @@ class FinetuneError(RuntimeError):
     to do."""
 
 
-class NonFiniteLoss(FinetuneError):
+class NonFiniteLoss(FinetuneError, errors.NonFiniteLoss):
     """Raised when the loss becomes NaN or infinite; the last good checkpoint is left as
-    it was."""
+    it was. Also a `pockjax.train.NonFiniteLoss` (`step`, `loss`)."""
+
+    def __init__(self, step: int, loss: float, message: str):
+        errors.NonFiniteLoss.__init__(self, step, loss, message)
 
 
 class Interrupted(FinetuneError):

@@ -430,7 +430,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         kept = run.checkpoints()
         where = (f"the last checkpoint, {kept[-1][1]}, is from step {kept[-1][0]}"
                  if kept else "no checkpoint was written")
-        raise NonFiniteLoss(f"step {e.step}: the loss is {e.loss}; the run stopped and {where}. "
+        raise NonFiniteLoss(e.step, e.loss, f"step {e.step}: the loss is {e.loss}; the run "
+                            f"stopped and {where}. "
                             f"Lower the learning rate (--lr {lr:g}), add warm-up (--warmup), "
                             f"or pass --skip-nonfinite to skip such steps") from None
     close_prefix_cache(cached, out)

@@ -286,9 +286,9 @@ def run_job(artifact, data, out, *, valid=None, steps: int | None = None,
                 kept = run.checkpoints()
                 where = (f"the last checkpoint, {kept[-1][1]}, is from step {kept[-1][0]}"
                          if kept else "no checkpoint was written")
-                raise NonFiniteLoss(f"step {step}: the loss is {loss}; the run stopped and "
-                                    f"{where}. Export again with a lower --lr ({job['lr']:g}) "
-                                    f"or more --warmup")
+                raise NonFiniteLoss(step, loss, f"step {step}: the loss is {loss}; the run "
+                                    f"stopped and {where}. Export again with a lower --lr "
+                                    f"({job['lr']:g}) or more --warmup")
             losses.append(loss)
             tokens += ntok
             seconds = round(time.perf_counter() - began, 3)

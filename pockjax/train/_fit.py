@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 import jax
 import numpy as np
 
+from pockjax._src.errors import NonFiniteLoss
 from pockjax.train._interrupt import InterruptAfter
 from pockjax.train._state import TrainState
 
@@ -48,24 +49,6 @@ class History:
     def steps_per_second(self) -> float:
         """Steps per training second (NaN where no time passed)."""
         return self.steps / self.seconds if self.seconds > 0 else float("nan")
-
-
-class NonFiniteLoss(FloatingPointError):
-    """Raised by `fit(..., stop_nonfinite=True)` when a step's loss is NaN or infinite.
-    Nothing after the step before it was saved.
-
-    Args:
-      step: the step (1-based).
-      loss: its loss.
-
-    Attributes:
-      step: the step (1-based).
-      loss: its loss.
-    """
-
-    def __init__(self, step: int, loss: float):
-        super().__init__(f"step {step}: the loss is {loss}")
-        self.step, self.loss = step, loss
 
 
 def _deleted(tree) -> bool:
