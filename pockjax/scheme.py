@@ -35,6 +35,7 @@ __all__ = [
     "leaves_with_paths",
     "register_layouts",
     "layouts_of",
+    "register_stored_parts",
 ]
 
 
@@ -251,7 +252,31 @@ def _key_str(k) -> str:
     return str(k)
 
 
-_QUANTIZED_PART = re.compile(r"/@(data|scale|zero|master)$")
+# The last component of each array's path in a stored weight (`weight/@data`) ->
+# (the part a `Channels` decision trains, the call that stores weights so): filled by
+# the module defining such a node when it is imported (`pockjax.lowbit`).
+_STORED_PARTS: dict[str, tuple[str | None, str]] = {}
+
+
+def register_stored_parts(parts: Sequence[str], *, trained: str | None, made_by: str) -> None:
+    """Make `Scheme.resolve` match each array of a pytree node that stores one weight
+    (`pockjax.lowbit.Quantized`: `weight/@data`, `weight/@scale`...) by the weight's
+    own path. The module defining the node calls it when it is imported.
+
+    Args:
+      parts: the keys, each the last component of an array's path (`"@data"`).
+      trained: the key holding the channels a `Channels` decision trains (the other
+        parts stay frozen), or None (a stored weight can only be frozen).
+      made_by: the call that stores weights so, named in the error for one that trains.
+    """
+    _STORED_PARTS.update(dict.fromkeys(parts, (trained, made_by)))
+
+
+def _stored_owner(path: str) -> tuple[str, tuple[str | None, str] | None]:
+    """`(the weight's path, its registered storage)` for an array of a stored weight,
+    `(path, None)` for any other."""
+    owner, sep, part = path.rpartition("/")
+    return (owner, _STORED_PARTS[part]) if sep and part in _STORED_PARTS else (path, None)
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -476,11 +501,11 @@ class Scheme:
         named, treedef = leaves_with_paths(params)
         if not named:
             raise SchemeError("the parameters have no array leaves; nothing to train")
-        # A weight stored quantized (pockjax.lowbit.Quantized) has several arrays,
-        # `weight/@data`, `weight/@scale`: the scheme matches the weight's own path.
-        stored = [_QUANTIZED_PART.sub("", p) for p, _ in named]
+        # A stored weight (pockjax.lowbit.Quantized) has several arrays, `weight/@data`,
+        # `weight/@scale`: the scheme matches the weight's own path.
+        owners = [_stored_owner(p) for p, _ in named]
         stored_parts = {p for p, _ in named}
-        paths = list(dict.fromkeys(stored))
+        paths = list(dict.fromkeys(owner for owner, _ in owners))
         layouts, note = layouts_of(params)
         for (pattern, _), rx in zip(self.rules, self._regex):
             if not any(rx.match(p) for p in paths):
@@ -491,22 +516,24 @@ class Scheme:
                     + ". Paths are '/'-joined keys; '*' stays within one component, '**' spans several"
                     + (f". {note}" if note else ""))
         decisions = []
-        for (path, leaf), owner in zip(named, stored):
+        for (path, leaf), (owner, storage) in zip(named, owners):
             d = self.match(owner)
             shape = tuple(np.shape(leaf))
-            if owner != path:
+            if storage is not None:
                 # A weight that trains in part holds its trained channels as `@master`.
-                if isinstance(d, Channels) and path.endswith("/@master"):
+                trained, made_by = storage
+                master = trained and f"{owner}/{trained}"
+                if isinstance(d, Channels) and path == master:
                     decisions.append(Full())
                     continue
-                if isinstance(d, Channels) and owner + "/@master" in stored_parts:
+                if isinstance(d, Channels) and master in stored_parts:
                     decisions.append(Frozen())
                     continue
                 if not isinstance(d, Frozen):
                     raise SchemeError(f"parameter '{owner}' is stored quantized and cannot train "
-                                      f"({d!r}); quantize only the leaves the scheme freezes "
-                                      f"or trains in part (Channels) "
-                                      f"(pockjax.lowbit.quantize(params, scheme, ...))")
+                                      f"({d!r}); quantize only the leaves the scheme freezes"
+                                      f"{' or trains in part (Channels)' if trained else ''} "
+                                      f"({made_by})")
                 decisions.append(d)
                 continue
             if not isinstance(d, Frozen):

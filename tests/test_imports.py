@@ -306,6 +306,8 @@ def test_public_names_report_a_module_a_user_can_import():
     import importlib
     import inspect
 
+    import pockjax.finetuning
+    import pockjax.lowbit
     import pockjax.nnx
     import pockjax.prefix
     import pockjax.runtime
@@ -319,7 +321,7 @@ def test_public_names_report_a_module_a_user_can_import():
     private = []
     for module in (pockjax.train, pockjax.prefix, pockjax.nnx, pockjax.runtime,
                    pockjax.scheme_search, pockjax.tokenizer, pockjax.transforms, llama,
-                   mobilenetv2):
+                   mobilenetv2, pockjax.lowbit, pockjax.finetuning):
         for name in module.__all__:
             obj = getattr(module, name)
             if inspect.isclass(obj) or inspect.isfunction(obj):
