@@ -177,6 +177,10 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         records (`pockjax.data.read_jsonl`).
       out: the run's folder; must be new or empty unless it holds a run and `resume`
         or `overwrite` is given.
+      options: a `FinetuneOptions` instead of the keywords.
+      **keywords: the options (`FinetuneOptions`' fields), below.
+
+    Keyword Args:
       valid: a JSONL file of held-out records, evaluated (loss and perplexity) every
         `eval_every` steps, before the first step of a run that starts at step 0, and at
         the end; None (the default) for no evaluation.
@@ -236,7 +240,6 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         shapes starts without compiling; default True. The first step's compilation
         seconds are in `metrics.jsonl` (`compile_seconds`) either way.
       progress: a progress bar and log lines on stderr; default True.
-      options: a `FinetuneOptions` instead of the keywords.
 
     Returns:
       A `FinetuneResult`.

@@ -17,10 +17,11 @@ is donated, so parameters and optimizer state are updated in place.
 `pockjax.nnx.Trainer(remat="blocks")` checkpoints each block of a module instead, and
 `checkpoint_block` each block of a plain loss function.
 
-The pieces live beside this module and their public names are re-exported here:
-`pockjax.train._state` (`TrainState` and the checks made on a state), `pockjax.remat`
-(`Remat`, `checkpoint_block`), `pockjax.train._report` (`TrainReport` and the memory
-breakdown of `SparseTrainer.report`) and `pockjax.train._fit` (`fit`, `History`).
+The pieces live in this package and their public names are handed on here:
+`_trainer` (`SparseTrainer`), `_build` (`sparse_train`), `_state` (`TrainState` and the
+checks made on a state), `_report` (`TrainReport` and the memory breakdown of
+`SparseTrainer.report`), `_fit` (`fit`, `History`); `Remat` and `checkpoint_block` come
+from `pockjax.remat`.
 """
 from pockjax._src.home import claim
 from pockjax.remat import Remat, checkpoint_block
@@ -28,7 +29,8 @@ from pockjax.train._fit import (History, NonFiniteLoss, compile_cache_dir, compi
                                 peak_rss_gib, use_compile_cache)
 from pockjax.train._report import TrainReport
 from pockjax.train._state import TrainState, abstract_arrays
-from pockjax.train._trainer import SparseTrainer, sparse_train, step_variant
+from pockjax.train._build import sparse_train, step_variant
+from pockjax.train._trainer import SparseTrainer
 
 __all__ = ["TrainState", "SparseTrainer", "sparse_train", "step_variant", "fit", "History", "TrainReport",
            "Remat", "checkpoint_block", "NonFiniteLoss", "peak_rss_gib", "compile_cache_dir",
