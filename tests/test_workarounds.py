@@ -404,7 +404,7 @@ def test_upstream_xla_cpu_early_converts_still_needs_workaround():
         assert temp >= every_copy, (
             f"XLA now converts each weight when its layer runs ({upcast.__name__}: {temp} "
             f"bytes of temporaries, all copies are {every_copy}): review one_after in "
-            "pockjax/lowbit/__init__.py")
+            "pockjax/lowbit/_use.py")
 
 
 def test_upstream_xla_cpu_reduction_fused_into_dot_still_needs_workaround():
