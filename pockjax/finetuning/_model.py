@@ -297,7 +297,7 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     from pockjax import lowbit
     from pockjax.checkpoint import CheckpointError
     from pockjax.models.hf import llama_shapes, load_llama_params, save_llama_params
-    from pockjax.scheme import Frozen, leaves_with_paths
+    from pockjax.scheme import leaves_with_paths
 
     fmt = lowbit.format_of(frozen_dtype)
     # Frozen vectors (norms): a plain array in this dtype.
@@ -314,15 +314,10 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     decided = dict(zip((path for path, _ in leaves_with_paths(shapes)[0]), decisions))
 
     def convert(path, array):
-        d = decided[path]
-        try:  # as lowbit.quantize stores it (a weight trained in part: int codes + master)
-            stored = lowbit.store_leaf(array, d, fmt, path=path, dtype=jnp.float32)
+        try:  # as cast_frozen stores it (a weight trained in part: codes + float32 master)
+            return lowbit.store_frozen_leaf(array, decided[path], fmt, narrow=narrow, path=path)
         except lowbit.QuantizeError as e:
             raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
-        if lowbit.is_quantized(stored):
-            return stored
-        # Frozen vectors narrow; trained leaves float32.
-        return array.astype(narrow if isinstance(d, Frozen) else jnp.float32)
 
     try:
         graphdef, params, rest, config = load_llama_params(folder, convert, **kw)

@@ -44,13 +44,15 @@ from __future__ import annotations
 from pockjax._src.home import claim
 from pockjax.lowbit._formats import FORMATS, Cast, Int4, Int8, QuantizeError, format_of
 from pockjax.lowbit._store import (Quantized, dequantize, formats_by_path, in_words,
-                                   is_quantized, quantize, quantize_leaf, store_leaf,
+                                   is_quantized, quantize, quantize_leaf, store_frozen_leaf,
+                                   store_leaf,
                                    stored_bytes)
 # PIECE_BYTES is read where `at_use` uses it, in pockjax.lowbit._use (set it there).
 from pockjax.lowbit._use import PIECE_BYTES, at_use, one_after, reads_stored  # noqa: F401
 
 __all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
-           "formats_by_path", "quantize", "quantize_leaf", "store_leaf", "dequantize",
+           "formats_by_path", "quantize", "quantize_leaf", "store_leaf", "store_frozen_leaf",
+           "dequantize",
            "at_use", "reads_stored", "one_after", "is_quantized", "stored_bytes",
            "in_words"]
 

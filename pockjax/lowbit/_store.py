@@ -355,3 +355,34 @@ def store_leaf(leaf, decision, fmt, *, axis: int = -2, path: str = "weight", dty
         return leaf
     return quantize_leaf(leaf, fmt, axis=axis, path=path, dtype=dtype,
                          channels=decision if part else None)
+
+
+def store_frozen_leaf(leaf, decision, fmt, *, narrow, trained_dtype=jnp.float32,
+                      path: str = "weight"):
+    """One leaf as a mixed-precision fine-tuning step holds it: a frozen weight (or one
+    trained in part) as `store_leaf` stores it in `fmt`; any other frozen leaf (a norm's
+    vector) a plain `narrow` array; a trained leaf a `trained_dtype` master. Loaders
+    that read a model tensor by tensor and `cast_frozen` on a whole tree store each
+    leaf with it.
+
+    Args:
+      leaf: the array (or `jax.ShapeDtypeStruct` under `jax.eval_shape`).
+      decision: its resolved decision (`Full`, `Frozen` or `Channels`).
+      fmt: the stored weights' format, or None to keep frozen weights as `narrow` arrays.
+      narrow: the dtype of frozen leaves that are not stored in `fmt`.
+      trained_dtype: the dtype of trained leaves, and of what a stored weight dequantizes
+        to (default float32).
+      path: its name, for errors.
+
+    Returns:
+      A `Quantized` node, or the leaf in `narrow` or `trained_dtype` (as it is where it
+      has that dtype already).
+
+    Raises:
+      QuantizeError: the format does not fit the leaf (see `quantize_leaf`).
+    """
+    stored = store_leaf(leaf, decision, fmt, path=path, dtype=trained_dtype)
+    if is_quantized(stored):
+        return stored
+    want = jnp.dtype(narrow if isinstance(decision, Frozen) else trained_dtype)
+    return leaf if leaf.dtype == want else leaf.astype(want)

@@ -164,7 +164,6 @@ def cast_frozen(params, scheme, dtype=jnp.bfloat16, trained_dtype=jnp.float32, *
       >>> layers[0]["mlp"]["up_proj"]["kernel"].data.dtype, layers[1]["mlp"]["up_proj"]["kernel"].dtype
       (dtype(bfloat16), dtype('float32'))
     """
-    from pockjax.scheme import Frozen
 
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
         return jax.eval_shape(functools.partial(cast_frozen, scheme=scheme, dtype=dtype,
@@ -174,12 +173,5 @@ def cast_frozen(params, scheme, dtype=jnp.bfloat16, trained_dtype=jnp.float32, *
     stored = not native and _narrower(dtype, trained_dtype)
     fmt = lowbit.Cast(jnp.dtype(dtype)) if stored else None
 
-    def cast(x, decision):
-        frozen = isinstance(decision, Frozen)
-        stored = lowbit.store_leaf(x, decision, fmt, dtype=trained_dtype)
-        if lowbit.is_quantized(stored):
-            return stored
-        want = jnp.dtype(dtype if frozen else trained_dtype)
-        return x if x.dtype == want else x.astype(want)
-
-    return jax.tree.map(cast, params, decisions)
+    return jax.tree.map(lambda x, d: lowbit.store_frozen_leaf(
+        x, d, fmt, narrow=dtype, trained_dtype=trained_dtype), params, decisions)
