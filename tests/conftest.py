@@ -21,7 +21,7 @@ LONGEST_FIRST = (
     "tests/test_remat.py", "tests/models/test_mobilenetv2.py",
     "tests/models/test_mobilenetv2_kernels.py", "tests/transforms/test_sparse_grad.py",
     "tests/export/test_vulkan.py", "tests/export/test_host_cpu.py", "tests/prefix/test_prefix.py",
-    "tests/test_lowbit.py", "tests/scheme_search/test_search.py", "tests/test_workarounds.py",
+    "tests/lowbit/test_lowbit.py", "tests/scheme_search/test_search.py", "tests/test_workarounds.py",
     "tests/models/test_batchnorm.py", "tests/models/test_llama_mixed_precision.py",
     "tests/export/test_stream.py", "tests/transforms/test_rules.py",
     "tests/export/test_arm64.py",

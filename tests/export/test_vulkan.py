@@ -300,7 +300,7 @@ def test_low_bit_frozen_weights_train_on_vulkan_as_in_jax(tmp_path, target, form
     import pockjax as pj
     from pockjax import lowbit
     from tests.export.models import assert_metrics_match
-    from tests.test_lowbit import exportable_trainer
+    from tests.lowbit.test_lowbit import exportable_trainer
 
     if formats == "int":
         chosen = {"l0/**": lowbit.Int4(group=32, zero_point=True), "l1/**": "int4", "**": "int8"}
