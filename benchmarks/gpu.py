@@ -141,7 +141,7 @@ def _lowbit_model():
     """The export tests' MLP with frozen kernels stored as int4 with zero points, int4
     and int8 (`tests/test_lowbit.exportable_trainer`)."""
     from pockjax import lowbit
-    from tests.test_lowbit import exportable_trainer
+    from tests.lowbit.test_lowbit import exportable_trainer
 
     return exportable_trainer({"l0/**": lowbit.Int4(group=32, zero_point=True),
                                "l1/**": "int4", "**": "int8"})
