@@ -139,7 +139,7 @@ QUALITY_PACK = "quality.tar.xz"
 
 def _lowbit_model():
     """The export tests' MLP with frozen kernels stored as int4 with zero points, int4
-    and int8 (`tests/test_lowbit.exportable_trainer`)."""
+    and int8 (`exportable_trainer` in tests/lowbit/test_lowbit.py)."""
     from pockjax import lowbit
     from tests.lowbit.test_lowbit import exportable_trainer
 
