@@ -2,8 +2,8 @@
 `checkpointed` (a whole loss under `jax.checkpoint`), `checkpoint_call` (one call under
 it, optionally recomputed only once the output's cotangent exists) and `checkpoint_block`
 (the public per-block wrapper). `pockjax.train` (`SparseTrainer`), `pockjax.nnx`
-(`Trainer(remat=...)`) and `pockjax.models.llama` use them; the public names are
-re-exported from `pockjax.train`.
+(`Trainer(remat=...)`) and `pockjax.models.llama` use them; `pockjax.train` hands them
+on too.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from pockjax._src.ties import tie_zero
+
+__all__ = ["Remat", "checkpoint_block", "checkpoint_call", "checkpointed", "POLICY_NAMES"]
 
 
 # The policies of `jax.checkpoint_policies` a string may name; the others there are

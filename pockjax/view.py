@@ -17,7 +17,8 @@ import jax
 import numpy as np
 from jax import lax
 
-from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
+from pockjax.scheme import (Channels, Frozen, Full, Scheme, SchemeError, layouts_of,
+                            leaves_with_paths)
 
 __all__ = ["trainable_view", "apply_sparse_updates", "resolved_decisions", "ResolvedScheme",
            "trained_indices", "kept", "write_back"]
@@ -50,7 +51,7 @@ def resolved_decisions(params, scheme: Scheme | Any):
 class ResolvedScheme:
     """A scheme resolved once per parameter structure. Called with a parameter tree it
     gives `resolved_decisions(params, scheme)`, computed the first time that structure
-    (tree, shapes, dtypes) is seen and kept after. A trainer holds one
+    (tree, shapes, dtypes, and the axis layouts registered for it) is seen and kept after. A trainer holds one
     (`SparseTrainer.decisions`) and hands it to its gradient, its report and export, so
     the scheme is matched against the parameters' paths once.
 
@@ -73,7 +74,7 @@ class ResolvedScheme:
         """
         leaves, treedef = jax.tree_util.tree_flatten(params)
         key = (treedef, tuple((tuple(np.shape(x)), str(getattr(x, "dtype", type(x).__name__)))
-                              for x in leaves))
+                              for x in leaves), repr(layouts_of(params)))
         if key not in self._seen:
             self._seen[key] = tuple(resolved_decisions(params, self.scheme))
         return list(self._seen[key])

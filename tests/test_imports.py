@@ -302,7 +302,7 @@ def test_renamed_names_still_work_and_say_the_new_name():
 
 def test_public_names_report_a_module_a_user_can_import():
     """Classes and functions defined in private modules name their public facade as
-    their module (`_home.claim`), so tracebacks and reprs show an importable path."""
+    their module (`_src.home.claim`), so tracebacks and reprs show an importable path."""
     import importlib
     import inspect
 

@@ -149,3 +149,25 @@ def test_bad_decision_and_json():
         pj.Scheme.from_json("{not json")
     with pytest.raises(pj.SchemeError, match="unknown decision kind 'half'"):
         pj.Scheme.from_json('{"version": 1, "rules": [{"pattern": "a", "decision": {"kind": "half"}}]}')
+
+
+def test_a_resolved_scheme_is_kept_per_structure_and_sees_new_layouts():
+    """`ResolvedScheme` (what a trainer resolves once): the same decisions as
+    `Scheme.resolve`, kept per structure, and resolved again when the axes registered
+    for the structure change."""
+    import jax
+
+    from pockjax.scheme import register_layouts
+    from pockjax.view import ResolvedScheme
+
+    params = {"resolved_once_w": jnp.ones((4, 6)), "resolved_once_b": jnp.ones(6)}
+    scheme = pj.Scheme({"resolved_once_w": pj.Channels(count=2, axis="in")})
+    resolved = ResolvedScheme(scheme)
+    first = resolved(params)
+    assert first == jax.tree_util.tree_leaves(scheme.resolve(params))
+    assert resolved(params) == first and resolved(params) is not first
+    assert [d.axis for d in first if isinstance(d, pj.Channels)] == [0]
+    register_layouts(params, {"resolved_once_w": {"in": 1, "out": 0}})
+    assert [d.axis for d in resolved(params) if isinstance(d, pj.Channels)] == [1]
+    wider = {"resolved_once_w": jnp.ones((8, 6)), "resolved_once_b": jnp.ones(6)}
+    assert resolved(wider) == jax.tree_util.tree_leaves(scheme.resolve(wider))

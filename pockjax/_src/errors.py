@@ -21,3 +21,9 @@ class NonFiniteLoss(FloatingPointError):
     def __init__(self, step: int, loss: float, message: str | None = None):
         super().__init__(message or f"step {step}: the loss is {loss}")
         self.step, self.loss = step, loss
+
+    def __reduce__(self):  # pickles (across processes) with its step and loss
+        return type(self), (self.step, self.loss, str(self))
+
+
+NonFiniteLoss.__module__ = "pockjax.train"  # where users import it from

@@ -1,7 +1,7 @@
 """Public names defined in private modules take the public module as their home.
 
-A facade module (`pockjax.train`, `pockjax.prefix`, ...) keeps its implementation in
-private modules beside it (`pockjax.train._fit`, `pockjax.prefix._cut`) and re-exports the
+A package (`pockjax.train`, `pockjax.prefix`, ...) keeps its implementation in private
+modules (`pockjax.train._fit`, `pockjax.prefix._cut`) and its `__init__` hands on the
 public names. `claim(globals())` at the end of the facade sets those classes' and
 functions' `__module__` to the facade, so tracebacks, reprs and help() say
 `pockjax.finetuning.FinetuneError`, a name a user can import, as JAX does for its own

@@ -223,6 +223,9 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
         raise ExportError("this TrainState holds shapes (jax.ShapeDtypeStruct), not arrays; an "
                           "artifact carries the parameters' values, so export needs a state made "
                           "from arrays (trainer.init(params)); report() and lower() take shapes")
+    # What is compiled: the trainer's step, or a prefix cache's suffix and prefix (split
+    # on the state as given, before any storage change below).
+    trainer, batch, prefix = trainer.export_step(state, batch)
     if tgt.backend == "vulkan":
         # Low-bit weights as 32-bit words and float32 scales: IREE's SPIR-V code loads
         # neither bfloat16 nor 8-bit values on GPUs without 8-bit storage.
@@ -232,7 +235,6 @@ def export(trainer, state, batch, target: str = "host-cpu", out_dir: str = "expo
     started = time.perf_counter()
     say = _Progress(progress)
     say("lowering the training step to StableHLO")
-    trainer, batch, prefix = trainer.export_step(state, batch)
     lowered = lower_step(trainer, state, batch, backend=tgt.backend, prefix=prefix)
     mlir, device = lowered.mlir, None
     if tgt.local_device:

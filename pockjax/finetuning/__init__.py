@@ -29,16 +29,19 @@ job's `_job_export` (`pockjax export --model`) and `_job_run` (`pockjax run`, no
 Their public names are handed on here.
 """
 from pockjax._src.home import claim
-from pockjax.finetuning._base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
+from pockjax.finetuning._base import (FRONTENDS, SCHEDULES, FinetuneError,  # noqa: F401
+                                      Interrupted, NonFiniteLoss)
 # The command lines' pieces, which `pockjax.cli` builds its subcommands from.
 from pockjax.finetuning._cli import (add_arguments, add_generate_arguments,  # noqa: F401
                                      generate_main, generate_text, main)
-from pockjax.finetuning._job import FinetuneResult, finetune
-from pockjax.finetuning._model import (LORA_TARGETS, LoadedModel, lm_loss,  # noqa: F401
-                                       load_model, nll_sum)
+from pockjax.finetuning._job import (FinetuneResult, check_positions, finetune,  # noqa: F401
+                                     make_trainer, trainer_params)
+from pockjax.finetuning._model import (LORA_TARGETS, SAVE_DTYPES, LoadedModel,  # noqa: F401
+                                       lm_loss, load_model, nll_sum)
 from pockjax.finetuning._options import FinetuneOptions
 from pockjax.finetuning._run import CHECKPOINTS, FINAL, METRICS, RUN  # noqa: F401
-from pockjax.finetuning._spec import SCHEMES, SchemeSpec, scheme_from_spec
+from pockjax.finetuning._spec import (SCHEMES, SchemeSpec, choose_scheme,  # noqa: F401
+                                      output_head, scheme_from_spec, spec_number)
 
 __all__ = ["finetune", "FinetuneOptions", "SchemeSpec", "FinetuneError", "NonFiniteLoss",
            "Interrupted", "FinetuneResult", "load_model", "lm_loss", "scheme_from_spec",

@@ -28,6 +28,9 @@ class NonFiniteLoss(FinetuneError, errors.NonFiniteLoss):
     def __init__(self, step: int, loss: float, message: str):
         errors.NonFiniteLoss.__init__(self, step, loss, message)
 
+    def __reduce__(self):
+        return type(self), (self.step, self.loss, str(self))
+
 
 class Interrupted(FinetuneError):
     """Raised when Ctrl-C stops the run; a checkpoint of the last completed step was

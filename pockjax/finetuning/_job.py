@@ -105,10 +105,10 @@ def make_trainer(loaded, chosen, *, lr: float, warmup: int, total: int, schedule
     def loss_fn(p, b):
         return lm_loss(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"])
 
-    optimizer = adamw(_schedule(lr, warmup, total, schedule),
-                               weight_decay=weight_decay, moments=moments)
+    optimizer = adamw(_schedule(lr, warmup, total, schedule), weight_decay=weight_decay,
+                      moments=moments)
     return sparse_train(loss_fn, optimizer=optimizer, scheme=chosen,
-                           skip_nonfinite=skip_nonfinite)
+                        skip_nonfinite=skip_nonfinite)
 
 
 def _say(progress: bool, text: str) -> None:
@@ -156,7 +156,7 @@ def _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, 
     try:
         scheme, report = search_scheme(factory, loaded.params, (train_batches, heldout),
                                        budget=budget, steps=steps, cache=str(cache),
-                                   progress=progress)
+                                       progress=progress)
     except ValueError as e:
         raise FinetuneError(f"--scheme search:{budget}: {e}") from None
     _say(progress, f"search under {budget}: trains {', '.join(report.chosen)}")
@@ -257,7 +257,7 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     from pockjax.tokenizer import Tokenizer, TokenizerError
     from pockjax.train import NonFiniteLoss as StepNotFinite, fit
 
-    o = _options(options, keywords)
+    o = options_from(options, keywords)
     scheme, steps, epochs, batch, seq = o.scheme, o.steps, o.epochs, o.batch, o.seq
     lr, warmup, schedule, weight_decay, seed = o.lr, o.warmup, o.schedule, o.weight_decay, o.seed
     frozen_dtype, moments, frontend, progress = o.frozen_dtype, o.moments, o.frontend, o.progress
@@ -465,8 +465,10 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     return result
 
 
-def _options(options: FinetuneOptions | None, keywords: dict) -> FinetuneOptions:
-    """`finetune`'s options: `options`, or the keywords (checked by `FinetuneOptions`)."""
+def options_from(options: FinetuneOptions | None, keywords: dict, *, name: str = "finetune",
+                 job: bool = False) -> FinetuneOptions:
+    """The options of `finetune` (or of `name`, taking the `job` options only): `options`,
+    or the keywords (checked by `FinetuneOptions`)."""
     if options is not None:
         if keywords:
             raise FinetuneError(f"give the options as keywords or as options=, not both "
@@ -475,17 +477,18 @@ def _options(options: FinetuneOptions | None, keywords: dict) -> FinetuneOptions
             raise FinetuneError(f"options must be a pockjax.finetuning.FinetuneOptions, got "
                                 f"{type(options).__name__}")
         return options
-    unknown = sorted(set(keywords) - set(FinetuneOptions.names()))
+    names = FinetuneOptions.names(job=job)
+    unknown = sorted(set(keywords) - set(names))
     if unknown:
-        raise TypeError(f"finetune() got an unexpected keyword argument {unknown[0]!r}; its "
-                        f"options are {', '.join(FinetuneOptions.names())}")
+        raise TypeError(f"{name}() got an unexpected keyword argument {unknown[0]!r}; its "
+                        f"options are {', '.join(names)}")
     return FinetuneOptions(**keywords)
 
 
-# help() and editors show the options as keywords, with their defaults.
+# help() and inspect.signature show the options as keywords, with defaults and types.
 finetune.__signature__ = inspect.Signature(
     [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in ("model", "data", "out")]
-    + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default)
-       for f in dataclasses.fields(FinetuneOptions)]
+    + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                         annotation=f.type) for f in dataclasses.fields(FinetuneOptions)]
     + [inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None)],
     return_annotation="FinetuneResult")

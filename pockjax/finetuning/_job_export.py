@@ -105,20 +105,13 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
         compile for the target.
     """
     from pockjax.export import export
-    from pockjax.finetuning._job import check_positions, make_trainer, trainer_params
+    from pockjax.finetuning._job import (check_positions, make_trainer, options_from,
+                                         trainer_params)
     from pockjax.finetuning._model import load_model
     from pockjax.finetuning._spec import choose_scheme
     from pockjax.tokenizer import Tokenizer, TokenizerError
 
-    if options is None:
-        unknown = sorted(set(keywords) - set(FinetuneOptions.names(job=True)))
-        if unknown:
-            raise TypeError(f"export_job() got an unexpected keyword argument {unknown[0]!r}; "
-                            f"its options are {', '.join(FinetuneOptions.names(job=True))}")
-        options = FinetuneOptions(**keywords)
-    elif keywords:
-        raise FinetuneError("give the options as keywords or as options=, not both")
-    o = options
+    o = options_from(options, keywords, name="export_job", job=True)
     scheme, steps, batch, frozen_dtype = o.scheme, o.steps, o.batch, o.frozen_dtype
     say = (lambda text: print(f"pockjax export: {text}", file=sys.stderr, flush=True)) \
         if progress else (lambda text: None)

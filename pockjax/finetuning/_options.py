@@ -11,8 +11,13 @@ import argparse
 import dataclasses
 import math
 import numbers
+import typing
 
 from pockjax.finetuning._base import FRONTENDS, SCHEDULES, FinetuneError
+
+MOMENTS = ("float32", "bfloat16", "int8")
+"""The storage of AdamW's moments `--moments` takes (`pockjax.optim.moments.MOMENTS`,
+which needs JAX to import; a test checks the two agree)."""
 from pockjax.finetuning._model import SAVE_DTYPES
 from pockjax.finetuning._spec import SchemeSpec
 
@@ -74,7 +79,7 @@ class FinetuneOptions:
     moments: str = _option(
         "float32", "storage of AdamW's two moments: float32 (8 bytes a trained value), "
         "bfloat16 (4) or int8 (2, block-wise; pockjax.optim.adamw); the trained weights stay "
-        "float32", result=True, job=True, metavar="{float32,bfloat16,int8}")
+        "float32", result=True, job=True, choices=MOMENTS)
     skip_nonfinite: bool = _option(False, "skip a step whose loss or gradient is not finite "
                                    "instead of stopping", result=True)
     frontend: str = _option(
@@ -96,6 +101,16 @@ class FinetuneOptions:
 
     def __post_init__(self):
         object.__setattr__(self, "scheme", SchemeSpec.parse(self.scheme))
+        # numpy numbers as the plain Python numbers run.json records (and a whole float
+        # for --warmup, a step count the schedule reads as a number); any other value
+        # stays, for the checks below to refuse.
+        for name, kind in _NUMBERS.items():
+            value = getattr(self, name)
+            if kind is int and (_whole(value) or name == "warmup" and _real(value)
+                                and float(value).is_integer()):
+                object.__setattr__(self, name, int(value))
+            elif kind is float and _real(value):
+                object.__setattr__(self, name, float(value))
         if self.steps is not None and self.epochs is not None:
             raise FinetuneError("give --steps or --epochs, not both")
         for name in ("batch", "keep", "steps", "seq", "eval_every", "save_every"):
@@ -122,10 +137,8 @@ class FinetuneOptions:
             raise FinetuneError(f"--seed must be a whole number, got {self.seed!r}")
         if self.resume and self.overwrite:
             raise FinetuneError("give --resume or --overwrite, not both")
-        from pockjax.optim.moments import MOMENTS  # JAX: only where options are made
-
         for field in dataclasses.fields(self):
-            choices = MOMENTS if field.name == "moments" else field.metadata["choices"]
+            choices = field.metadata["choices"]
             value = getattr(self, field.name)
             if choices is not None and value not in choices:
                 raise FinetuneError(f"{_flag(field.name)} must be one of {', '.join(choices)}, "
@@ -164,13 +177,21 @@ class FinetuneOptions:
                 action = "store_false" if field.default else "store_true"
                 target.add_argument(flag, dest=field.name, action=action, help=meta["help"])
                 continue
-            kind = {"steps": int, "epochs": float, "batch": int, "seq": int, "lr": float,
-                    "warmup": int, "weight_decay": float, "eval_every": int,
-                    "save_every": int, "keep": int, "seed": int}.get(field.name)
-            target.add_argument(flag, dest=field.name, default=field.default, type=kind,
+            target.add_argument(flag, dest=field.name, default=field.default,
+                                type=_NUMBERS.get(field.name),
                                 choices=meta["choices"], metavar=meta["metavar"],
                                 help=meta["help"])
 
+
+def _number_kind(hint) -> type | None:
+    """int or float for a field typed `int`, `float` or either `| None`; else None."""
+    kinds = {a for a in typing.get_args(hint) or (hint,) if a is not type(None)}
+    return next(iter(kinds)) if len(kinds) == 1 and kinds <= {int, float} else None
+
+
+# The numeric options and their type, read from the fields' annotations.
+_NUMBERS = {name: kind for name, hint in typing.get_type_hints(FinetuneOptions).items()
+            if (kind := _number_kind(hint)) is not None}
 
 RESULT_OPTIONS = ("model", "data", "scheme", "total_steps") + tuple(
     f.name for f in dataclasses.fields(FinetuneOptions)

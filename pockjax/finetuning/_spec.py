@@ -1,7 +1,8 @@
 """`--scheme`: the text read once into a `SchemeSpec`, which builds the scheme (or
 schedule) for a model's parameters; `choose_scheme` picks it for a loaded model.
 
-Reading needs no JAX (the device job records its options with it); building does.
+Reading needs no JAX (`FinetuneOptions` reads `--scheme` where it is made, and the
+options import no JAX); building does.
 """
 from __future__ import annotations
 

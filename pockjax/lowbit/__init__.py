@@ -34,7 +34,7 @@ Quantized(int4, shape=(64, 8), group=64)
 >>> float(loss(q, jnp.ones((2, 64)))) > 0
 True
 
-The pieces live beside this module and their public names are re-exported here:
+The pieces live in this package and their public names are handed on here:
 `pockjax.lowbit._formats` (the formats and their codes), `pockjax.lowbit._store`
 (`Quantized`, `quantize` and the other functions of stored trees) and
 `pockjax.lowbit._use` (`at_use`: the dequantization at each use).
@@ -45,15 +45,13 @@ from pockjax._src.home import claim
 from pockjax.lowbit._formats import FORMATS, Cast, Int4, Int8, QuantizeError, format_of
 from pockjax.lowbit._store import (Quantized, dequantize, formats_by_path, in_words,
                                    is_quantized, quantize, quantize_leaf, store_frozen_leaf,
-                                   store_leaf,
-                                   stored_bytes)
-# PIECE_BYTES is read where `at_use` uses it, in pockjax.lowbit._use (set it there).
+                                   store_leaf, stored_bytes)
+# PIECE_BYTES: the float copy's size above which `at_use` multiplies a weight in pieces.
 from pockjax.lowbit._use import PIECE_BYTES, at_use, one_after, reads_stored  # noqa: F401
 
 __all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
            "formats_by_path", "quantize", "quantize_leaf", "store_leaf", "store_frozen_leaf",
-           "dequantize",
-           "at_use", "reads_stored", "one_after", "is_quantized", "stored_bytes",
+           "dequantize", "at_use", "reads_stored", "one_after", "is_quantized", "stored_bytes",
            "in_words"]
 
 claim(globals())

@@ -241,7 +241,7 @@ def _unfused(logits: jax.Array) -> jax.Array:
 def _remat_block(layer: LlamaBlock, h, cos, sin, mask):
     """`layer(h, ...)` under `jax.checkpoint`, saving nothing inside the block: the
     backward pass recomputes the block from its input (and its weights' upcasts with it),
-    once the block output's cotangent exists (see `pockjax.train.checkpoint_call`; with
+    once the block output's cotangent exists (see `pockjax.remat.checkpoint_call`; with
     plain `jax.checkpoint` XLA's CPU scheduler moved the recomputation next to the
     forward pass, and nothing was saved). The same mechanism as
     `pockjax.nnx.Trainer(remat="layers/*")`."""

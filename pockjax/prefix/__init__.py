@@ -29,7 +29,7 @@ recomputed by the suffix instead. Batch inputs without the example axis (a model
 batch statistics) are part of every key. The cache belongs to one model's frozen
 weights: a new model, scheme or data set needs a new `PrefixCachedTrainer`.
 
-The pieces live beside this module and are re-exported here: `pockjax.prefix._cut`
+The pieces live in this package and are handed on here: `pockjax.prefix._cut`
 (`find_cut`, `PrefixSplit`: where the step splits) and `pockjax.prefix._cache`
 (`PrefixCache`, `example_keys`: the storage). This module runs a trainer through them.
 """

@@ -57,7 +57,7 @@ from pockjax.scheme_search._report import CandidateResult, SearchReport, scheme_
 from pockjax.scheme import Scheme, SchemeError
 from pockjax.train import SparseTrainer
 
-# Reachable here as before (`_knapsack` for the tests).
+# `RATIOS` (the candidates' channel ratios) and `_knapsack` for the tests.
 from pockjax.scheme_search._candidates import RATIOS  # noqa: F401
 from pockjax.scheme_search._choose import knapsack as _knapsack  # noqa: F401
 

@@ -24,7 +24,7 @@ checks made on a state), `_report` (`TrainReport` and the memory breakdown of
 from `pockjax.remat`.
 """
 from pockjax._src.home import claim
-from pockjax.remat import Remat, checkpoint_block
+from pockjax.remat import Remat, checkpoint_block, checkpoint_call, checkpointed  # noqa: F401
 from pockjax.train._fit import (History, NonFiniteLoss, compile_cache_dir, compile_seconds, fit,
                                 peak_rss_gib, use_compile_cache)
 from pockjax.train._report import TrainReport

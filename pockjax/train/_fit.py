@@ -178,7 +178,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
 
     Raises:
       ValueError: `steps` is negative, or `batches` is a function and `steps` is None.
-      TypeError: an unknown keyword; `prefix_cache=` names the trainer that replaces it.
+      TypeError: an unknown keyword; `prefix_cache=` (other than False or None, the
+        cache off) names the trainer that replaces it.
       NonFiniteLoss: with `stop_nonfinite`, a step's loss is NaN or infinite.
     """
     from tqdm.auto import tqdm
@@ -187,6 +188,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         raise ValueError(f"steps must be >= 0, got {steps}")
     if compile_cache:
         use_compile_cache()
+    if unknown.get("prefix_cache", True) in (False, None):
+        del unknown["prefix_cache"]  # the cache off, as without it
     if unknown:
         name = next(iter(unknown))
         if name == "prefix_cache":

@@ -48,8 +48,12 @@ from pockjax.transforms._plans import Alias, Decline, Narrowed, Plan, Whole
 from pockjax.transforms._rules import (RULES, Analysis, BoxRule, Rule, Stats, compute_whole,
                                        register)
 from pockjax.transforms._rules_elementwise import ELEMENTWISE
-# The rule modules not named above register their rules in `RULES` when imported.
-from pockjax.transforms import _rules_contraction, _rules_layout, _rules_slicing  # noqa: F401
+from pockjax.transforms import (_control_flow, _rules_contraction, _rules_elementwise,
+                                _rules_layout, _rules_slicing)
+
+# The modules whose rules fill `RULES`: each registers its rules when it is imported.
+_RULE_MODULES = (_rules_elementwise, _rules_layout, _rules_slicing, _rules_contraction,
+                 _control_flow)
 
 __all__ = ["Box", "full_box", "is_full", "box_shape", "slice_to_box", "Stats", "Decline",
            "Narrowed", "Whole", "Alias", "Plan", "Analysis", "Rule", "compute_whole", "BoxRule",

@@ -125,3 +125,35 @@ def test_run_json_records_the_options_that_change_what_a_run_computes():
     assert not {"keep", "plot", "prefix_cache", "compile_cache", "resume"} & set(recorded)
     with pytest.raises(TypeError, match="no value for model"):
         run_options(seq=3)
+
+
+def test_the_options_take_the_numbers_a_user_has_and_record_plain_ones():
+    import json
+
+    import numpy as np
+
+    from pockjax.finetuning._options import MOMENTS
+    from pockjax.optim.moments import MOMENTS as OPTIMIZER_MOMENTS
+
+    assert MOMENTS == OPTIMIZER_MOMENTS  # --moments' choices are the optimizer's
+    options = FinetuneOptions(batch=np.int64(8), seq=np.int32(64), lr=np.float32(0.5),
+                              warmup=2.0, seed=np.uint8(3))
+    assert (options.batch, options.seq, options.warmup, options.seed) == (8, 64, 2, 3)
+    assert type(options.batch) is int and type(options.lr) is float
+    recorded = run_options(options, model="/m", data="d", scheme="s", total_steps=1, seq=64)
+    json.dumps(recorded)  # run.json takes them
+    with pytest.raises(pj.FinetuneError, match="--warmup must be a whole number"):
+        FinetuneOptions(warmup=2.5)
+
+
+def test_a_non_finite_loss_is_one_error_that_pickles():
+    import pickle
+
+    import pockjax.train
+    from pockjax.finetuning import NonFiniteLoss
+
+    error = pickle.loads(pickle.dumps(NonFiniteLoss(7, float("nan"), "step 7: the loss is nan")))
+    assert isinstance(error, pj.FinetuneError) and isinstance(error, pockjax.train.NonFiniteLoss)
+    assert (error.step, str(error)) == (7, "step 7: the loss is nan")
+    plain = pickle.loads(pickle.dumps(pockjax.train.NonFiniteLoss(2, float("inf"))))
+    assert (plain.step, plain.loss, str(plain)) == (2, float("inf"), "step 2: the loss is inf")

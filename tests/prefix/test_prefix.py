@@ -242,6 +242,8 @@ def test_fit_with_the_prefix_cache_equals_fit_without():
         pj.fit(trainer, trainer.init(params), batch_of, 1, progress=False, prefix_cache=True)
     with pytest.raises(TypeError, match="unexpected keyword argument 'setps'"):
         pj.fit(trainer, trainer.init(params), batch_of, 1, progress=False, setps=3)
+    _, off = pj.fit(trainer, trainer.init(params), batch_of, 1, progress=False, prefix_cache=False)
+    assert off.steps == 1  # the cache off, as fit ran it before
     # auto: a cut this small against this little prefix work is not worth it here, or it
     # is; either way the report says which and the results are the same.
     cached = PrefixCachedTrainer(trainer, auto=True)
