@@ -181,8 +181,10 @@ def test_bad_input_is_one_line_before_any_work(setup, capsys, tmp_path):
           "--out", tmp_path / "o")
     with pytest.raises(SystemExit, match="give MODULE:ATTR or --model FOLDER"):
         main(["export", "--out", str(tmp_path / "x")])
-    with pytest.raises(SystemExit, match="give --steps N"):
-        main(["export", "--model", str(setup["model"]), "--out", str(tmp_path / "x")])
+    capsys.readouterr()
+    assert main(["export", "--model", str(setup["model"]), "--out", str(tmp_path / "x")]) == 1
+    assert "pockjax export: give --steps N, the run's length" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
     assert main(["export", "--model", str(setup["model"]), "--out", str(tmp_path / "x"),
                  "--steps", "4", "--scheme", "search:40%"]) == 1
     assert "needs the data" in capsys.readouterr().err
