@@ -6,7 +6,7 @@ its equations; the chain is *per-leaf* when every trainable leaf's update, and t
 state it writes, depend only on that leaf's gradient, parameter and state, plus
 *shared* state (state whose new value depends on no gradient or parameter, such as
 adam's step count or a schedule's counter). Then each leaf gets its own jaxpr (a DCE
-of the whole one), which the fused step runs as soon as that leaf's gradient exists.
+of the whole one, found in one pass), which the fused step runs as soon as that leaf's gradient exists.
 
 A chain such as `clip_by_global_norm` makes every update depend on every gradient;
 it is reported as global, with the two parameters that tie it together.
@@ -20,7 +20,7 @@ import jax
 import jax.extend.core as jex
 from jax.interpreters import partial_eval as pe
 
-from pockjax._src.jaxpr import consts_to_invars, dependencies
+from pockjax._src.jaxpr import consts_to_invars, dependencies, is_var
 
 __all__ = ["LeafUpdate", "UpdatePlan", "plan_updates"]
 
@@ -100,6 +100,42 @@ class _UnionFind:
 
     def union(self, a, b):
         self.parent[self.find(a)] = self.find(b)
+
+
+def _sub_jaxprs(closed: jex.ClosedJaxpr, groups: Sequence[Sequence[int]]
+                ) -> list[tuple[jex.ClosedJaxpr, list[int]]]:
+    """`_sub_jaxpr` of each group of outputs, in one backward pass over the equations
+    rather than one dead-code elimination of the whole jaxpr per group (which grows as
+    the number of parameters squared): each equation is marked with the groups that read
+    its outputs, and each group's DCE then runs over its own equations only. A jaxpr
+    with effects takes the plain path."""
+    jaxpr = closed.jaxpr
+    if jaxpr.effects:
+        return [_sub_jaxpr(closed, outs) for outs in groups]
+    need: dict = {}
+    for g, outs in enumerate(groups):
+        for o in outs:
+            v = jaxpr.outvars[o]
+            if is_var(v):
+                need[v] = need.get(v, 0) | (1 << g)
+    marks = [0] * len(jaxpr.eqns)
+    for i in range(len(jaxpr.eqns) - 1, -1, -1):
+        e = jaxpr.eqns[i]
+        mark = 0
+        for v in e.outvars:
+            if is_var(v):
+                mark |= need.get(v, 0)
+        marks[i] = mark
+        if mark:
+            for v in e.invars:
+                if is_var(v):
+                    need[v] = need.get(v, 0) | mark
+    out = []
+    for g, outs in enumerate(groups):
+        bit = 1 << g
+        own = jaxpr.replace(eqns=[e for e, mark in zip(jaxpr.eqns, marks) if mark & bit])
+        out.append(_sub_jaxpr(jex.ClosedJaxpr(own, closed.consts), outs))
+    return out
 
 
 def _sub_jaxpr(closed: jex.ClosedJaxpr, outputs: Sequence[int]) -> tuple[jex.ClosedJaxpr, list[int]]:
@@ -223,14 +259,12 @@ def plan_updates(optimizer, grads_view, state, params_view, names: Sequence[str]
         else:
             leaf_state[owner].append(j)
 
-    leaf_updates = []
-    for i in range(n):
-        outs = [i] + [n + j for j in leaf_state[i]]
-        sub, inputs = _sub_jaxpr(closed, outs)
-        leaf_updates.append(LeafUpdate(i, sub, tuple(inputs), tuple(leaf_state[i])))
     shared_out = sorted(shared) + extra_shared
-    shared_jaxpr, shared_inputs = (_sub_jaxpr(closed, [n + j for j in shared_out])
-                                   if shared_out else (None, []))
+    groups = [[i] + [n + j for j in leaf_state[i]] for i in range(n)]
+    subs = _sub_jaxprs(closed, groups + ([[n + j for j in shared_out]] if shared_out else []))
+    leaf_updates = [LeafUpdate(i, sub, tuple(inputs), tuple(leaf_state[i]))
+                    for i, (sub, inputs) in enumerate(subs[:n])]
+    shared_jaxpr, shared_inputs = subs[n] if shared_out else (None, [])
     return UpdatePlan(mode="fused",
                       reason="every parameter's update depends only on its own gradient, "
                              "parameter and state, and on shared scalars",
