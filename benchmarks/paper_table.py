@@ -34,7 +34,12 @@ pages to the OS after its first step. Each row runs in its own process (peak res
 from the OS is that row's alone) with a timeout; a row that fails says why in its cell. Prints markdown
 tables and writes benchmarks/results/paper_table.md and paper_table.png.
 
-    python benchmarks/paper_table.py [--quick] [--steps 10] [--warmup 3] [--workloads llama,mobilenetv2]
+`--rounds N` runs the rows N times in alternation (round 1: every row, then round 2, ...);
+a row's step time is then the median of its rounds' medians, given with the rounds'
+range, so a row is not judged by one process that met a busy moment of the machine.
+
+    python benchmarks/paper_table.py [--quick] [--steps 10] [--warmup 3] [--rounds 1]
+        [--workloads llama,mobilenetv2]
 """
 from __future__ import annotations
 
@@ -440,6 +445,19 @@ def child(args) -> None:
     report_result(result)
 
 
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One row's result over its rounds: the first round's (losses, memory, FLOPs), with
+    `round_ms` the median step of each round, or the first failure's error."""
+    failed = [r for r in rounds if "error" in r]
+    if failed:
+        return failed[0]
+    merged = dict(rounds[0])
+    if len(rounds) > 1:
+        merged["round_ms"] = [statistics.median(r["times"]) * 1e3 for r in rounds]
+        merged["rss_peak_mib"] = max(r["rss_peak_mib"] for r in rounds)
+    return merged
+
+
 def run_row(workload: str, row: str, args) -> dict:
     cmd = [os.path.abspath(__file__), "--workload", workload, "--row", row,
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--data", args.data]
@@ -456,6 +474,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=10, help="timed steps per row")
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps (compilation)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds per row")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of every row, in alternation; "
+                    "a row's time is the median of its rounds' medians")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--llama", metavar="SPEC", help="LLaMA sizes: a preset (llama2-7b: 32 layers, "
                     "hidden 4096, MLP 11008, 32 heads, vocabulary 32000, sequence 512, batch 1) "
@@ -487,7 +507,9 @@ def main(argv=None):
              f"{versions(PACKAGES)}. Commit {commit()}. Command: `{command}`.", "",
              f"Adam {LR:g}, the same weights and batch every step. Each row in its own process: "
              f"{args.warmup} warm-up steps (compilation included), then {args.steps} timed "
-             f"steps; median and min-max. Peak RSS is the row process's high-water mark (`VmHWM`); XLA temp is "
+             f"steps; " + (f"the rows run {args.rounds} times in alternation, and a row's time "
+                           f"is the median of its rounds' medians, with the rounds' range. "
+                           if args.rounds > 1 else "median and min-max. ") + f"Peak RSS is the row process's high-water mark (`VmHWM`); XLA temp is "
              f"the compiled step's `memory_analysis().temp_size_in_bytes`. The rows on Flax models "
              f"call `jax.clear_caches()` after building the model (JAX otherwise keeps the "
              f"programs it compiled for the initialisers), and every row returns the C heap's "
@@ -502,19 +524,22 @@ def main(argv=None):
             args.data = data
             print(f"[{w}] preparing weights ...", file=sys.stderr, flush=True)
             prep = prepare(w, s, data)
-            results = {}
-            for row in rows:
-                if row in TORCH_FRONTEND_ROWS and w != "llama":
-                    results[row] = {"error": "LLaMA only (the Hugging Face module)"}
-                    continue
-                if row in FROZEN_BN_ROWS and w != "mobilenetv2":
-                    results[row] = {"error": "MobileNetV2 only (batch norms)"}
-                    continue
-                print(f"[{w}] {row} ...", file=sys.stderr, flush=True, end=" ")
-                results[row] = run_row(w, row, args)
-                r = results[row]
-                print(r.get("error") or f"{statistics.median(r['times']) * 1e3:.1f} ms, "
-                      f"{r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+            rounds: dict = {row: [] for row in rows}
+            for k in range(args.rounds):
+                for row in rows:
+                    if row in TORCH_FRONTEND_ROWS and w != "llama":
+                        rounds[row] = [{"error": "LLaMA only (the Hugging Face module)"}]
+                        continue
+                    if row in FROZEN_BN_ROWS and w != "mobilenetv2":
+                        rounds[row] = [{"error": "MobileNetV2 only (batch norms)"}]
+                        continue
+                    tag = f" (round {k + 1}/{args.rounds})" if args.rounds > 1 else ""
+                    print(f"[{w}] {row}{tag} ...", file=sys.stderr, flush=True, end=" ")
+                    r = run_row(w, row, args)
+                    rounds[row].append(r)
+                    print(r.get("error") or f"{statistics.median(r['times']) * 1e3:.1f} ms, "
+                          f"{r['wall_s']:.0f} s", file=sys.stderr, flush=True)
+            results = {row: merge_rounds(got) for row, got in rounds.items()}
         finally:
             shutil.rmtree(data, ignore_errors=True)
         all_results[w] = results

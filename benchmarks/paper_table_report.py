@@ -19,15 +19,33 @@ def _cell(text: str) -> str:
     return text.replace("|", "/").replace("\n", " ")
 
 
+def step_ms(r: dict) -> float:
+    """A row's step time, ms: the median of its rounds' medians (`merge_rounds`), or of
+    its steps for a single round."""
+    if "round_ms" in r:
+        return statistics.median(r["round_ms"])
+    return statistics.median(r["times"]) * 1e3
+
+
+def spread_ms(r: dict) -> tuple[float, float]:
+    """The rounds' range of medians, or the steps' min and max for a single round."""
+    if "round_ms" in r:
+        return min(r["round_ms"]), max(r["round_ms"])
+    t = np.asarray(r["times"]) * 1e3
+    return float(t.min()), float(t.max())
+
+
 def table(workload: str, s: dict, prep: dict, results: dict, rows: list[str], args) -> list[str]:
     n, unit = items_per_step(workload, s)
     ok = lambda r: r in results and "error" not in results[r]
-    med = lambda r: statistics.median(results[r]["times"]) * 1e3
+    med = lambda r: step_ms(results[r])
+    rounds = max((len(results[r].get("round_ms", ())) for r in rows if ok(r)), default=0)
     ref = med("torch full") if ok("torch full") else None
+    spread = "rounds' range" if rounds > 1 else "min-max"
     lines = [f"## {workload}: {describe(workload, s)}", "",
              f"Sparse scheme: {prep['trained_tensors']} of {prep['tensors']} parameter tensors "
              f"train. JAX first-batch loss {prep['jax_first_loss']:.6f}.", "",
-             f"| row | median ms | min-max ms | {unit} | speed vs torch full | trained params "
+             f"| row | median ms | {spread} ms | {unit} | speed vs torch full | trained params "
              f"| GFLOP | XLA temp MiB | RSS after imports MiB | peak RSS MiB "
              f"| loss step 1 -> {args.warmup + args.steps} |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -36,8 +54,8 @@ def table(workload: str, s: dict, prep: dict, results: dict, rows: list[str], ar
         if "error" in r:
             lines.append(f"| {row} | {_cell('failed: ' + r['error'])} |" + " |" * 9)
             continue
-        t = np.asarray(r["times"]) * 1e3
-        cells = [row, f"{med(row):.1f}", f"{t.min():.1f}-{t.max():.1f}",
+        lo, hi = spread_ms(r)
+        cells = [row, f"{med(row):.1f}", f"{lo:.1f}-{hi:.1f}",
                  f"{n / (med(row) / 1e3):,.0f}", f"{ref / med(row):.2f}x" if ref else "-",
                  f"{r['trained_params']:,}" if "trained_params" in r else "-",
                  f"{r['gflop']:.2f}" if "gflop" in r else "-",
@@ -143,7 +161,7 @@ def chart(all_results: dict, rows: list[str], path: str) -> None:
         res = all_results[w]
         names = [r for r in rows if r in res]
         good = ["error" not in res[r] for r in names]
-        lat = [statistics.median(res[r]["times"]) * 1e3 if g else 0 for r, g in zip(names, good)]
+        lat = [step_ms(res[r]) if g else 0 for r, g in zip(names, good)]
         mem = [res[r]["rss_peak_mib"] if g else 0 for r, g in zip(names, good)]
         colors = ["tab:orange" if r.startswith("torch") else "tab:green" if r.startswith(
             "pockjax") else "tab:blue" for r in names]
