@@ -174,3 +174,20 @@ def test_lowbit_load_benchmark_stores_the_same_bytes_either_way(tmp_path):
     first, second = results.values()
     assert first["digest"] == second["digest"]
     assert first["stored_bytes"] == second["stored_bytes"] > 0
+
+
+def test_paper_table_rounds_take_the_median_of_the_rounds_medians():
+    from benchmarks.paper_table import merge_rounds
+    from benchmarks.paper_table_report import spread_ms, step_ms
+
+    rounds = [{"times": [0.010, 0.030, 0.020], "losses": [2.0, 1.0], "rss_peak_mib": 100},
+              {"times": [0.050, 0.040, 0.060], "losses": [2.0, 1.0], "rss_peak_mib": 120},
+              {"times": [0.030, 0.030, 0.031], "losses": [2.0, 1.0], "rss_peak_mib": 110}]
+    merged = merge_rounds(rounds)
+    assert merged["round_ms"] == pytest.approx([20.0, 50.0, 30.0])
+    assert step_ms(merged) == pytest.approx(30.0)
+    assert spread_ms(merged) == pytest.approx((20.0, 50.0))
+    assert merged["rss_peak_mib"] == 120 and merged["losses"] == [2.0, 1.0]
+    single = merge_rounds(rounds[:1])
+    assert step_ms(single) == pytest.approx(20.0) and spread_ms(single) == pytest.approx((10.0, 30.0))
+    assert merge_rounds([rounds[0], {"error": "timed out"}]) == {"error": "timed out"}
