@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 
 from pockjax.finetuning._base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
-from pockjax.finetuning._model import (frozen_names, lm_loss, load_model, low_bit, nll_sum,
-                                       partial_names, stored_by_lowbit, write_final)
+from pockjax.finetuning._model import (frozen_names, lm_loss, lm_loss_at, load_model, low_bit,
+                                       nll_sum, partial_names, stored_by_lowbit,
+                                       target_positions, write_final)
 from pockjax.finetuning._options import FinetuneOptions
 from pockjax.finetuning._run import (FINAL, RunFolder, close_prefix_cache, fingerprint,
                                      plot_losses, run_options)
@@ -103,6 +104,8 @@ def make_trainer(loaded, chosen, *, lr: float, warmup: int, total: int, schedule
     from pockjax.train import sparse_train
 
     def loss_fn(p, b):
+        if "targets" in b:  # the head at the counted positions only (target_positions)
+            return lm_loss_at(loaded, p, b)
         return lm_loss(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"])
 
     optimizer = adamw(_schedule(lr, warmup, total, schedule), weight_decay=weight_decay,
@@ -231,6 +234,11 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         keep its output; `pockjax.prefix`), "on" or "off". The results are the same; a
         line in the log says whether it is on and what it saves. Values past a quarter of
         the available memory (at most 4 GiB) go to `out/prefix-cache/`, removed at the end.
+      logits: where the output head runs: "targets" (the default: at the positions the
+        loss counts only, when prompts and padding leave at most half of a batch's, for
+        LLaMA-family models on the Flax path and without the prefix cache; K positions
+        padded to an eighth, a quarter or half of the batch, so at most three step shapes
+        compile) or "all" (every position). The losses agree within float32 rounding.
       save_dtype: the float type of `final/`'s trained tensors: "auto" (the default: the
         base model's, as its safetensors store it), "float32", "bfloat16" or "float16".
         The tensors the scheme never trains are the base's own bytes, and `config.json`
@@ -371,8 +379,15 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     saved: list[Path] = []
     skips = [0]
 
+    # With --logits targets (and a model that splits its head off) a batch also carries
+    # the positions the loss counts, and the head runs at those only; not with the prefix
+    # cache, whose example keys read every batch array.
+    at_targets = [o.logits == "targets" and loaded.hidden is not None]
+
     def batch_of(step):
-        return pad_batch(batch_examples(train, step, batch, seed=seed), batch, seq, pad)
+        b = pad_batch(batch_examples(train, step, batch, seed=seed), batch, seq, pad)
+        found = target_positions(b["mask"]) if at_targets[0] else None
+        return b if found is None else {**b, **found}
 
     def tokens_of(step):
         return sum(len(e.ids) for e in batch_examples(train, step, batch, seed=seed))
@@ -411,12 +426,18 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         spill = Path(out) / "prefix-cache"
         shutil.rmtree(spill, ignore_errors=True)
         cached = PrefixCachedTrainer(trainer, spill_dir=str(spill), auto=prefix_cache == "auto")
+        wanted, at_targets[0] = at_targets[0], False
         try:
             report = cached.report(state, batch_of(start))
         except PrefixCacheError as e:
             raise FinetuneError(f"--prefix-cache on: {e}") from None
         _say(progress, f"{report}; RAM budget {cached.budget_bytes / 2**30:.2f} GiB")
         step_fn = cached if report.on else trainer
+        at_targets[0] = wanted and not report.on
+    if at_targets[0] and 2 * train.targets <= len(train) * seq:
+        _say(progress, f"the output head runs at the positions the loss counts ({train.targets:,} "
+                       f"of the {len(train) * seq:,} padded positions; --logits all for every "
+                       f"position)")
 
     try:
         with warnings.catch_warnings():  # finetune says it itself, with the checkpoint

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pockjax.finetuning._base import FRONTENDS, FinetuneError
+from pockjax.finetuning._loss import (lm_loss, lm_loss_at, nll_sum,  # noqa: F401  (handed on)
+                                      target_positions)
 from pockjax.checkpoint import numpy_dtype, safetensors_header
 
 # LoRA's targets for `--scheme lora:R`: every linear layer of a LLaMA block.
@@ -54,6 +56,10 @@ class LoadedModel:
     checkpoint_transposed: frozenset = frozenset()
     # LoRA's adapters ({"rank", "scale"}): the written kernels are the merged ones
     lora: dict | None = None
+    # hidden(params, tokens [B, L]) -> [B, L, D] and logits_of(params, h [..., D]) ->
+    # [..., V], apply's two halves (Flax LLaMA): the loss computes the logits it counts
+    hidden: Callable | None = None
+    logits_of: Callable | None = None
 
 
 def shapes_of(params):
@@ -282,11 +288,18 @@ def _flax_loaded(graphdef, params, rest, c, save, scheme=None) -> LoadedModel:
     def apply(p, tokens):
         return pj_nnx.merge(graphdef, p, rest)(tokens)
 
+    def hidden(p, tokens):
+        return pj_nnx.merge(graphdef, p, rest).hidden(tokens)
+
+    def logits_of(p, h):
+        return pj_nnx.merge(graphdef, p, rest).logits(h)
+
     names, transposed = checkpoint_names(c, transposed=True)
     return LoadedModel("flax", params, apply, c.vocab_size, c.num_layers, save,
                        f"{getattr(c, 'model_type', 'llama')} (pockjax.models.llama), "
                        f"{c.num_layers} layers, width {c.hidden_size}", scheme,
-                       checkpoint_name=names.get, checkpoint_transposed=transposed)
+                       checkpoint_name=names.get, checkpoint_transposed=transposed,
+                       hidden=hidden, logits_of=logits_of)
 
 
 def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> LoadedModel:
@@ -523,45 +536,3 @@ def finish_final(base: Path, final: Path, frozen, save_dtype: str = "auto",
         if key in merged or key == "dtype":
             merged[key] = dtype
     write_atomic(final / CONFIG, (json.dumps(merged, indent=2) + "\n").encode())
-
-
-def lm_loss(logits, tokens, mask):
-    """Mean next-token cross-entropy over the positions `mask` marks: `logits[:, t]`
-    predicts `tokens[:, t + 1]`, counted with weight `mask[:, t + 1]`.
-
-    Args:
-      logits: `[B, L, V]` logits (computed in float32).
-      tokens: `[B, L]` integer token ids.
-      mask: `[B, L]` weights (bool or float); 0 leaves a position out.
-
-    Returns:
-      The weighted sum of the negative log-likelihoods divided by the total weight (at
-      least 1), a float32 scalar.
-    """
-    import jax.numpy as jnp
-
-    nll, w = _next_token_nll(logits, tokens, mask)
-    return jnp.sum(nll) / jnp.maximum(jnp.sum(w), 1.0)
-
-
-def nll_sum(logits, tokens, mask):
-    """The summed negative log-likelihood of `lm_loss` and its total weight, to average
-    over many batches."""
-    import jax.numpy as jnp
-
-    nll, w = _next_token_nll(logits, tokens, mask)
-    return jnp.sum(nll), jnp.sum(w)
-
-
-def _next_token_nll(logits, tokens, mask):
-    """Weighted per-position negative log-likelihoods [B, L] and their weights: the
-    labels shift left by one and the last position gets weight 0. Shifting the labels,
-    not slicing `logits[:, :-1]`, keeps XLA from copying the [B, L, vocab] logits
-    forward and padding their gradient backward (on CPU a third of the head's cost)."""
-    import jax.numpy as jnp
-    import optax
-
-    labels = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-    w = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1).astype(jnp.float32)
-    nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
-    return jnp.where(w != 0, nll * w, 0.0), w

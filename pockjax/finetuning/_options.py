@@ -94,6 +94,10 @@ class FinetuneOptions:
     save_dtype: str = _option("auto", "the float type of final/'s trained tensors (default "
                               "auto: the base model's); the tensors the scheme freezes are the "
                               "base's own bytes", choices=SAVE_DTYPES)
+    logits: str = _option("targets", "where the output head runs: targets (default: only at "
+                          "the positions the loss counts, when prompts and padding leave at "
+                          "most half of a batch's; with the prefix cache on, everywhere) or all",
+                          result=True, choices=("targets", "all"))
     compile_cache: bool = _option(True, "do not use JAX's persistent compilation cache "
                                   "(default: on, in ~/.cache/pockjax/jax, so a second run of "
                                   "the same shapes starts without compiling)", flag="--no-cache")

@@ -90,6 +90,22 @@ class Llama(nnx.Module):
             concrete).
           TypeError: `tokens` are not integers.
         """
+        return self.logits(self.hidden(tokens))
+
+    def hidden(self, tokens: jax.Array) -> jax.Array:
+        """The last block's output at every position of `tokens`, before the final norm:
+        `model(tokens) == model.logits(model.hidden(tokens))`. A loss that counts a few
+        positions computes the logits of those only.
+
+        Args:
+          tokens: integer ids, `[B, T]`, as for a call.
+
+        Returns:
+          The hidden states, `[B, T, hidden_size]`.
+
+        Raises:
+          ValueError, TypeError: as a call.
+        """
         self._check_tokens(tokens, "Llama")
         length = tokens.shape[1]
         cfg = self.config
@@ -106,6 +122,17 @@ class Llama(nnx.Module):
         for layer in self.layers:
             h = _remat_block(layer, h, cos, sin, mask) if cfg.remat == "blocks" else \
                 layer(h, cos, sin, mask)
+        return h
+
+    def logits(self, h: jax.Array) -> jax.Array:
+        """The final norm and the output head over hidden states `h` (`hidden`'s).
+
+        Args:
+          h: hidden states, `[..., hidden_size]`.
+
+        Returns:
+          The logits, `[..., vocab_size]` float32.
+        """
         return self._head(h)
 
     def init_cache(self, batch: int, length: int) -> KVCache:

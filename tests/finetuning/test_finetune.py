@@ -904,3 +904,24 @@ def test_a_second_run_reads_its_compiled_steps_from_the_cache(folders, data, tmp
     # A step read from the cache computes what the compiled one did, bit for bit.
     weights = [(tmp_path / n / "final" / "model.safetensors").read_bytes() for n in "abc"]
     assert weights[0] == weights[1] == weights[2]
+
+
+def test_the_head_runs_at_the_counted_positions_with_the_same_run(folders, data, tmp_path,
+                                                                  capsys):
+    """Prompt/completion data: with --logits targets (the default) the head runs at the
+    completion's positions only, and the run ends where --logits all ends (float32
+    rounding apart); run.json records which."""
+    common = dict(scheme="last:1+head", steps=4, batch=4, seq=48, lr=1e-3, plot=False)
+    at = pj.finetune(folders["llama"], data["completion"], tmp_path / "at", progress=True,
+                     **common)
+    assert "the output head runs at the positions the loss counts" in capsys.readouterr().err
+    every = pj.finetune(folders["llama"], data["completion"], tmp_path / "all", logits="all",
+                        progress=False, **common)
+    assert json.loads((tmp_path / "all" / "run.json").read_text())["logits"] == "all"
+    np.testing.assert_allclose(at.train_loss, every.train_loss, rtol=1e-5)
+    a, b = _params(Path(at.final)), _params(Path(every.final))
+    for k in a:  # Adam turns a rounding-level gradient difference into up to lr a step
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-4, atol=1e-5, err_msg=k)
+    with pytest.raises(pj.FinetuneError, match="--logits must be one of targets, all"):
+        pj.finetune(folders["llama"], data["completion"], tmp_path / "bad", logits="some",
+                    progress=False)
