@@ -231,7 +231,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         the metrics log is written either way. Default True.
       prefix_cache: "auto" (the default: when the data is seen more than once and the
         frozen prefix is a large enough part of the step, compute it once per example and
-        keep its output; `pockjax.prefix`), "on" or "off". The results are the same; a
+        keep its output; `pockjax.prefix`), "on" or "off". The results are the same with
+        `logits="all"` (a cached step computes every logit); a
         line in the log says whether it is on and what it saves. Values past a quarter of
         the available memory (at most 4 GiB) go to `out/prefix-cache/`, removed at the end.
       logits: where the output head runs: "targets" (the default: at the positions the

@@ -221,7 +221,7 @@ def run_job(artifact, data, out, *, valid=None, steps: int | None = None,
                           seq=seq, lr=job["lr"], warmup=job["warmup"], schedule=job["schedule"],
                           seed=seed, frozen_dtype=job["frozen_dtype"], skip_nonfinite=False,
                           weight_decay=job["weight_decay"], frontend=job["frontend"],
-                          moments=job["moments"])
+                          moments=job["moments"], logits="all")  # the artifact's step
     for line in [train.describe(), *([held.describe()] if held is not None else [])]:
         say(line)
     if session is None:

@@ -505,8 +505,10 @@ def test_prefix_cache_gives_the_same_run_and_says_so(folders, data, tmp_path, ca
     """Six epochs of the last block: with the prefix cache (on, and auto) the final
     weights equal the uncached run's bit for bit; the log says what the cache saves;
     its spill folder is gone at the end."""
+    # --logits all: a run the cache serves computes every logit (the default computes
+    # only the counted positions' where the cache is off, equal within rounding).
     common = dict(valid=data["valid"], scheme="last:1", epochs=6, batch=4, seq=32, lr=1e-2,
-                  eval_every=8, plot=False)
+                  eval_every=8, plot=False, logits="all")
     off = pj.finetune(folders["llama"], data["train"], tmp_path / "off", prefix_cache="off",
                       progress=False, **common)
     capsys.readouterr()
@@ -528,7 +530,7 @@ def test_prefix_cache_gives_the_same_run_and_says_so(folders, data, tmp_path, ca
                     progress=False)
     # A schedule: the cut is below the lowest block any of its schemes trains.
     sched = dict(scheme="blockwise:2", epochs=3, batch=4, seq=32, lr=1e-2, plot=False,
-                 progress=False)
+                 progress=False, logits="all")
     a = pj.finetune(folders["llama"], data["train"], tmp_path / "s-off", prefix_cache="off",
                     **sched)
     b = pj.finetune(folders["llama"], data["train"], tmp_path / "s-on", prefix_cache="on",
