@@ -380,14 +380,12 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     saved: list[Path] = []
     skips = [0]
 
-    # With --logits targets (and a model that splits its head off) a batch also carries
-    # the positions the loss counts, and the head runs at those only; not with the prefix
-    # cache, whose example keys read every batch array.
-    at_targets = [o.logits == "targets" and loaded.hidden is not None]
+    def plain_batch(step):
+        return pad_batch(batch_examples(train, step, batch, seed=seed), batch, seq, pad)
 
-    def batch_of(step):
-        b = pad_batch(batch_examples(train, step, batch, seed=seed), batch, seq, pad)
-        found = target_positions(b["mask"]) if at_targets[0] else None
+    def with_targets(step):
+        b = plain_batch(step)
+        found = target_positions(b["mask"])
         return b if found is None else {**b, **found}
 
     def tokens_of(step):
@@ -427,15 +425,18 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         spill = Path(out) / "prefix-cache"
         shutil.rmtree(spill, ignore_errors=True)
         cached = PrefixCachedTrainer(trainer, spill_dir=str(spill), auto=prefix_cache == "auto")
-        wanted, at_targets[0] = at_targets[0], False
         try:
-            report = cached.report(state, batch_of(start))
+            report = cached.report(state, plain_batch(start))
         except PrefixCacheError as e:
             raise FinetuneError(f"--prefix-cache on: {e}") from None
         _say(progress, f"{report}; RAM budget {cached.budget_bytes / 2**30:.2f} GiB")
         step_fn = cached if report.on else trainer
-        at_targets[0] = wanted and not report.on
-    if at_targets[0] and 2 * train.targets <= len(train) * seq:
+    # With --logits targets (and a model that splits its head off) a batch also carries
+    # the positions the loss counts, and the head runs at those only; not through the
+    # prefix cache, whose example keys read every batch array.
+    at_targets = o.logits == "targets" and loaded.hidden is not None and step_fn is trainer
+    batch_of = with_targets if at_targets else plain_batch
+    if at_targets and 2 * train.targets <= len(train) * seq:
         _say(progress, f"the output head runs at the positions the loss counts ({train.targets:,} "
                        f"of the {len(train) * seq:,} padded positions; --logits all for every "
                        f"position)")

@@ -19,10 +19,7 @@ def lm_loss(logits, tokens, mask):
       The weighted sum of the negative log-likelihoods divided by the total weight (at
       least 1), a float32 scalar.
     """
-    import jax.numpy as jnp
-
-    nll, w = _next_token_nll(logits, tokens, mask)
-    return jnp.sum(nll) / jnp.maximum(jnp.sum(w), 1.0)
+    return _mean(*_next_token_nll(logits, tokens, mask))
 
 
 def target_positions(mask) -> dict | None:
@@ -75,16 +72,15 @@ def lm_loss_at(loaded, params, batch):
     import jax.numpy as jnp
     import optax
 
+    import jax.numpy as jnp
+
     tokens = batch["tokens"]
     h = loaded.hidden(params, tokens)
     b, length, width = h.shape
     at = batch["targets"]
     logits = loaded.logits_of(params, jnp.take(h.reshape(b * length, width), at, axis=0)[None])
-    labels = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).reshape(-1)
-    nll = optax.softmax_cross_entropy_with_integer_labels(
-        logits[0].astype(jnp.float32), jnp.take(labels, at, axis=0))
-    w = batch["target_weights"].astype(jnp.float32)
-    return jnp.sum(jnp.where(w != 0, nll * w, 0.0)) / jnp.maximum(jnp.sum(w), 1.0)
+    labels = jnp.take(_next_labels(tokens).reshape(-1), at, axis=0)
+    return _mean(*_weighted_nll(logits[0], labels, batch["target_weights"]))
 
 
 def nll_sum(logits, tokens, mask):
@@ -102,9 +98,32 @@ def _next_token_nll(logits, tokens, mask):
     not slicing `logits[:, :-1]`, keeps XLA from copying the [B, L, vocab] logits
     forward and padding their gradient backward (on CPU a third of the head's cost)."""
     import jax.numpy as jnp
+
+    w = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
+    return _weighted_nll(logits, _next_labels(tokens), w)
+
+
+def _next_labels(tokens):
+    """Each position's next token, `tokens[:, t + 1]` (the last wraps to the first and is
+    given weight 0)."""
+    import jax.numpy as jnp
+
+    return jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+
+
+def _weighted_nll(logits, labels, w):
+    """The negative log-likelihoods of `labels` under `logits` (float32) times the
+    weights `w`, zero where `w` is, and the weights as float32."""
+    import jax.numpy as jnp
     import optax
 
-    labels = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-    w = jnp.concatenate([mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1).astype(jnp.float32)
+    w = w.astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
     return jnp.where(w != 0, nll * w, 0.0), w
+
+
+def _mean(nll, w):
+    """The weighted mean: summed weighted values over the total weight (at least 1)."""
+    import jax.numpy as jnp
+
+    return jnp.sum(nll) / jnp.maximum(jnp.sum(w), 1.0)
