@@ -122,17 +122,27 @@ def row_main(name: str, config: str) -> None:
     report_result({"row": method.name, "runs": len(finals)})
 
 
-def timing_main(name: str, config: str) -> None:
+def timing_main(name: str, config: str, lr: float | None = None) -> None:
     """One row's timing process: `time_steps` steps on the domain task at the rate the
     sweep chose, seed 0, with validation only before the first step and after the last.
     The table's speed columns come from these runs, made one after another on an
     otherwise idle machine once every training run is done, so the quality runs may
-    share the machine with other work without changing a speed figure."""
+    share the machine with other work without changing a speed figure. With `lr` (a
+    `--retime` of a finished run, whose sweep ran elsewhere), that rate, and the
+    method's scheme built here."""
     cfg = json.loads(Path(config).read_text())
     method = method_named(name)
-    log_to(Path(cfg["runs"]) / slug(method.name) / "log.txt")
-    chosen = json.loads((Path(cfg["runs"]) / slug(method.name) / "domain" / "chosen.json")
-                        .read_text())
+    log = Path(cfg["runs"]) / slug(method.name) / "log.txt"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log_to(log)
+    if lr is None:
+        chosen = json.loads((Path(cfg["runs"]) / slug(method.name) / "domain" / "chosen.json")
+                            .read_text())
+    else:
+        chosen = {"lr": lr, "scheme": build_scheme(cfg, method.scheme, "domain")
+                  if method.kind == "pockjax" else None}
+        shutil.rmtree(run_dir(cfg, method, "domain", lr, 0, cfg["time_steps"]),
+                      ignore_errors=True)  # measured again, not read back
     run = one_run(cfg, method, "domain", chosen["lr"], 0, cfg["time_steps"], chosen["scheme"])
     shutil.rmtree(run_dir(cfg, method, "domain", chosen["lr"], 0, cfg["time_steps"]) / "final",
                   ignore_errors=True)
@@ -230,12 +240,21 @@ def main(argv=None) -> int:
     ap.add_argument("--replot", action="store_true",
                     help="only write the table and the figure again from the .json beside "
                          "--out (a finished run's), with this version's columns and figure")
+    ap.add_argument("--retime", action="store_true",
+                    help="measure the speed and memory columns of the finished run beside "
+                         "--out again on this machine (each row's timing run, compilation "
+                         "included, at the rate its sweep chose) and rewrite its table, "
+                         "data and figure; the quality columns stay the run's")
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--timing", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--lr", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.row:
-        (timing_main if args.timing else row_main)(args.row, args.config)
+        if args.timing:
+            timing_main(args.row, args.config, args.lr)
+        else:
+            row_main(args.row, args.config)
         return 0
 
     if args.task_dir:
@@ -247,6 +266,8 @@ def main(argv=None) -> int:
     if args.replot:
         return replot(out)
     work = Path(args.work).resolve()
+    if args.retime:
+        return retime(out, work, preset, args.task_dir, args.methods)
     methods = preset_methods(preset)
     if args.methods:
         methods = [method_named(n.strip()) for n in args.methods.split(",")]
@@ -255,15 +276,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
 
     # 1. The pretrained model (its own process: JAX stays out of this one).
-    exclude = corpus_exclude(args.task_dir)
-    made = subprocess.run([sys.executable, "-m", "benchmarks.pretrain", "--preset",
-                           settings["pretrain"], "--work", str(work), "--exclude",
-                           ",".join(exclude)], cwd=ROOT)
-    if made.returncode:
-        sys.exit(f"quality benchmark: pretraining the {settings['pretrain']} model failed "
-                 f"(above)")
-    where = pretraining.folders(work, settings["pretrain"], exclude)
-    pre = json.loads((where["model"] / "pretrain.json").read_text())
+    pre = pretrained(work, settings, args.task_dir)
 
     # 2. The tasks and the runs' folder.
     cfg, tasks, config = prepare_runs(work, preset, args.task_dir)
@@ -319,6 +332,92 @@ def main(argv=None) -> int:
     print(f"quality: {time.perf_counter() - t_start:.0f} s; wrote {out} and its .json, .png",
           file=sys.stderr)
     return 1 if errors else 0
+
+
+def pretrained(work: Path, settings: dict, task_dir: str | None) -> dict:
+    """The preset's pretrained model under `work`, made in its own process unless it is
+    there (JAX stays out of this one): its `pretrain.json`."""
+    exclude = corpus_exclude(task_dir)
+    made = subprocess.run([sys.executable, "-m", "benchmarks.pretrain", "--preset",
+                           settings["pretrain"], "--work", str(work), "--exclude",
+                           ",".join(exclude)], cwd=ROOT)
+    if made.returncode:
+        sys.exit(f"quality benchmark: pretraining the {settings['pretrain']} model failed "
+                 f"(above)")
+    where = pretraining.folders(work, settings["pretrain"], exclude)
+    return json.loads((where["model"] / "pretrain.json").read_text())
+
+
+def retime(out: Path, work: Path, preset: str, task_dir: str | None,
+           names: str | None) -> int:
+    """`--retime`: each row of the finished run beside `out` timed again here, as the run
+    times them (`timing_main`: its own process, `time_steps` steps on the domain task,
+    seed 0, at the rate the run's sweep chose), with an empty compilation cache so the
+    first step compiles as a first run's does; the table, data and figure rewritten
+    with these speed, memory and time-to-quality columns and the run's quality columns.
+    The timing runs start from the preset's pretrained model as `work` holds it (made
+    here if it is not there): the same shapes as the run's, and a step's time does not
+    depend on the weights' values. A searched scheme is searched again on that model;
+    the notes say where it trains a different number of parameters."""
+    import tempfile
+
+    data = out.with_suffix(".json")
+    if not data.is_file():
+        sys.exit(f"quality benchmark: --retime needs {data}, a finished run's data")
+    saved = json.loads(data.read_text())
+    if saved["meta"]["preset"] != preset:
+        sys.exit(f"quality benchmark: {data} is a run of preset {saved['meta']['preset']!r}; "
+                 f"pass --preset {saved['meta']['preset']}")
+    settings = PRESETS[preset]
+    if not settings["time_steps"]:
+        sys.exit(f"quality benchmark: preset {preset!r} has no timing runs")
+    t_start = time.perf_counter()
+    pretrained(work, settings, task_dir)
+    cfg, _, config = prepare_runs(work, preset, task_dir)
+    rows = saved["rows"]
+    wanted = {method_named(n.strip()).name for n in names.split(",")} if names else None
+    timed = [r for r in rows if r["task"] == "domain" and r["kind"] != "pretrained"
+             and "runs" in r and (wanted is None or r["method"] in wanted)]
+    changed = []
+    for row in timed:
+        method = method_named(row["method"])
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="pockjax-retime-") as cache:
+            result = run_row(["-m", "benchmarks.quality", "--row", method.name, "--timing",
+                              "--config", str(config), "--lr", repr(row["lr"])],
+                             timeout=settings["row_timeout"],
+                             env={**{k: v for k, v in os.environ.items()
+                                     if k != "JAX_COMPILATION_CACHE_DIR"},
+                                  "POCKJAX_CACHE_DIR": cache})
+        if "error" in result:
+            print(f"quality: timing {method.name}: {result['error']}; its columns stay the "
+                  f"run's", file=sys.stderr, flush=True)
+            continue
+        timing = json.loads((run_dir(cfg, method, "domain", row["lr"], 0, cfg["time_steps"])
+                             / "train.json").read_text())
+        for r in rows:
+            if r["method"] == method.name and "runs" in r:
+                r["timing"] = timing
+        if timing.get("trained_params") != row["runs"][0].get("trained_params"):
+            changed.append(f"{method.name} ({timing.get('trained_params'):,} trained "
+                           f"parameters timed, {row['runs'][0].get('trained_params'):,} "
+                           f"trained)")
+        print(f"quality: timing {method.name}: {result['s_per_step']:.3f} s/step "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    summarize([r for r in rows if "runs" in r])
+    meta = saved["meta"]
+    meta["retimed"] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(),
+        "cpu": cpu_model(), "cores": os.cpu_count(),
+        "versions": f"Python {platform.python_version()}, " + versions(
+            ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft")),
+        "rows": len(timed), "schemes_differ": changed,
+        "seconds": time.perf_counter() - t_start}
+    write_results(out, rows, meta)
+    print(out.read_text())
+    print(f"quality: retimed {len(timed)} rows in {time.perf_counter() - t_start:.0f} s; "
+          f"wrote {out} and its .json, .png", file=sys.stderr)
+    return 0
 
 
 def write_results(out: Path, rows, meta) -> None:

@@ -139,6 +139,23 @@ def _fmt(mean, sd, digits=4, seeds=1) -> str:
     return f"{mean:.{digits}f} ± {sd:.{digits}f}" if seeds > 1 else f"{mean:.{digits}f}"
 
 
+def retimed_lines(meta) -> list[str]:
+    """The header's account of a `--retime`: where and when the speed columns were
+    measured again."""
+    t = meta.get("retimed")
+    if not t:
+        return []
+    differ = (" The searched schemes, searched again on that model, train a different "
+              "number of parameters than the training runs' for: "
+              + "; ".join(t["schemes_differ"]) + "." if t["schemes_differ"] else "")
+    return [f"**Speed columns re-measured** {t['date']}, commit {t['commit']}, on {t['cpu']}, "
+            f"{t['cores']} cores ({t['versions']}): s/step, tokens/s, peak RSS and time to "
+            f"quality are these timing runs' ({t['rows']} rows, `python -m benchmarks "
+            f"quality --retime`), from the preset's pretrained model as this machine made "
+            f"it (the same shapes; a step's time does not depend on the weights' values); "
+            f"every other column is the run above's.{differ}", ""]
+
+
 def markdown(rows, meta) -> str:
     p, cfg = meta["preset"], meta["config"]
     pre = meta["pretrain"]
@@ -151,7 +168,7 @@ def markdown(rows, meta) -> str:
         f"# Fine-tuning quality: pockjax's schemes against PyTorch and peft "
         f"({PRESET_TITLES.get(p, p + ' preset')})", "",
         f"Run {meta['date']}, commit {meta['commit']}. {meta['cpu']}, {meta['cores']} cores; "
-        f"{meta['versions']}.", "",
+        f"{meta['versions']}.", ""] + retimed_lines(meta) + [
         f"**Model**: pockjax's LLaMA, {pre['settings']['layers']} blocks, width "
         f"{pre['settings']['hidden']}, vocabulary {pre['corpus']['vocab_size']} "
         f"({pre['parameters']:,} parameters, the output head {head / pre['parameters']:.1%} of "

@@ -346,6 +346,44 @@ def test_speed_comes_from_each_rows_timing_run(quick):
     assert "timing pockjax full" in quick["stderr"]
 
 
+def test_retime_measures_the_speed_columns_again(quick, tmp_path):
+    """`--retime` times the chosen rows of a finished run again (at the rate its sweep
+    chose, in a timing run made now) and rewrites the table with those speed columns and
+    the run's quality columns; the other rows keep their timing."""
+    import shutil
+    import time
+
+    out = tmp_path / "quality.md"
+    shutil.copy(quick["out"].with_suffix(".json"), out.with_suffix(".json"))
+    before = json.loads(out.with_suffix(".json").read_text())
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "quality", "--preset", "quick",
+                           "--retime", "--work", str(quick["work"]), "--out", str(out),
+                           "--methods", "pockjax full,torch full (AdamW)"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = json.loads(out.with_suffix(".json").read_text())
+    assert after["meta"]["retimed"]["rows"] == 2
+    assert "Speed columns re-measured" in out.read_text()
+    assert out.with_suffix(".png").is_file()
+    for old, new in zip(before["rows"], after["rows"], strict=True):
+        assert (new["method"], new["task"]) == (old["method"], old["task"])
+        assert new["runs"] == old["runs"]  # the quality columns are the run's
+        assert new["summary"]["test_loss"] == old["summary"]["test_loss"]
+        if new["method"] in ("pockjax full", "torch full (AdamW)"):
+            timing = new["timing"]
+            assert timing["lr"] == new["lr"] and timing["steps"] == old["timing"]["steps"]
+            record = Path(timing["final"]).parent / "train.json"
+            assert record.stat().st_mtime >= started  # measured now, not read back
+            assert new["summary"]["s_per_step"] == timing["s_per_step"] > 0
+        elif "timing" in old:
+            assert new["timing"] == old["timing"]
+    bad = subprocess.run([sys.executable, "-m", "benchmarks", "quality", "--preset", "small",
+                          "--retime", "--work", str(quick["work"]), "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "pass --preset quick" in bad.stderr
+
+
 def _gpu(*args) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "gpu", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
