@@ -50,7 +50,8 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import pretrain as pretraining  # noqa: E402
 from benchmarks import quality_data  # noqa: E402
-from benchmarks.common import ROOT, commit, report_result, run_row, versions  # noqa: E402
+from benchmarks.common import (ROOT, add_malloc_option, commit, malloc_env,  # noqa: E402
+                               report_result, run_row, versions)
 from benchmarks.quality_eval import Evaluator  # noqa: E402
 from benchmarks.quality_methods import (METHODS, PRESET_TITLES, PRESETS, RESULTS,  # noqa: E402
                                         TASKS, method_named, preset_methods, slug)
@@ -240,6 +241,7 @@ def main(argv=None) -> int:
     ap.add_argument("--replot", action="store_true",
                     help="only write the table and the figure again from the .json beside "
                          "--out (a finished run's), with this version's columns and figure")
+    add_malloc_option(ap)
     ap.add_argument("--retime", action="store_true",
                     help="measure the speed and memory columns of the finished run beside "
                          "--out again on this machine (each row's timing run, compilation "
@@ -267,7 +269,7 @@ def main(argv=None) -> int:
         return replot(out)
     work = Path(args.work).resolve()
     if args.retime:
-        return retime(out, work, preset, args.task_dir, args.methods)
+        return retime(out, work, preset, args.task_dir, args.methods, args.malloc)
     methods = preset_methods(preset)
     if args.methods:
         methods = [method_named(n.strip()) for n in args.methods.split(",")]
@@ -298,12 +300,13 @@ def main(argv=None) -> int:
 
     # 4. Speed: each row again for `time_steps` steps, one process each, after all the
     # training (run the benchmark on an idle machine for this part).
+    env, malloc = malloc_env(args.malloc)
     for method in methods if settings["time_steps"] and not args.no_timing else []:
         if method.kind == "pretrained" or method.name in errors:
             continue
         t0 = time.perf_counter()
         result = run_row(["-m", "benchmarks.quality", "--row", method.name, "--timing",
-                          "--config", str(config)], timeout=settings["row_timeout"])
+                          "--config", str(config)], timeout=settings["row_timeout"], env=env)
         if "error" in result:
             errors[method.name] = f"timing: {result['error']}"
             said = result["error"]
@@ -326,6 +329,7 @@ def main(argv=None) -> int:
                  "numpy", "sympy")),
             "config": cfg, "pretrain": pre, "tasks": {t: tasks[t] for t in TASKS},
             "seconds": time.perf_counter() - t_start, "notes": notes(cfg, rows),
+            "malloc": None if args.no_timing else malloc,
             "trained_on": trained_on(rows)}
     write_results(out, rows, meta)
     print(out.read_text())
@@ -349,7 +353,7 @@ def pretrained(work: Path, settings: dict, task_dir: str | None) -> dict:
 
 
 def retime(out: Path, work: Path, preset: str, task_dir: str | None,
-           names: str | None) -> int:
+           names: str | None, malloc_mode: str = "hugepages") -> int:
     """`--retime`: each row of the finished run beside `out` timed again here, as the run
     times them (`timing_main`: its own process, `time_steps` steps on the domain task,
     seed 0, at the rate the run's sweep chose), with an empty compilation cache so the
@@ -365,9 +369,9 @@ def retime(out: Path, work: Path, preset: str, task_dir: str | None,
     if not data.is_file():
         sys.exit(f"quality benchmark: --retime needs {data}, a finished run's data")
     saved = json.loads(data.read_text())
-    if saved["meta"]["preset"] != preset:
-        sys.exit(f"quality benchmark: {data} is a run of preset {saved['meta']['preset']!r}; "
-                 f"pass --preset {saved['meta']['preset']}")
+    ran = {"full": "small"}.get(saved["meta"]["preset"], saved["meta"]["preset"])  # old name
+    if ran != preset:
+        sys.exit(f"quality benchmark: {data} is a run of preset {ran!r}; pass --preset {ran}")
     settings = PRESETS[preset]
     if not settings["time_steps"]:
         sys.exit(f"quality benchmark: preset {preset!r} has no timing runs")
@@ -379,6 +383,8 @@ def retime(out: Path, work: Path, preset: str, task_dir: str | None,
     timed = [r for r in rows if r["task"] == "domain" and r["kind"] != "pretrained"
              and "runs" in r and (wanted is None or r["method"] in wanted)]
     changed = []
+    env, malloc = malloc_env(malloc_mode)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
     for row in timed:
         method = method_named(row["method"])
         t0 = time.perf_counter()
@@ -386,9 +392,7 @@ def retime(out: Path, work: Path, preset: str, task_dir: str | None,
             result = run_row(["-m", "benchmarks.quality", "--row", method.name, "--timing",
                               "--config", str(config), "--lr", repr(row["lr"])],
                              timeout=settings["row_timeout"],
-                             env={**{k: v for k, v in os.environ.items()
-                                     if k != "JAX_COMPILATION_CACHE_DIR"},
-                                  "POCKJAX_CACHE_DIR": cache})
+                             env={**env, "POCKJAX_CACHE_DIR": cache})
         if "error" in result:
             print(f"quality: timing {method.name}: {result['error']}; its columns stay the "
                   f"run's", file=sys.stderr, flush=True)
@@ -411,7 +415,7 @@ def retime(out: Path, work: Path, preset: str, task_dir: str | None,
         "cpu": cpu_model(), "cores": os.cpu_count(),
         "versions": f"Python {platform.python_version()}, " + versions(
             ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft")),
-        "rows": len(timed), "schemes_differ": changed,
+        "rows": len(timed), "schemes_differ": changed, "malloc": malloc,
         "seconds": time.perf_counter() - t_start}
     write_results(out, rows, meta)
     print(out.read_text())

@@ -149,7 +149,8 @@ def retimed_lines(meta) -> list[str]:
               "number of parameters than the training runs' for: "
               + "; ".join(t["schemes_differ"]) + "." if t["schemes_differ"] else "")
     return [f"**Speed columns re-measured** {t['date']}, commit {t['commit']}, on {t['cpu']}, "
-            f"{t['cores']} cores ({t['versions']}): s/step, tokens/s, peak RSS and time to "
+            f"{t['cores']} cores ({t['versions']}; allocator {t.get('malloc', 'unknown')}): "
+            f"s/step, tokens/s, peak RSS and time to "
             f"quality are these timing runs' ({t['rows']} rows, `python -m benchmarks "
             f"quality --retime`), from the preset's pretrained model as this machine made "
             f"it (the same shapes; a step's time does not depend on the weights' values); "
@@ -211,7 +212,8 @@ def markdown(rows, meta) -> str:
         "decoding; *s/step*: the median of the steps after the first (pockjax's first step "
         "compiles) in the row's timing run"
         + (f" ({cfg['time_steps']} steps on the domain task at the chosen rate, seed 0, one "
-           "process per row, after all training, on an otherwise idle machine)"
+           "process per row, after all training, on an otherwise idle machine"
+           + (f"; allocator {meta['malloc']}" if meta.get("malloc") else "") + ")"
            if cfg.get("time_steps") else "s (the training runs themselves)")
         + "; *tokens/s*: this task's tokens per step (padding not counted) at that step "
         "time; *peak RSS*: the process's high-water mark during the timing run (the "

@@ -481,6 +481,9 @@ def main(argv=None) -> int:
     `search`, 2 when the command raised `ExportError` and 130 when it was interrupted
     with Ctrl-C (`finetune` and `generate` return `pockjax.finetuning`'s status).
     """
+    if argv is None:  # the command itself: glibc's huge-page tunable, before any work
+        from pockjax._src.malloc import restart_tuned
+        restart_tuned()
     from pockjax import finetuning
 
     ap = argparse.ArgumentParser(prog="pockjax", description="Sparse on-device training with JAX and IREE")

@@ -191,3 +191,33 @@ def test_paper_table_rounds_take_the_median_of_the_rounds_medians():
     single = merge_rounds(rounds[:1])
     assert step_ms(single) == pytest.approx(20.0) and spread_ms(single) == pytest.approx((10.0, 30.0))
     assert merge_rounds([rounds[0], {"error": "timed out"}]) == {"error": "timed out"}
+
+
+def test_edge_speed_rows_start_alike_and_count_page_faults(tmp_path):
+    """`edge_speed` at a tiny size: every row starts from the same weights and batch (the
+    first losses agree across PyTorch and pockjax), each counts its page faults per step,
+    and the page names the allocator its rows ran with."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "edge.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "edge_speed", "--size",
+         "layers=2,hidden=32,intermediate=64,heads=2,vocab=64,seq=16,batch=2", "--rounds", "1",
+         "--steps", "2", "--rows", "torch full,pockjax full,pockjax last:1", "--malloc",
+         "default", "--out", str(out)],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
+        check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = data["rows"]
+    first = rows["torch full"]["losses"][0]
+    for row in rows.values():
+        assert row["losses"][0] == pytest.approx(first, rel=1e-5)
+        assert row["faults_per_step"] >= 0 and len(row["medians"]) == 1
+    assert rows["pockjax full"]["trained_params"] == rows["torch full"]["trained_params"]
+    assert rows["pockjax last:1"]["trained_params"] < rows["pockjax full"]["trained_params"]
+    assert "GLIBC_TUNABLES" not in data["meta"]["malloc"] and len(data["meta"]["peaks_gflops"]) == 1
+    assert "faults/step" in out.read_text()
