@@ -33,6 +33,24 @@ def test_the_users_choice_stands(linux_with_thp, environ):
     assert malloc.tuned_environ(environ) is None
 
 
+def test_a_mistyped_choice_names_the_two(linux_with_thp):
+    assert malloc.tuned_environ({"POCKJAX_MALLOC": "hugepages"})["GLIBC_TUNABLES"] == \
+        "glibc.malloc.hugetlb=1"
+    with pytest.raises(ValueError, match="POCKJAX_MALLOC='sytem': set it to 'system'"):
+        malloc.tuned_environ({"POCKJAX_MALLOC": "sytem"})
+
+
+def test_the_command_stops_on_a_mistyped_choice():
+    import os
+    proc = subprocess.run([sys.executable, "-c", "from pockjax.cli import main; main()",
+                           "targets"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "POCKJAX_MALLOC": "sytem"}, check=False)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (
+        "pockjax: POCKJAX_MALLOC='sytem': set it to 'system' to keep the system's malloc "
+        "settings, or 'hugepages' (the same as leaving it unset) for glibc's huge pages")
+
+
 def test_nothing_changes_where_the_tunable_does_not_exist(linux_with_thp, monkeypatch):
     monkeypatch.setattr(malloc, "_glibc_version", lambda: (2, 34))  # before hugetlb
     assert malloc.tuned_environ({}) is None

@@ -15,7 +15,7 @@ glibc reads its tunables when a process starts, so the `pockjax` command sets th
 tunable in its environment and starts itself again before any work. A program that
 trains through the Python API gets the same by starting Python with
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. `POCKJAX_MALLOC=system` keeps the system's
-settings. Where the tunable does not exist (not Linux, not glibc 2.35 or later) or
+settings (`hugepages`, or unset, is the default). Where the tunable does not exist (not Linux, not glibc 2.35 or later) or
 transparent huge pages are off (`never`), nothing changes.
 
 This module imports nothing beyond the standard library: the command line calls it
@@ -63,10 +63,20 @@ def _thp_mode(path: str = _THP) -> str | None:
 def tuned_environ(environ=None) -> dict | None:
     """`environ` (default `os.environ`) with `TUNABLE` added to `GLIBC_TUNABLES`, or None
     where it does not apply: `POCKJAX_MALLOC=system`, a hugetlb tunable already set, not
-    glibc 2.35 or later on Linux, or transparent huge pages off."""
+    glibc 2.35 or later on Linux, or transparent huge pages off.
+
+    Raises:
+      ValueError: `POCKJAX_MALLOC` is set to something other than `system` or
+        `hugepages`; the message names the two.
+    """
     env = dict(os.environ if environ is None else environ)
-    if env.get("POCKJAX_MALLOC", "").strip().lower() == "system":
+    choice = env.get("POCKJAX_MALLOC", "").strip().lower()
+    if choice == "system":
         return None
+    if choice not in ("", "hugepages"):
+        raise ValueError(f"POCKJAX_MALLOC={env['POCKJAX_MALLOC']!r}: set it to 'system' to "
+                         f"keep the system's malloc settings, or 'hugepages' (the same as "
+                         f"leaving it unset) for glibc's huge pages")
     current = env.get("GLIBC_TUNABLES", "")
     if "glibc.malloc.hugetlb" in current:
         return None
@@ -81,8 +91,12 @@ def tuned_environ(environ=None) -> dict | None:
 def restart_tuned() -> None:
     """Start this process again, the same command line, with `tuned_environ()`; return
     where it does not apply (including in the process so started, whose environment
-    has the tunable) or the command line is not known."""
-    env = tuned_environ()
+    has the tunable) or the command line is not known. A bad `POCKJAX_MALLOC` stops the
+    command with its message."""
+    try:
+        env = tuned_environ()
+    except ValueError as e:
+        raise SystemExit(f"pockjax: {e}") from None
     argv = getattr(sys, "orig_argv", None)
     if env is None or not argv or not sys.executable or os.environ.get(_RESTARTED):
         return

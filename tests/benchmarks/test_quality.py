@@ -384,6 +384,16 @@ def test_retime_measures_the_speed_columns_again(quick, tmp_path):
     assert bad.returncode != 0 and "pass --preset quick" in bad.stderr
 
 
+def test_retime_without_a_finished_run_names_the_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "quality", "--retime",
+                           "--preset", "quick", "--out", str(tmp_path / "q.md"), "--work",
+                           str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert f"--retime needs {tmp_path / 'q.json'}, a finished run's data" in proc.stderr
+    assert not (tmp_path / "w").exists()  # refused before any work
+
+
 def _gpu(*args) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "gpu", *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
