@@ -126,11 +126,9 @@ DEFAULT_MALLOC = "glibc's default"
 def malloc_setting(env) -> str:
     """How a process with environment `env` sets glibc's allocator, and the kernel's
     transparent huge page mode."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            thp = f.read().split("[")[1].split("]")[0]
-    except (OSError, IndexError):
-        thp = "unknown"
+    from pockjax._src.malloc import thp_mode
+
+    thp = thp_mode() or "unknown"
     tunables = env.get("GLIBC_TUNABLES")
     setting = f"`GLIBC_TUNABLES={tunables}`" if tunables else DEFAULT_MALLOC
     return f"{setting}, transparent huge pages `{thp}`"

@@ -189,8 +189,7 @@ def child(row: str, s: dict, folder: str, steps: int) -> None:
 
 def matmul_peak(repeats: int = 10) -> float:
     """This machine's float32 matmul rate, GFLOP/s: a jitted 2048^3 product, the fastest
-    of `repeats` (a peak: the machine's slow phases, which last a few hundred
-    milliseconds here, would pull a median of a second's products down by half)."""
+    of `repeats` (a peak, which the machine's slow phases would pull down in a median)."""
     import jax
     import jax.numpy as jnp
 

@@ -14,7 +14,7 @@ def linux_with_thp(monkeypatch):
     """A Linux glibc 2.36 with transparent huge pages on request, whatever this host is."""
     monkeypatch.setattr(malloc.sys, "platform", "linux")
     monkeypatch.setattr(malloc, "_glibc_version", lambda: (2, 36))
-    monkeypatch.setattr(malloc, "_thp_mode", lambda: "madvise")
+    monkeypatch.setattr(malloc, "thp_mode", lambda: "madvise")
 
 
 def test_the_tunable_joins_the_users_own(linux_with_thp):
@@ -57,20 +57,20 @@ def test_nothing_changes_where_the_tunable_does_not_exist(linux_with_thp, monkey
     monkeypatch.setattr(malloc, "_glibc_version", lambda: None)  # musl, bionic
     assert malloc.tuned_environ({}) is None
     monkeypatch.setattr(malloc, "_glibc_version", lambda: (2, 36))
-    monkeypatch.setattr(malloc, "_thp_mode", lambda: "never")
+    monkeypatch.setattr(malloc, "thp_mode", lambda: "never")
     assert malloc.tuned_environ({}) is None
     monkeypatch.setattr(malloc.sys, "platform", "darwin")
-    monkeypatch.setattr(malloc, "_thp_mode", lambda: "madvise")
+    monkeypatch.setattr(malloc, "thp_mode", lambda: "madvise")
     assert malloc.tuned_environ({}) is None
 
 
-def test_the_thp_mode_is_read_from_the_kernels_line(tmp_path):
+def test_thethp_mode_is_read_from_the_kernels_line(tmp_path):
     path = tmp_path / "enabled"
     path.write_text("always [madvise] never\n")
-    assert malloc._thp_mode(str(path)) == "madvise"
+    assert malloc.thp_mode(str(path)) == "madvise"
     path.write_text("[always] madvise never\n")
-    assert malloc._thp_mode(str(path)) == "always"
-    assert malloc._thp_mode(str(tmp_path / "missing")) is None
+    assert malloc.thp_mode(str(path)) == "always"
+    assert malloc.thp_mode(str(tmp_path / "missing")) is None
 
 
 _SHOW = ("import os; from pockjax._src.malloc import restart_tuned; print('start', flush=True); "

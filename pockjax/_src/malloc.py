@@ -1,22 +1,22 @@
 """glibc's malloc for training steps: transparent huge pages for large buffers.
 
-XLA's CPU runtime takes each step's scratch memory with one `malloc` (about 570 MiB for
-the step of a 6-block, width-256 LLaMA on 8 x 256 tokens). glibc serves a request that
-large with a fresh `mmap` and gives it back with `munmap` when the step ends, so every
-step faults the whole buffer in again, one 4 KiB page at a time: about 145,000 page
-faults a step, which on a 2-core machine is a fifth of the step's time. glibc's
-`glibc.malloc.hugetlb=1` tunable makes malloc advise transparent huge pages for its
-mappings; the same buffer then comes in 2 MiB pages, a few hundred faults a step. The
-results are the same (allocation does not change arithmetic), and so is the peak
-memory; the first step can take longer where the kernel compacts memory to find huge
-pages (`/sys/kernel/mm/transparent_hugepage/defrag`).
+XLA's CPU runtime takes each step's scratch memory with one `malloc` (hundreds of MiB
+for a small LLaMA's step). glibc serves a request that large with a fresh `mmap` and
+gives it back with `munmap` when the step ends, so every step faults the whole buffer
+in again, one 4 KiB page at a time. glibc's `glibc.malloc.hugetlb=1` tunable makes
+malloc advise transparent huge pages for its mappings, and the same buffer comes in
+2 MiB pages. The results are the same (allocation does not change arithmetic), and so
+is the peak memory; the first step can take longer where the kernel compacts memory to
+find huge pages. The measurements are in docs/results.md ("The small model's step
+against PyTorch and peft").
 
 glibc reads its tunables when a process starts, so the `pockjax` command sets the
 tunable in its environment and starts itself again before any work. A program that
 trains through the Python API gets the same by starting Python with
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. `POCKJAX_MALLOC=system` keeps the system's
-settings (`hugepages`, or unset, is the default). Where the tunable does not exist (not Linux, not glibc 2.35 or later) or
-transparent huge pages are off (`never`), nothing changes.
+settings (`hugepages`, or unset, is the default). Where the tunable does not exist (not
+Linux, not glibc 2.35 or later) or transparent huge pages are off (`never`), nothing
+changes.
 
 This module imports nothing beyond the standard library: the command line calls it
 before loading JAX.
@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 
-__all__ = ["TUNABLE", "restart_tuned", "tuned_environ"]
+__all__ = ["TUNABLE", "restart_tuned", "thp_mode", "tuned_environ"]
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
@@ -48,7 +48,7 @@ def _glibc_version() -> tuple[int, int] | None:
         return None
 
 
-def _thp_mode(path: str = _THP) -> str | None:
+def thp_mode(path: str = _THP) -> str | None:
     """The kernel's transparent huge page mode (`always`, `madvise` or `never`), or None
     where it cannot be read."""
     try:
@@ -82,7 +82,7 @@ def tuned_environ(environ=None) -> dict | None:
         return None
     if not sys.platform.startswith("linux") or (_glibc_version() or (0, 0)) < (2, 35):
         return None
-    if _thp_mode() in (None, "never"):
+    if thp_mode() in (None, "never"):
         return None
     env["GLIBC_TUNABLES"] = f"{current}:{TUNABLE}" if current else TUNABLE
     return env
