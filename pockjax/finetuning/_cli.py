@@ -90,11 +90,12 @@ def generate_text(folder, prompt: str, *, max_tokens: int = 64, temperature: flo
     own `generate`; the same position limit holds on both."""
     import time
 
-    from pockjax.finetuning._model import frontend_of, position_limit
+    from pockjax.finetuning._model import frontend_of, gguf_file, model_folder, position_limit
     from pockjax.tokenizer import Tokenizer, TokenizerError
 
     if max_tokens < 1:
         raise FinetuneError(f"--max-tokens must be at least 1, got {max_tokens}")
+    folder = model_folder(folder)  # a GGUF file: the folder made of it
     loaded_kind, config, note = frontend_of(folder, frontend)
     if note:
         print(f"pockjax generate: {note}", file=sys.stderr)
@@ -125,7 +126,13 @@ def generate_text(folder, prompt: str, *, max_tokens: int = 64, temperature: flo
         from pockjax.models.hf import load_llama
         from pockjax.models.llama import generate
 
-        model = load_llama(folder)
+        if gguf_file(folder) is not None:  # the file's weights decoded to float32
+            from pockjax import nnx as pj_nnx
+            from pockjax.gguf._load import load_llama_gguf
+
+            model = pj_nnx.merge(*load_llama_gguf(folder, lambda path: None)[:3])
+        else:
+            model = load_llama(folder)
         prompt_ids = jnp.asarray([ids], jnp.int32)
         run = lambda: generate(model, prompt_ids, max_tokens, temperature=temperature,
                                top_p=top_p, seed=seed, stop_token=tok.eos_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import math
 import os
 import shutil
@@ -15,9 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from pockjax.finetuning._base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
-from pockjax.finetuning._model import (frozen_names, lm_loss, lm_loss_at, load_model, low_bit,
-                                       nll_sum, partial_names, stored_by_lowbit,
-                                       target_positions, write_final)
+from pockjax.finetuning._model import (frozen_names, gguf_file, lm_loss, lm_loss_at,
+                                       load_model, low_bit, model_folder, nll_sum,
+                                       partial_names, stored_by_lowbit, target_positions,
+                                       write_final, write_final_gguf)
 from pockjax.finetuning._options import FinetuneOptions
 from pockjax.finetuning._run import (FINAL, RunFolder, close_prefix_cache, fingerprint,
                                      plot_losses, run_options)
@@ -276,6 +278,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     # The output folder before anything is read: a refused run leaves nothing behind.
     RunFolder.check(Path(out), resume=resume, overwrite=overwrite)
     lora = scheme.lora_rank
+    given, model = model, model_folder(model)   # a GGUF file: the folder made of it
+    source = gguf_file(model)
 
     def load():
         # A scheme known from the names and shapes: the frozen weights are stored in
@@ -324,7 +328,7 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     frozen = frozen_names(loaded, chosen, params)
     partial = partial_names(loaded, params)
 
-    recorded = run_options(o, model=os.path.abspath(model), data=fingerprint(data),
+    recorded = run_options(o, model=os.path.abspath(given), data=fingerprint(data),
                            scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
                            total_steps=total, seq=seq)
     run = RunFolder(Path(out), recorded, resume=resume, overwrite=overwrite)
@@ -474,6 +478,23 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     final = Path(out) / FINAL
     write_final(loaded, state.params, final, base=model, frozen=frozen, partial=partial,
                 save_dtype=o.save_dtype)
+    if source is not None:
+        written = Path(out) / "final.gguf"
+        report = write_final_gguf(loaded, state.params, written, base=model, frozen=frozen,
+                                  gguf_type=o.gguf_type, metadata={
+                                      "general.pockjax.tool": "pockjax finetune",
+                                      "general.pockjax.scheme": str(scheme),
+                                      "general.pockjax.steps": int(total),
+                                      "general.pockjax.data_sha256": recorded["data"],
+                                      "general.pockjax.base_file": source.name})
+        kept = [n for n, (how, _) in report.items() if how == "kept"]
+        _say(progress, f"{written}: {len(kept)} tensors the base file's own bytes, "
+                       f"{len(report) - len(kept)} trained in {o.gguf_type} (each tensor's "
+                       f"digest or rounding in final.gguf.json)")
+        from pockjax.checkpoint import write_atomic
+        write_atomic(Path(out) / "final.gguf.json", (json.dumps(
+            {name: {how: detail} for name, (how, detail) in report.items()}, indent=1)
+            + "\n").encode())
     if o.plot:
         plot_losses(Path(out))
     result = FinetuneResult(

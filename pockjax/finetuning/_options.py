@@ -19,6 +19,10 @@ MOMENTS = ("float32", "bfloat16", "int8")
 """The storage of AdamW's moments `--moments` takes (`pockjax.optim.moments.MOMENTS`,
 which needs JAX to import; a test checks the two agree)."""
 from pockjax.finetuning._model import SAVE_DTYPES
+
+GGUF_TYPES = ("F16", "BF16", "F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
+"""The types of final.gguf's trained tensors (`pockjax.gguf.SAVE_TYPES`, which needs JAX
+to import; a test checks the two agree)."""
 from pockjax.finetuning._spec import SchemeSpec
 
 
@@ -94,6 +98,11 @@ class FinetuneOptions:
     save_dtype: str = _option("auto", "the float type of final/'s trained tensors (default "
                               "auto: the base model's); the tensors the scheme freezes are the "
                               "base's own bytes", choices=SAVE_DTYPES)
+    gguf_type: str = _option("F16", "with a .gguf --model, final.gguf is written beside "
+                             "final/: the file's own bytes for every frozen tensor, the trained "
+                             "ones in this type (default F16; BF16, F32, or a block type gguf "
+                             "quantizes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)", choices=GGUF_TYPES,
+                             metavar="TYPE")
     logits: str = _option("targets", "where the output head runs: targets (default: only at "
                           "the positions the loss counts, when prompts and padding leave at "
                           "most half of a batch's; with the prefix cache on, everywhere) or all",

@@ -61,7 +61,8 @@ class RunFolder:
         self.check(out, resume=resume, overwrite=overwrite)
         if out.is_dir() and any(out.iterdir()):
             if overwrite:
-                for name in (RUN, CHECKPOINTS, METRICS, FINAL, "loss.png"):
+                for name in (RUN, CHECKPOINTS, METRICS, FINAL, "loss.png", "final.gguf",
+                             "final.gguf.json"):
                     p = out / name
                     shutil.rmtree(p) if p.is_dir() else p.unlink(missing_ok=True)
             else:

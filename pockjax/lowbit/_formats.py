@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pockjax.lowbit._blocks import Blocks, decode
+
 
 class QuantizeError(ValueError):
     """A format that does not apply to a leaf, or an unknown format name."""
@@ -55,14 +57,15 @@ FORMATS = {"bfloat16": Cast(jnp.bfloat16), "float16": Cast(jnp.float16), "int8":
            "int4": Int4()}
 
 
-def format_of(spec) -> Cast | Int8 | Int4 | None:
-    """A format from its name (`FORMATS`; `"int4:128"` sets the group), a format value,
-    or None / "float32" (no format: the leaf stays as it is).
+def format_of(spec) -> Cast | Int8 | Int4 | Blocks | None:
+    """A format from its name (`FORMATS`; `"int4:128"` sets the group), a format value
+    (a `Blocks` too: a GGUF file's own blocks, which only a GGUF reader makes), or None /
+    "float32" (no format: the leaf stays as it is).
 
     Raises:
       QuantizeError: an unknown name.
     """
-    if spec is None or isinstance(spec, (Cast, Int8, Int4)):
+    if spec is None or isinstance(spec, (Cast, Int8, Int4, Blocks)):
         return spec
     if isinstance(spec, str):
         name, _, group = spec.partition(":")
@@ -134,6 +137,8 @@ def dequantize_stored(q, dtype) -> jax.Array:
     # than 32 bits exists in the step, even between kernels.
     data = from_words(q.data, q.data_shape) if q.words else q.data
     zero = from_words(q.zero, q.scale.shape) if q.words and q.zero is not None else q.zero
+    if isinstance(q.fmt, Blocks):
+        return decode(data, q.scale, q.fmt, q.axis, q.shape, words_bytes=q.words).astype(dtype)
     if isinstance(q.fmt, Int8):
         if q.words:  # the byte's two's-complement value
             data = data - jnp.where(data >= 128, 256, 0)

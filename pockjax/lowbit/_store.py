@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pockjax.lowbit._blocks import Blocks
 from pockjax.lowbit._formats import (Cast, Int4, Int8, QuantizeError, bf16_to_words,
                                      dequantize_stored, format_of, int4_codes, int8_codes,
                                      to_words)
@@ -93,7 +94,11 @@ class Quantized:
 
     @property
     def data_shape(self) -> tuple[int, ...]:
-        """The shape of the stored bytes (int4: two values a byte along the input axis)."""
+        """The shape of the stored bytes (int4: two values a byte along the input axis;
+        GGUF blocks: each block's bytes other than its scale along it)."""
+        if isinstance(self.fmt, Blocks):
+            n = self.shape[self.axis] // self.fmt.block_size * (self.fmt.type_size - 2)
+            return self.shape[:self.axis] + (n,) + self.shape[self.axis + 1:]
         if not isinstance(self.fmt, Int4):
             return self.shape
         return self.shape[:self.axis] + (self.shape[self.axis] // 2,) + self.shape[self.axis + 1:]
@@ -168,6 +173,10 @@ def quantize_leaf(w, fmt, *, axis: int = -2, path: str = "weight", dtype=None, c
         master = master.astype(jnp.promote_types(w.dtype, jnp.float32))
         return Quantized(q.data, q.scale, q.zero, fmt=q.fmt, shape=q.shape, dtype=q.dtype,
                          axis=q.axis, master=master, channels=where)
+    if isinstance(fmt, Blocks):
+        raise QuantizeError(f"'{path}': {fmt.name} is a GGUF file's own block format, kept "
+                            f"as read (pockjax.gguf); choose int8, int4 or a float format "
+                            f"to quantize a float weight")
     if w.ndim < 2:
         raise QuantizeError(f"'{path}' has shape {w.shape}: {fmt.name} needs a weight of rank "
                             f">= 2 (an input axis and output channels); keep vectors as they are")

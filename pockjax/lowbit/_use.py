@@ -17,6 +17,7 @@ import numpy as np
 from jax.extend.core import primitives as P
 
 from pockjax._src.jaxpr import bind, call_body, interpret
+from pockjax.lowbit._blocks import Blocks
 from pockjax.lowbit._formats import Cast, Int4, Int8, dequantize_stored
 from pockjax.lowbit._store import Quantized, is_quantized
 
@@ -114,7 +115,7 @@ def _pieces(spec, lazy, leaves, other_ndim: int):
     if w_b or o_b or len(w_c) != 1:
         return None
     free = 1 - w_c[0]
-    if isinstance(node.fmt, Int4) and free == node.axis:  # packed along that axis
+    if isinstance(node.fmt, (Int4, Blocks)) and free == node.axis:  # packed along that axis
         return None
     size = int(np.prod(node.shape)) * jnp.dtype(node.dtype).itemsize
     n = node.shape[free]
@@ -240,7 +241,9 @@ def _stored_rows(node, rows):
         scale = node.scale[0] if node.axis == 0 else take(node.scale, rows)
         return (take(node.data, rows).astype(jnp.float32) *
                 scale.astype(jnp.float32)).astype(node.dtype)
-    if node.axis == 1:  # int4 packed along the row: the rows' own bytes and scales
+    if isinstance(fmt, Blocks) and node.axis == 0:  # blocks across rows: decoded whole
+        return take(dequantize_stored(node, node.dtype), rows)
+    if node.axis == 1:  # packed along the row: the rows' own bytes and scales
         flat = rows.reshape(-1)
         piece = node.replace(data=take(node.data, flat), scale=take(node.scale, flat),
                              zero=None if node.zero is None else take(node.zero, flat),
