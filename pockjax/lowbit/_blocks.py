@@ -5,7 +5,7 @@ minimum, and for the K-quants packed 4- or 6-bit sub-scales). A frozen weight re
 such a file keeps those bytes: the block's float16 `d` becomes the node's `scale` (so
 `at_use` can tie the weight's decoding to its use by multiplying it by exactly 1) and the
 block's other bytes its `data`; `decode` gives the float32 values `gguf.quants.dequantize`
-gives, bit for bit (the same operations in the same order, no fused multiply-add).
+gives, bit for bit (the same operations in the same order).
 
 Layout in a `Quantized` node of shape `shape` with input axis `axis` (the axis the blocks
 run along): `data` holds each block's bytes other than `d`, `(type_size - 2)` per block,
@@ -216,9 +216,10 @@ def _q6_k(b, d):
 
 
 def _exact_sum(x, y):
-    """`x + y` with `x` rounded to float32 first: XLA may otherwise fuse the product
-    that made `x` and this sum into one multiply-add, which rounds once, not twice as
-    numpy (and gguf's dequantize) does."""
+    """`x + y` with `x` rounded to float32 first, as numpy (gguf's dequantize) rounds the
+    product before the sum: a backend that contracts the two into one multiply-add
+    rounds once. (XLA's CPU backend does not contract them; the tests check the decoding
+    bit for bit on each backend they run.)"""
     return jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=23) + y
 
 
