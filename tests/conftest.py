@@ -17,7 +17,7 @@ settings.load_profile("pockjax")
 LONGEST_FIRST = (
     "tests/test_examples.py", "tests/benchmarks/test_quality.py", "tests/test_docs.py",
     "tests/export/test_targets.py",
-    "tests/train/test_differential.py", "tests/torch/test_torch.py", "tests/finetuning/test_finetune.py",
+    "tests/gguf/test_gguf.py", "tests/train/test_differential.py", "tests/torch/test_torch.py", "tests/finetuning/test_finetune.py",
     "tests/test_remat.py", "tests/models/test_mobilenetv2.py",
     "tests/models/test_mobilenetv2_kernels.py", "tests/transforms/test_sparse_grad.py",
     "tests/export/test_vulkan.py", "tests/export/test_host_cpu.py", "tests/prefix/test_prefix.py",

@@ -18,7 +18,8 @@ from pockjax.finetuning._options import FinetuneOptions
 def add_arguments(p) -> None:
     """`pockjax finetune`'s options: its three folders and `FinetuneOptions`' fields."""
     p.add_argument("--model", required=True, help="a Hugging Face model folder (config.json, "
-                   "model.safetensors, tokenizer.json)")
+                   "model.safetensors, tokenizer.json) or a GGUF file (its frozen weights stay "
+                   "in the file's blocks; final.gguf is written beside final/)")
     p.add_argument("--data", required=True, help='a JSONL file: {"text"}, {"prompt", '
                    '"completion"} or {"messages": [{"role", "content"}, ...]} per line')
     p.add_argument("--out", required=True, help="the run's folder (checkpoints, metrics.jsonl, "
@@ -50,7 +51,7 @@ def main(args) -> int:
 def add_generate_arguments(p) -> None:
     """`pockjax generate`'s options (the same as `generate_text`'s arguments)."""
     p.add_argument("--model", required=True, help="a Hugging Face model folder (e.g. a "
-                   "finetune run's final/)")
+                   "finetune run's final/) or a GGUF file")
     p.add_argument("--prompt", required=True, help="the text to continue")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0,

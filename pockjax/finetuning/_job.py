@@ -19,7 +19,8 @@ from pockjax.finetuning._base import SCHEDULES, FinetuneError, Interrupted, NonF
 from pockjax.finetuning._model import (frozen_names, gguf_file, lm_loss, lm_loss_at,
                                        load_model, low_bit, model_folder, nll_sum,
                                        partial_names, stored_by_lowbit, target_positions,
-                                       write_final, write_final_gguf)
+                                       write_final)
+from pockjax.finetuning._gguf import write_final_gguf
 from pockjax.finetuning._options import FinetuneOptions
 from pockjax.finetuning._run import (FINAL, RunFolder, close_prefix_cache, fingerprint,
                                      plot_losses, run_options)
@@ -177,7 +178,11 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     both); they are checked before anything is read.
 
     Args:
-      model: a Hugging Face model folder (config.json, safetensors, tokenizer.json).
+      model: a Hugging Face model folder (config.json, safetensors, tokenizer.json), or
+        a GGUF file (`pockjax.gguf`): its frozen weights stay in the file's own blocks,
+        decoded where the step uses them, and `out/final.gguf` is written beside
+        `final/` (every frozen tensor the file's bytes, the trained ones in `gguf_type`;
+        each tensor's digest or rounding in `final.gguf.json`).
       data: a JSONL file of `{"text"}`, `{"prompt", "completion"}` or `{"messages"}`
         records (`pockjax.data.read_jsonl`).
       out: the run's folder; must be new or empty unless it holds a run and `resume`
@@ -245,7 +250,11 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
       save_dtype: the float type of `final/`'s trained tensors: "auto" (the default: the
         base model's, as its safetensors store it), "float32", "bfloat16" or "float16".
         The tensors the scheme never trains are the base's own bytes, and `config.json`
-        keeps every field of the base's.
+        keeps every field of the base's. From a GGUF file, "auto" is float32: the file's
+        values exactly as the step decodes them.
+      gguf_type: the type of `final.gguf`'s trained tensors, with a GGUF `model`: "F16"
+        (the default), "BF16", "F32", or a block type gguf quantizes ("Q8_0", "Q4_0",
+        "Q4_1", "Q5_0", "Q5_1"); vectors stay F32.
       compile_cache: use JAX's persistent compilation cache (a folder under the user's
         cache directory, `pockjax.train.compile_cache_dir`), so a second run of the same
         shapes starts without compiling; default True. The first step's compilation

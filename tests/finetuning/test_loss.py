@@ -10,7 +10,7 @@ from flax import nnx
 import pockjax as pj
 from pockjax.finetuning import scheme_from_spec
 from pockjax.finetuning._loss import lm_loss, lm_loss_at, target_positions
-from pockjax.finetuning._model import _flax_loaded
+from pockjax.finetuning._model import flax_loaded
 from pockjax.models.llama import Llama, LlamaConfig
 
 
@@ -19,7 +19,7 @@ def _loaded(tie: bool):
                          num_heads=4, num_kv_heads=2, max_position_embeddings=16,
                          tie_embeddings=tie)
     graphdef, params, rest = pj.nnx.split(Llama(config, rngs=nnx.Rngs(0)))
-    return _flax_loaded(graphdef, params, rest, config, save=None)
+    return flax_loaded(graphdef, params, rest, config, save=None)
 
 
 def _mask():

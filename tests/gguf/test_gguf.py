@@ -1,0 +1,256 @@
+"""GGUF files in and out (`pockjax.gguf`): a real pretrained model's file
+(SmolLM2-135M-Instruct, Q4_1) and a two-block model made from it with every tensor type
+pockjax decodes. References: transformers' GGUF loader (tokenizer, template, logits),
+the same run from the float32 folder transformers makes of the file, `gguf`'s reader,
+and llama.cpp (llama-cpp-python) on the written file."""
+from __future__ import annotations
+
+import json
+import os
+
+import gguf
+import jax
+import numpy as np
+import pytest
+
+from pockjax import lowbit
+from pockjax.finetuning import FinetuneError, finetune
+from pockjax.finetuning._model import load_model, model_folder
+
+PROMPTS = ["What is the capital of France?", "def dumps(obj):\n    return json.dumps(obj)",
+           "  spaces,\ttabs and ünïcode — ok", ""]
+
+
+def _hf(path, **kw):
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, **kw).eval()
+
+
+def _logits(module, tokens):
+    import torch
+
+    with torch.no_grad():
+        return module(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
+
+
+def _data(tmp_path, n=24):
+    """Chat examples from the standard library's docstrings."""
+    import ast
+    import sys
+    from pathlib import Path
+
+    rows = []
+    for name in ("textwrap.py", "shlex.py", "fractions.py", "json/__init__.py"):
+        tree = ast.parse((Path(sys.base_prefix) / "lib" / f"python{sys.version_info[0]}."
+                          f"{sys.version_info[1]}" / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
+                doc = ast.get_docstring(node).split("\n\n")[0][:200]
+                rows.append({"messages": [
+                    {"role": "user", "content": f"What does `{node.name}` in {name} do?"},
+                    {"role": "assistant", "content": doc}]})
+    train, valid = tmp_path / "train.jsonl", tmp_path / "valid.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:n]))
+    valid.write_text("".join(json.dumps(r) + "\n" for r in rows[n:n + 6]))
+    return train, valid
+
+
+def test_tokenizer_and_chat_template_are_transformers(smollm2):
+    from transformers import AutoTokenizer
+
+    from pockjax.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_folder(model_folder(smollm2))
+    theirs = AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    for text in PROMPTS:
+        assert ours.encode(text) == theirs.encode(text), text
+    chat = [{"role": "user", "content": PROMPTS[0]}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (ours.eos_id, ours.bos_id) == (theirs.eos_token_id, theirs.bos_token_id) == (2, 1)
+    assert model_folder(smollm2) == model_folder(smollm2)   # made once, then found
+
+
+def test_logits_of_the_real_file_equal_transformers(smollm2):
+    """Within 1e-4 of transformers' float32 model of the file, with every weight decoded
+    (all trained) and with the default scheme's frozen weights kept in Q4_1 / Q8_0."""
+    from pockjax.finetuning._spec import SchemeSpec
+
+    tokens = np.array([[1, 504, 3458, 282, 4649, 314, 2, 0, 17, 49151]], np.int32)
+    want = _logits(_hf(smollm2), tokens)
+    loaded = load_model(smollm2)
+    got = np.asarray(jax.jit(loaded.apply)(loaded.params, tokens))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    stored = load_model(smollm2, scheme_of=SchemeSpec.parse("paper").build)
+    kinds = [x.fmt.name for x in jax.tree.leaves(stored.params, is_leaf=lowbit.is_quantized)
+             if lowbit.is_quantized(x)]
+    assert kinds.count("Q8_0") == 1 and kinds.count("Q4_1") == 15 * 7 + 15, kinds
+    got = np.asarray(jax.jit(lowbit.at_use(stored.apply))(stored.params, tokens))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def test_every_tensor_type_loads_as_transformers_reads_it(tiny_gguf):
+    """The two-block file (Q4_0 ... Q8_0, Q4_K, Q6_K, F16, BF16, F32 weights): logits
+    equal transformers' with its frozen weights in the file's types."""
+    from pockjax.finetuning._spec import SchemeSpec
+
+    tokens = np.array([[1, 504, 3458, 0, 49151, 2, 17]], np.int32)
+    want = _logits(_hf(tiny_gguf), tokens)
+    stored = load_model(tiny_gguf, scheme_of=SchemeSpec.parse("last:1").build)
+    kinds = {x.fmt.name for x in jax.tree.leaves(stored.params, is_leaf=lowbit.is_quantized)
+             if lowbit.is_quantized(x)}
+    assert kinds == {"Q4_0", "Q5_0", "Q5_1", "Q8_0", "float16", "bfloat16", "Q6_K"}, kinds
+    got = np.asarray(jax.jit(lowbit.at_use(stored.apply))(stored.params, tokens))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tiny_gguf, tmp_path_factory):
+    """The same run from the GGUF file and from the float32 folder transformers makes of
+    it: the last block trains, AdamW at 1e-3, three steps."""
+    tmp = tmp_path_factory.mktemp("tiny-runs")
+    train, valid = _data(tmp)
+    folder = tmp / "float32"
+    import transformers
+    read = _hf(tiny_gguf)   # transformers keeps a GGUF-loaded model from being saved
+    copy = transformers.AutoModelForCausalLM.from_config(read.config)
+    copy.load_state_dict(read.state_dict())
+    copy.save_pretrained(folder)
+    from transformers import AutoTokenizer
+    AutoTokenizer.from_pretrained(str(tiny_gguf.parent), gguf_file=tiny_gguf.name) \
+        .save_pretrained(folder)
+    kw = dict(scheme="last:1", steps=3, batch=2, seq=64, lr=1e-3, progress=False, plot=False,
+              compile_cache=False, gguf_type="F32", valid=str(valid))
+    from_file = finetune(str(tiny_gguf), str(train), str(tmp / "from-gguf"), **kw)
+    from_folder = finetune(str(folder), str(train), str(tmp / "from-folder"),
+                           **{k: v for k, v in kw.items() if k != "gguf_type"})
+    return tmp, from_file, from_folder
+
+
+def _metrics(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_from_the_file_equals_the_run_from_its_float32_folder(tiny_runs, tiny_gguf):
+    tmp, a, b = tiny_runs
+    la = [r["loss"] for r in _metrics(tmp / "from-gguf") if "loss" in r]
+    lb = [r["loss"] for r in _metrics(tmp / "from-folder") if "loss" in r]
+    assert len(la) == 3 and la == pytest.approx(lb, rel=1e-5, abs=1e-5)
+    assert a.valid_loss == pytest.approx(b.valid_loss, rel=1e-5)
+    assert json.loads((tmp / "from-gguf" / "run.json").read_text())["model"] == str(tiny_gguf)
+    from safetensors.numpy import load_file
+    fa = load_file(tmp / "from-gguf" / "final" / "model.safetensors")
+    fb = load_file(tmp / "from-folder" / "final" / "model.safetensors")
+    assert fa.keys() == fb.keys()
+    for name in fa:
+        moved = np.abs(fb[name].astype(np.float32) - load_file(
+            tmp / "float32" / "model.safetensors").get(name, fb[name]).astype(np.float32)).max()
+        np.testing.assert_allclose(fa[name], fb[name], rtol=0,
+                                   atol=max(1e-6, 1e-3 * float(moved)), err_msg=name)
+
+
+def test_final_gguf_keeps_the_frozen_bytes_and_metadata(tiny_runs, tiny_gguf):
+    tmp, _, _ = tiny_runs
+    written = tmp / "from-gguf" / "final.gguf"
+    report = json.loads((tmp / "from-gguf" / "final.gguf.json").read_text())
+    src, out = gguf.GGUFReader(str(tiny_gguf)), gguf.GGUFReader(str(written))
+    assert [t.name for t in src.tensors] == [t.name for t in out.tensors]
+    trained = {t.name for t in out.tensors if "trained" in report[t.name]}
+    assert trained == {t.name for t in src.tensors if t.name.startswith("blk.1.")}
+    for a, b in zip(src.tensors, out.tensors):
+        if a.name in trained:
+            assert b.tensor_type.name == "F32" or len(b.shape) < 2
+            continue
+        assert a.tensor_type == b.tensor_type
+        np.testing.assert_array_equal(np.asarray(a.data).view(np.uint8),
+                                      np.asarray(b.data).view(np.uint8), err_msg=a.name)
+        from pockjax.gguf import tensor_digest
+        assert report[a.name]["kept"] == tensor_digest(np.asarray(b.data))
+    for key, field in src.fields.items():
+        if not key.startswith("GGUF."):
+            assert out.fields[key].contents() == field.contents(), key
+    assert out.fields["general.pockjax.steps"].contents() == 3
+    # transformers reads it back: the logits of final/ (F32: to its rounding).
+    tokens = np.array([[1, 504, 3458, 0, 49151, 2, 17]], np.int32)
+    import transformers
+    final = transformers.AutoModelForCausalLM.from_pretrained(tmp / "from-gguf" / "final").eval()
+    want = _logits(final, tokens)
+    np.testing.assert_allclose(_logits(_hf(written), tokens), want, rtol=0,
+                               atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
+@pytest.fixture(scope="module")
+def real_run(smollm2, tmp_path_factory):
+    """Two steps of the default scheme on the real file, trained tensors in F16."""
+    tmp = tmp_path_factory.mktemp("real-run")
+    train, _ = _data(tmp)
+    finetune(str(smollm2), str(train), str(tmp / "run"), steps=2, batch=2, seq=64,
+             progress=False, plot=False, compile_cache=False)
+    return tmp / "run"
+
+
+def test_llama_cpp_runs_the_written_file_and_predicts_as_final(real_run):
+    """llama.cpp multiplies with quantized activations, so its next-token predictions
+    are compared with final/'s (transformers), not its logits."""
+    import transformers
+    from llama_cpp import Llama
+
+    text = ("<|im_start|>user\nWhat does the function dumps in the json module do?<|im_end|>\n"
+            "<|im_start|>assistant\nIt serializes a Python object to a JSON formatted string.")
+    final = transformers.AutoModelForCausalLM.from_pretrained(real_run / "final").eval()
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(real_run / "final").encode(text)
+    want = _logits(final, np.array([ids])).argmax(-1)[0]
+    llm = Llama(model_path=str(real_run / "final.gguf"), logits_all=True, verbose=False,
+                n_ctx=128, seed=0)
+    llm.eval(ids)
+    got = np.asarray(llm.scores[:len(ids)]).argmax(-1)
+    assert (got == want).mean() >= 0.9, (got, want)
+
+
+def test_generate_answers_in_the_models_template_and_stops_at_its_end_of_turn(smollm2, real_run):
+    import torch
+    from transformers import AutoTokenizer
+
+    from pockjax.finetuning._cli import generate_text
+
+    text, n, _ = generate_text(smollm2, "What is the capital of France?", chat=True,
+                               max_tokens=24)
+    tok = AutoTokenizer.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of "
+                                       "France?"}], add_generation_prompt=True,
+                                     return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = _hf(smollm2).generate(prompt, max_new_tokens=24, do_sample=False,
+                                    eos_token_id=2)[0, prompt.shape[1]:].tolist()
+    assert out[-1] == 2 and n == len(out) - 1 < 24       # stopped at <|im_end|>
+    assert text == tok.decode(out[:-1]) == "The capital of France is Paris."
+    text, n, _ = generate_text(real_run / "final.gguf", "What is 2 + 2?", chat=True,
+                               max_tokens=48)
+    assert n < 48 and "<|im" not in text
+
+
+def test_bad_input_names_the_file_and_the_fix(tmp_path, smollm2):
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_bytes(b"PK\x03\x04 not a gguf")
+    with pytest.raises(FinetuneError, match="is not a GGUF file"):
+        model_folder(not_gguf)
+    train, _ = _data(tmp_path, 4)
+    with pytest.raises(FinetuneError, match="keeps its frozen weights in the file's own "
+                                            "blocks; leave --frozen-dtype at float32"):
+        finetune(str(smollm2), str(train), str(tmp_path / "a"), steps=1, frozen_dtype="int4",
+                 progress=False)
+    with pytest.raises(FinetuneError, match="lora:4 on a GGUF file is not implemented"):
+        finetune(str(smollm2), str(train), str(tmp_path / "b"), steps=1, scheme="lora:4",
+                 progress=False)
+    assert not os.path.exists(tmp_path / "a" / "run.json")
+
+
+def test_the_options_gguf_types_are_the_writers():
+    from pockjax.finetuning._options import GGUF_TYPES
+    from pockjax.gguf import SAVE_TYPES
+
+    assert GGUF_TYPES == SAVE_TYPES
