@@ -493,8 +493,7 @@ def main(argv=None) -> int:
                        description=__doc__.split("\n\n")[1])
     e.add_argument("spec", metavar="MODULE:ATTR", nargs="?",
                    help="a module giving (trainer, state, batch); or --model FOLDER")
-    e.add_argument("--model", help="a Hugging Face model folder or a GGUF file: export "
-                                   "`pockjax finetune`'s "
+    e.add_argument("--model", help="a Hugging Face model folder: export `pockjax finetune`'s "
                                    "step for it, with what a device needs to fine-tune "
                                    "(`pockjax run DIR --data train.jsonl --out RUN`)")
     e.add_argument("--target", default="host-cpu", choices=list(TARGETS))

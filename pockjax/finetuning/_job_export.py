@@ -107,7 +107,7 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
     from pockjax.export import export
     from pockjax.finetuning._job import (check_positions, make_trainer, options_from,
                                          trainer_params)
-    from pockjax.finetuning._model import load_model, model_folder
+    from pockjax.finetuning._model import load_model
     from pockjax.finetuning._spec import choose_scheme
     from pockjax.tokenizer import Tokenizer, TokenizerError
 
@@ -125,7 +125,12 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
     if scheme.kind == "blockwise":
         raise FinetuneError(f"--scheme {scheme}: a schedule changes which weights train as it "
                             f"goes, and an artifact compiles one step; export one scheme")
-    model = model_folder(model)  # a GGUF file: the folder made of it
+    if Path(model).is_file():
+        raise FinetuneError(f"--model '{model}': the device job of a GGUF file (its frozen "
+                            f"blocks in the artifact, final.gguf written on the device) is not "
+                            f"implemented; fine-tune it with `pockjax finetune --model "
+                            f"{model}`, or export a model folder")
+    model = Path(model)
     try:
         tokenizer = Tokenizer.from_folder(model)
     except TokenizerError as e:

