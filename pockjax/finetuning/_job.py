@@ -404,6 +404,9 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     def tokens_of(step):
         return sum(len(e.ids) for e in batch_examples(train, step, batch, seed=seed))
 
+    valid_seen: list[float] = []
+    valid_rose = [False]
+
     def record(r):
         """fit's records, with the learning rate and perplexity, to metrics.jsonl."""
         if "valid_loss" in r:
@@ -412,6 +415,18 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                  "seconds": r["seconds"]}
             _say(progress, f"step {r['step']}: valid loss {value:.4f} (perplexity "
                            f"{r['valid_ppl']:.2f})")
+            best = min(valid_seen) if valid_seen else None
+            valid_seen.append(value)
+            if best is not None and value > best + 0.01 and not valid_rose[0]:
+                valid_rose[0] = True  # said once a run, in the log and on stderr
+                text = (f"step {r['step']}: the validation loss rose from {best:.4f} to "
+                        f"{value:.4f}: the model is getting worse on held-out data; a lower "
+                        f"--lr (now {lr:g}) or fewer steps may do better")
+                if progress:
+                    _say(progress, text)
+                else:
+                    warnings.warn(text, stacklevel=2)
+                r["warning"] = text
         elif r.get("skipped"):
             skips[0] += 1
             _say(progress, f"step {r['step']}: the loss is not finite; step skipped "

@@ -927,3 +927,22 @@ def test_the_head_runs_at_the_counted_positions_with_the_same_run(folders, data,
     with pytest.raises(pj.FinetuneError, match="--logits must be one of targets, all"):
         pj.finetune(folders["llama"], data["completion"], tmp_path / "bad", logits="some",
                     progress=False)
+
+
+def test_a_rising_validation_loss_is_said_once(folders, data, tmp_path, capsys):
+    """A learning rate far too high: the validation loss rises above its best, and the
+    run says so once (the log with progress, a Python warning without), and records it."""
+    kw = dict(scheme="full", steps=6, batch=4, seq=24, lr=0.3, eval_every=2)
+    pj.finetune(folders["llama"], data["train"], tmp_path / "a", valid=data["valid"], **kw)
+    said = [line for line in capsys.readouterr().err.splitlines()
+            if "the validation loss rose" in line]
+    assert len(said) == 1 and "a lower --lr (now 0.3)" in said[0], said
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text()
+               .splitlines()]
+    assert sum("warning" in r for r in records) == 1
+    with pytest.warns(UserWarning, match="the validation loss rose from"):
+        pj.finetune(folders["llama"], data["train"], tmp_path / "b", valid=data["valid"],
+                    progress=False, **kw)
+    quiet = pj.finetune(folders["llama"], data["train"], tmp_path / "c", valid=data["valid"],
+                        progress=False, **{**kw, "lr": 1e-4})
+    assert quiet.valid_loss < quiet.valid_loss_before
