@@ -571,4 +571,3 @@ def finish_final(base: Path, final: Path, frozen, save_dtype: str = "auto",
         if key in merged or key == "dtype":
             merged[key] = dtype
     write_atomic(final / CONFIG, (json.dumps(merged, indent=2) + "\n").encode())
-
