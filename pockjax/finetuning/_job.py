@@ -117,6 +117,57 @@ def make_trainer(loaded, chosen, *, lr: float, warmup: int, total: int, schedule
                         skip_nonfinite=skip_nonfinite)
 
 
+def sweep_lr(loaded, chosen, params, train, held, o, *, total: int, seq: int, pad: int,
+             say) -> dict:
+    """`--lr auto`: a short run (a quarter of the run, 8 to 40 steps) at each rate of
+    `LR_GRID` from the same weights on the run's first batches, each scored by the loss
+    on `held`; the lowest wins (a tie: the smaller rate). Returns what run.json records:
+    `{"chosen", "steps", "losses": {rate: loss}}`."""
+    import jax
+
+    from pockjax import lowbit
+    from pockjax.data import batch_at, eval_batches
+    from pockjax.finetuning._options import LR_GRID
+
+    steps = min(total, max(8, min(40, total // 4)))
+    nll = jax.jit(lowbit.at_use(lambda p, b: nll_sum(loaded.apply(p, b["tokens"]),
+                                                     b["tokens"], b["mask"])))
+    losses = {}
+    for rate in LR_GRID:
+        trainer = make_trainer(loaded, chosen, lr=rate, warmup=min(o.warmup, steps // 2),
+                               total=steps, schedule=o.schedule, weight_decay=o.weight_decay,
+                               moments=o.moments, skip_nonfinite=True)
+        state = trainer.init(params, copy=True)
+        for step in range(steps):
+            state, _ = trainer(state, batch_at(train, step, o.batch, seq, seed=o.seed,
+                                               pad_id=pad))
+        total_nll = count = 0.0
+        for b in eval_batches(held, o.batch, seq, pad):
+            s, n = nll(state.params, b)
+            total_nll, count = total_nll + float(s), count + float(n)
+        loss = total_nll / count
+        losses[f"{rate:g}"] = loss if math.isfinite(loss) else None
+        say(f"--lr auto: {steps} steps at {rate:g}: valid loss {loss:.4f}")
+        del state
+    finite = {k: v for k, v in losses.items() if v is not None}
+    if not finite:
+        raise FinetuneError(f"--lr auto: every rate of {', '.join(map(str, LR_GRID))} gave a "
+                            f"loss that is not finite; give a smaller --lr")
+    best = min(finite, key=lambda k: (finite[k], float(k)))
+    say(f"--lr auto: {best} (recorded in run.json)")
+    return {"chosen": float(best), "steps": steps, "losses": losses}
+
+
+def _previous_lr(out: Path) -> dict | None:
+    """The rate an earlier `--lr auto` run in `out` chose (run.json), or None."""
+    from pockjax.finetuning._run import RUN
+
+    try:
+        return json.loads((out / RUN).read_text()).get("lr_auto")
+    except (OSError, ValueError):
+        return None
+
+
 def _say(progress: bool, text: str) -> None:
     if progress:
         from tqdm.auto import tqdm
@@ -210,7 +261,11 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
       seq: tokens per example, at least 2 (longer examples are cut), at most the
         model's positions (`max_position_embeddings`); default 512, or the model's
         positions where fewer.
-      lr: AdamW's peak learning rate, positive; default 1e-4.
+      lr: AdamW's peak learning rate, positive; default 1e-4. "auto": a short run at
+        each rate of `LR_GRID` (1e-5 to 1e-3) from the same weights, the one with the
+        lowest loss on `valid` (required) trains; run.json records the sweep
+        (`lr_auto`), and a resumed run reuses its choice. Not with `search:` or
+        `blockwise:` schemes.
       warmup: linear warm-up steps from 0 to `lr`; default 0.
       schedule: the decay after the warm-up: "cosine" (the default, to 0 at the last
         step), "linear" (to 0 at the last step) or "constant".
@@ -340,6 +395,13 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     recorded = run_options(o, model=os.path.abspath(given), data=fingerprint(data),
                            scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
                            total_steps=total, seq=seq)
+    if lr == "auto":
+        chosen_lr = _previous_lr(Path(out)) if resume else None
+        if chosen_lr is None:
+            chosen_lr = sweep_lr(loaded, chosen, params, train, held, o, total=total, seq=seq,
+                                 pad=pad, say=lambda text: _say(progress, text))
+        recorded["lr_auto"] = chosen_lr
+        lr = chosen_lr["chosen"]
     run = RunFolder(Path(out), recorded, resume=resume, overwrite=overwrite)
 
     trainer = make_trainer(loaded, chosen, lr=lr, warmup=warmup, total=total,

@@ -118,6 +118,10 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
     if steps is None:
         raise FinetuneError("give --steps N, the run's length (the learning-rate schedule is "
                             "built for it)")
+    if o.lr == "auto":
+        raise FinetuneError("--lr auto chooses the rate on held-out data, which export does not "
+                            "read; give the rate (pockjax finetune --lr auto records the one it "
+                            "chose in run.json)")
     if scheme.kind == "search":
         raise FinetuneError("--scheme search:BUDGET needs the data; choose the scheme first "
                             "(pockjax search, or pockjax finetune --scheme search:... writes it "

@@ -15,6 +15,9 @@ import typing
 
 from pockjax.finetuning._base import FRONTENDS, SCHEDULES, FinetuneError
 
+LR_GRID = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3)
+"""The rates `--lr auto` tries."""
+
 MOMENTS = ("float32", "bfloat16", "int8")
 """The storage of AdamW's moments `--moments` takes (`pockjax.optim.moments.MOMENTS`,
 which needs JAX to import; a test checks the two agree)."""
@@ -60,7 +63,9 @@ class FinetuneOptions:
     seq: int | None = _option(None, "tokens per example; longer ones are cut (default 512, or "
                               "the model's max_position_embeddings where fewer)", result=True,
                               job=True)
-    lr: float = _option(1e-4, "AdamW learning rate (default 1e-4)", result=True, job=True)
+    lr: float | str = _option(1e-4, "AdamW learning rate (default 1e-4), or auto: the best of "
+                              "a short run at each rate of LR_GRID on --valid's loss, recorded "
+                              "in run.json", result=True, job=True, metavar="LR")
     warmup: int = _option(0, "linear warm-up steps (default 0)", result=True, job=True)
     schedule: str = _option("cosine", "decay after the warm-up (default cosine)", result=True,
                             job=True, choices=SCHEDULES)
@@ -138,8 +143,22 @@ class FinetuneOptions:
                                 f"got {self.seq}")
         if self.epochs is not None and not (_real(self.epochs) and self.epochs > 0):
             raise FinetuneError(f"--epochs must be positive, got {self.epochs!r}")
-        if not (_real(self.lr) and self.lr > 0 and math.isfinite(self.lr)):
-            raise FinetuneError(f"--lr must be a positive finite number, got {self.lr!r}")
+        if _real(self.lr):
+            object.__setattr__(self, "lr", float(self.lr))
+        elif isinstance(self.lr, str) and self.lr != "auto":
+            try:  # the command line's text
+                object.__setattr__(self, "lr", float(self.lr))
+            except ValueError:
+                pass
+        if self.lr != "auto" and not (_real(self.lr) and self.lr > 0 and math.isfinite(self.lr)):
+            raise FinetuneError(f"--lr must be a positive finite number or auto, got "
+                                f"{self.lr!r}")
+        if self.lr == "auto" and self.valid is None:
+            raise FinetuneError("--lr auto chooses the rate by the loss on held-out data: give "
+                                "--valid FILE, or a number for --lr")
+        if self.lr == "auto" and self.scheme.kind in ("search", "blockwise"):
+            raise FinetuneError(f"--lr auto with --scheme {self.scheme}: that scheme is not "
+                                f"swept; give a number for --lr")
         if not (_whole(self.warmup) and self.warmup >= 0):
             raise FinetuneError(f"--warmup must be a whole number >= 0, got {self.warmup!r}")
         if not (_real(self.weight_decay) and self.weight_decay >= 0

@@ -946,3 +946,36 @@ def test_a_rising_validation_loss_is_said_once(folders, data, tmp_path, capsys):
     quiet = pj.finetune(folders["llama"], data["train"], tmp_path / "c", valid=data["valid"],
                         progress=False, **{**kw, "lr": 1e-4})
     assert quiet.valid_loss < quiet.valid_loss_before
+
+
+def test_lr_auto_picks_the_rate_with_the_lowest_held_out_loss(folders, data, tmp_path, capsys):
+    """Each rate of the grid trains from the same weights for the sweep's steps; the one
+    whose held-out loss is lowest is recorded and trains the run, and the run equals a
+    run given that rate; a resume reuses the choice without sweeping again."""
+    from pockjax.finetuning._options import LR_GRID
+
+    kw = dict(scheme="full", steps=8, batch=4, seq=24, valid=data["valid"], progress=False)
+    auto = pj.finetune(folders["llama"], data["train"], tmp_path / "auto", lr="auto", **kw)
+    record = json.loads((tmp_path / "auto" / "run.json").read_text())
+    sweep = record["lr_auto"]
+    assert record["lr"] == "auto" and sweep["steps"] == 8
+    assert set(sweep["losses"]) == {f"{r:g}" for r in LR_GRID}
+    assert sweep["chosen"] == float(min(sweep["losses"], key=sweep["losses"].get))
+    # The sweep's run at the chosen rate is the same 8 steps as the run: the same loss.
+    assert auto.valid_loss == pytest.approx(sweep["losses"][f"{sweep['chosen']:g}"], rel=1e-5)
+    given = pj.finetune(folders["llama"], data["train"], tmp_path / "given",
+                        lr=sweep["chosen"], **kw)
+    assert given.valid_loss == pytest.approx(auto.valid_loss, rel=1e-5)
+    capsys.readouterr()
+    pj.finetune(folders["llama"], data["train"], tmp_path / "auto", lr="auto", resume=True,
+                **{**kw, "progress": True})
+    assert "--lr auto:" not in capsys.readouterr().err        # not swept again
+    with pytest.raises(pj.FinetuneError, match="--lr auto chooses the rate by the loss on "
+                                            "held-out data: give --valid FILE"):
+        pj.finetune(folders["llama"], data["train"], tmp_path / "x", lr="auto",
+                    **{k: v for k, v in kw.items() if k != "valid"})
+    with pytest.raises(pj.FinetuneError, match="--lr auto with --scheme blockwise:2"):
+        pj.finetune(folders["llama"], data["train"], tmp_path / "x", lr="auto",
+                    **{**kw, "scheme": "blockwise:2"})
+    with pytest.raises(pj.FinetuneError, match="--lr must be a positive finite number or auto"):
+        pj.finetune(folders["llama"], data["train"], tmp_path / "x", lr="fast", **kw)
