@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from pockjax.finetuning._base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
-from pockjax.finetuning._model import (frozen_names, gguf_file, lm_loss, lm_loss_at,
-                                       load_model, low_bit, model_folder, nll_sum,
+from pockjax.finetuning._model import (frozen_formats, frozen_names, gguf_file, lm_loss,
+                                       lm_loss_at, load_model, low_bit, model_folder, nll_sum,
                                        partial_names, stored_by_lowbit, target_positions,
                                        write_final)
 from pockjax.finetuning._gguf import write_final_gguf
@@ -93,7 +93,8 @@ def trainer_params(loaded, chosen, frozen_dtype: str):
 
         from pockjax import lowbit
         try:  # trained leaves stay float32; the step computes the frozen ones in float32
-            params = lowbit.quantize(params, chosen, frozen_dtype, dtype=jnp.float32)
+            params = lowbit.quantize(params, chosen, frozen_formats(frozen_dtype),
+                                     dtype=jnp.float32)
         except lowbit.QuantizeError as e:
             raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
     return params

@@ -82,8 +82,9 @@ class FinetuneOptions:
     frozen_dtype: str = _option(
         "float32", "storage of the frozen weights: float32, bfloat16 (LLaMA families), int8 "
         "(a scale per output channel) or int4 (a scale per group of 64 inputs; int4:GROUP "
-        "sets the group), dequantized where each is used (pockjax.lowbit); the fine-tuned "
-        "model holds the base's own frozen tensors either way", result=True, job=True,
+        "sets the group; the embeddings and output head stay int8), dequantized where each "
+        "is used (pockjax.lowbit); the fine-tuned model holds the base's own frozen tensors "
+        "either way", result=True, job=True,
         metavar="FORMAT")
     moments: str = _option(
         "float32", "storage of AdamW's two moments: float32 (8 bytes a trained value), "
