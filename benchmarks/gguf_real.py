@@ -4,6 +4,7 @@ run from the float32 folder transformers makes of the file, and from that folder
 pockjax's own int4 frozen weights.
 
 `python -m benchmarks gguf_real [--steps 60] [--seeds 0,1,2] [--rows gguf,float32,int4]`
+`python -m benchmarks gguf_real --formats`: the frozen formats' held-out loss at step 0.
 
 The task nobody here wrote: complete a Python function's body from its signature and
 docstring, in the model's chat template, on functions of installed packages: training on
@@ -94,6 +95,69 @@ def row(args) -> None:
                    "job_s": time.perf_counter() - t0})
 
 
+# Frozen formats at step 0: the paper scheme's frozen weights of the float32 folder stored
+# in each, the held-out loss before any training (`--formats`).
+E = "embed/embedding"
+FORMATS = {
+    "int4, the embedding int4 (groups of 64 along the vocabulary)": {E: "int4", "**": "int4"},
+    "int4, the embedding float32": {E: None, "**": "int4"},
+    "int4, the embedding int8 (`--frozen-dtype int4`'s default)": {E: "int8", "**": "int4"},
+    "int4:32, the embedding int4": {E: "int4:32", "**": "int4:32"},
+    "int4:32, the embedding int8": {E: "int8", "**": "int4:32"},
+    "int8": "int8",
+    "only the embedding int4 (groups along the vocabulary)": {E: "int4"},
+    "only the embedding int4 (groups along each token's row)": "rows",
+}
+
+
+def formats(args) -> None:
+    """The held-out loss of the float32 folder with the paper scheme's frozen weights in
+    each of `FORMATS`, before training, on the test split's first 64 examples."""
+    import jax
+    import numpy as np
+
+    from pockjax import lowbit
+    from pockjax.data import batch_at, read_jsonl
+    from pockjax.finetuning._model import lm_loss, load_model
+    from pockjax.finetuning._spec import SchemeSpec
+    from pockjax.tokenizer import Tokenizer
+
+    folder = str(Path(args.out) / "smollm2-float32")
+    loaded = load_model(folder)
+    tok = Tokenizer.from_folder(folder)
+    data = read_jsonl(str(Path(args.out) / "data" / "test.jsonl"), tok, args.seq,
+                      vocab_size=loaded.vocab_size)
+    batches = [batch_at(data, i, 8, args.seq, seed=0, pad_id=tok.eos_id) for i in range(8)]
+    scheme = SchemeSpec.parse("paper").build(loaded.params, loaded.num_layers)
+    loss = jax.jit(lowbit.at_use(lambda p, b: lm_loss(loaded.apply(p, b["tokens"]),
+                                                      b["tokens"], b["mask"])))
+
+    def held(params):
+        return float(np.mean([float(loss(params, b)) for b in batches]))
+
+    base = held(loaded.params)
+    rows = [("float32", base)]
+    for name, fmt in FORMATS.items():
+        if fmt == "rows":
+            q = lowbit.quantize(loaded.params, scheme, {E: "int4"}, layouts={E: {"in": 1, "out": 0}})
+        else:
+            q = lowbit.quantize(loaded.params, scheme, fmt)
+        rows.append((name, held(q)))
+        print(f"{name}: {rows[-1][1]:.4f}", file=sys.stderr, flush=True)
+    lines = ["| frozen weights of `paper` | held-out loss at step 0 | against float32 |",
+             "|---|---:|---:|"]
+    lines += [f"| {name} | {value:.4f} | {value - base:+.4f} |" for name, value in rows]
+    head = ["# SmolLM2-135M-Instruct: frozen formats at step 0", "",
+            f"`python -m benchmarks gguf_real --formats`: the float32 folder made from the "
+            f"Q4_1 file, the frozen weights of `--scheme paper` stored in each format "
+            f"(`pockjax.lowbit`), the held-out loss of 64 examples of the test packages "
+            f"({', '.join(TEST_PACKAGES)}) before any training. The output head is tied to "
+            f"the embedding. Python {platform.python_version()}; commit {commit()}.", ""]
+    out = Path(args.results).with_name("gguf_real_formats.md")
+    out.write_text("\n".join(head + lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -105,6 +169,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "out", "gguf_real"))
     ap.add_argument("--results", default=os.path.join(ROOT, "benchmarks", "results",
                                                       "gguf_real.md"))
+    ap.add_argument("--formats", action="store_true", help="print the frozen formats' "
+                    "held-out loss at step 0 (the float32 folder, the paper scheme) instead")
     ap.add_argument("--row", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -113,6 +179,8 @@ def main() -> None:
     out = Path(args.out)
     train, test = make_data(out / "data")
     float32_folder(out / "smollm2-float32")
+    if args.formats:
+        return formats(args)
     results = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name in args.rows.split(","):
