@@ -21,6 +21,7 @@ from pockjax.finetuning._model import (frozen_formats, frozen_names, gguf_file, 
                                        partial_names, stored_by_lowbit, target_positions,
                                        write_final)
 from pockjax.finetuning._gguf import write_final_gguf
+from pockjax.finetuning._lr import previous_lr, sweep_lr
 from pockjax.finetuning._options import FinetuneOptions
 from pockjax.finetuning._run import (FINAL, RunFolder, close_prefix_cache, fingerprint,
                                      plot_losses, run_options)
@@ -116,57 +117,6 @@ def make_trainer(loaded, chosen, *, lr: float, warmup: int, total: int, schedule
                       moments=moments)
     return sparse_train(loss_fn, optimizer=optimizer, scheme=chosen,
                         skip_nonfinite=skip_nonfinite)
-
-
-def sweep_lr(loaded, chosen, params, train, held, o, *, total: int, seq: int, pad: int,
-             say) -> dict:
-    """`--lr auto`: a short run (a quarter of the run, 8 to 40 steps) at each rate of
-    `LR_GRID` from the same weights on the run's first batches, each scored by the loss
-    on `held`; the lowest wins (a tie: the smaller rate). Returns what run.json records:
-    `{"chosen", "steps", "losses": {rate: loss}}`."""
-    import jax
-
-    from pockjax import lowbit
-    from pockjax.data import batch_at, eval_batches
-    from pockjax.finetuning._options import LR_GRID
-
-    steps = min(total, max(8, min(40, total // 4)))
-    nll = jax.jit(lowbit.at_use(lambda p, b: nll_sum(loaded.apply(p, b["tokens"]),
-                                                     b["tokens"], b["mask"])))
-    losses = {}
-    for rate in LR_GRID:
-        trainer = make_trainer(loaded, chosen, lr=rate, warmup=min(o.warmup, steps // 2),
-                               total=steps, schedule=o.schedule, weight_decay=o.weight_decay,
-                               moments=o.moments, skip_nonfinite=True)
-        state = trainer.init(params, copy=True)
-        for step in range(steps):
-            state, _ = trainer(state, batch_at(train, step, o.batch, seq, seed=o.seed,
-                                               pad_id=pad))
-        total_nll = count = 0.0
-        for b in eval_batches(held, o.batch, seq, pad):
-            s, n = nll(state.params, b)
-            total_nll, count = total_nll + float(s), count + float(n)
-        loss = total_nll / count
-        losses[f"{rate:g}"] = loss if math.isfinite(loss) else None
-        say(f"--lr auto: {steps} steps at {rate:g}: valid loss {loss:.4f}")
-        del state
-    finite = {k: v for k, v in losses.items() if v is not None}
-    if not finite:
-        raise FinetuneError(f"--lr auto: every rate of {', '.join(map(str, LR_GRID))} gave a "
-                            f"loss that is not finite; give a smaller --lr")
-    best = min(finite, key=lambda k: (finite[k], float(k)))
-    say(f"--lr auto: {best} (recorded in run.json)")
-    return {"chosen": float(best), "steps": steps, "losses": losses}
-
-
-def _previous_lr(out: Path) -> dict | None:
-    """The rate an earlier `--lr auto` run in `out` chose (run.json), or None."""
-    from pockjax.finetuning._run import RUN
-
-    try:
-        return json.loads((out / RUN).read_text()).get("lr_auto")
-    except (OSError, ValueError):
-        return None
 
 
 def _say(progress: bool, text: str) -> None:
@@ -397,10 +347,16 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                            scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
                            total_steps=total, seq=seq)
     if lr == "auto":
-        chosen_lr = _previous_lr(Path(out)) if resume else None
+        chosen_lr = previous_lr(Path(out)) if resume else None
         if chosen_lr is None:
-            chosen_lr = sweep_lr(loaded, chosen, params, train, held, o, total=total, seq=seq,
-                                 pad=pad, say=lambda text: _say(progress, text))
+            def trainer_for(rate, steps):
+                return make_trainer(loaded, chosen, lr=rate, warmup=min(warmup, steps // 2),
+                                    total=steps, schedule=schedule, weight_decay=weight_decay,
+                                    moments=moments, skip_nonfinite=True)
+
+            chosen_lr = sweep_lr(trainer_for, params, train, held, loaded, total=total,
+                                 batch=batch, seq=seq, seed=seed, pad=pad,
+                                 say=lambda text: _say(progress, text))
         recorded["lr_auto"] = chosen_lr
         lr = chosen_lr["chosen"]
     run = RunFolder(Path(out), recorded, resume=resume, overwrite=overwrite)

@@ -252,7 +252,7 @@ def test_finetune_stores_each_frozen_weight_as_it_is_read(tmp_path, monkeypatch,
     float32 model afterwards; trained weights are the file's float32 values, bit for bit
     (not rounded through bfloat16); and while a weight is read, the arrays alive are
     what was stored so far plus that one tensor's copies, never a whole model."""
-    from pockjax.finetuning._model import load_model
+    from pockjax.finetuning._model import frozen_formats, load_model
     from pockjax.models.hf import load_llama
     from tests.finetuning.test_finetune import _folder
 
@@ -287,7 +287,12 @@ def test_finetune_stores_each_frozen_weight_as_it_is_read(tmp_path, monkeypatch,
             assert x.dtype == jnp.bfloat16, path
             np.testing.assert_array_equal(np.asarray(x), np.asarray(w.astype(jnp.bfloat16)))
         else:
-            expect = convert_leaf(w, frozen_dtype, path=path, dtype=jnp.float32)
+            # int4 keeps the embedding (and a head) int8 (frozen_formats)
+            fmt = lowbit.formats_by_path(frozen_formats(frozen_dtype))(path)
+            wide = path in ("embed/embedding", "lm_head/kernel")
+            assert isinstance(fmt, lowbit.Int8) == (frozen_dtype == "int8" or
+                                                    frozen_dtype == "int4" and wide), path
+            expect = convert_leaf(w, fmt, path=path, dtype=jnp.float32)
             assert lowbit.is_quantized(x), path
             for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(expect)):
                 np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=path)
