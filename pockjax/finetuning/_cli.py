@@ -98,6 +98,10 @@ def generate_text(folder, prompt: str, *, max_tokens: int = 64, temperature: flo
         raise FinetuneError(f"--max-tokens must be at least 1, got {max_tokens}")
     folder = model_folder(folder)  # a GGUF file: the folder made of it
     loaded_kind, config, note = frontend_of(folder, frontend)
+    if gguf_file(folder) is not None and loaded_kind != "flax":
+        raise FinetuneError(f"'{gguf_file(folder).name}' is a {config.get('model_type')!r} "
+                            f"model: pockjax reads GGUF files of the families its Flax LLaMA "
+                            f"runs (--frontend auto or flax)")
     if note:
         print(f"pockjax generate: {note}", file=sys.stderr)
     try:

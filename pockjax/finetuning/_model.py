@@ -146,7 +146,12 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
     kind, config, note = frontend_of(folder, frontend)
     model_type = config.get("model_type")
     families = hf.SUPPORTED_FAMILIES
-    if kind == "flax" and gguf_file(folder) is not None:
+    if gguf_file(folder) is not None:
+        if kind != "flax":
+            raise FinetuneError(f"'{gguf_file(folder).name}' is a {model_type!r} model: pockjax "
+                                f"reads GGUF files of the families its Flax LLaMA runs "
+                                f"({', '.join(hf.SUPPORTED_FAMILIES)}, with --frontend auto or "
+                                f"flax); convert other families to a model folder")
         from pockjax.finetuning._gguf import gguf_model
         return gguf_model(folder, frozen_dtype, lora, scheme_of, flax_loaded)
     if kind == "flax":
@@ -410,11 +415,8 @@ def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> Loade
     from pockjax import torch as pj_torch
     from pockjax.models.hf import TOKENIZER_FILES
 
-    source = gguf_file(folder)
-    where = dict(pretrained_model_name_or_path=folder) if source is None else dict(
-        pretrained_model_name_or_path=source.parent, gguf_file=source.name)
     try:
-        module = transformers.AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
+        module = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     except (ValueError, KeyError, OSError) as e:
         raise FinetuneError(f"'{folder}': transformers cannot build a causal language model "
                             f"from it ({str(e).splitlines()[0][:200]}); pockjax loads "

@@ -50,7 +50,7 @@ def _plain(t) -> np.ndarray:
                     f"block types {', '.join(BLOCK_TYPES)}")
 
 
-def stored_leaf(t, decision, *, transposed: bool, rows=None, path: str = "weight"):
+def stored_leaf(t, decision, *, transposed: bool, rows=None):
     """The parameter leaf for GGUF tensor `t` under `decision` (`Full`, `Frozen`, a
     resolved `Channels`, or None: trained): frozen in the file's own format, trained as
     float32 values, trained in part as the file's blocks with a float32 master."""
@@ -128,8 +128,7 @@ def load_llama_gguf(folder, decide):
         for k in keys[:-1]:
             node = node[int(k) if k.isdigit() and int(k) in node else k]
         want = t.shape[::-1] if path in transposed else t.shape
-        leaf = stored_leaf(t, decide(path), transposed=path in transposed, rows=rows,
-                           path=path)
+        leaf = stored_leaf(t, decide(path), transposed=path in transposed, rows=rows)
         if tuple(leaf.shape) != tuple(node[keys[-1]].shape) or tuple(want) != tuple(leaf.shape):
             raise GgufError(f"'{source}': tensor '{gname}' has shape {list(t.shape)}; "
                             f"the config needs {list(node[keys[-1]].shape)} for '{path}'")

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 
@@ -98,15 +97,12 @@ def model_folder(path) -> Path:
 
 def _config_and_tokenizer(path: Path):
     """transformers' reading of the file's metadata: the config dict and the tokenizer."""
-    import logging
-
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     # transformers prints progress bars and warnings while it converts; keep the log clean.
     level = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             parsed = load_gguf_checkpoint(str(path), return_tensors=False)
@@ -147,18 +143,6 @@ def read_tensors(path) -> dict[str, GgufTensor]:
         raw = raw.view(np.uint8).reshape(raw.shape[:-1] + (-1,)) if raw.ndim else raw
         out[t.name] = GgufTensor(t.name, t.tensor_type.name, shape, raw, int(t.data_offset))
     return out
-
-
-def metadata(path) -> Iterator[tuple[str, object, object]]:
-    """`(key, value, gguf value type)` of every metadata field of `path` but the
-    reader's own (`GGUF.*`), in file order."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(path))
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        yield key, field.contents(), field.types
 
 
 def hf_to_gguf_names(path, config: dict, hf_names) -> dict[str, str]:

@@ -247,6 +247,8 @@ def test_bad_input_names_the_file_and_the_fix(tmp_path, smollm2):
         finetune(str(smollm2), str(train), str(tmp_path / "b"), steps=1, scheme="lora:4",
                  progress=False)
     assert not os.path.exists(tmp_path / "a" / "run.json")
+    with pytest.raises(FinetuneError, match="reads GGUF files of the families its Flax LLaMA"):
+        load_model(smollm2, frontend="torch")
     from pockjax.finetuning._job_export import export_job
     with pytest.raises(FinetuneError, match="the device job of a GGUF file .* is not implemented"):
         export_job(str(smollm2), "host-cpu", str(tmp_path / "job"), steps=2, progress=False)
