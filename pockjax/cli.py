@@ -514,7 +514,9 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="fine-tune with an artifact of `export --model` on JSONL "
                                    "data, or run any artifact's step on arrays")
     r.add_argument("dir")
-    r.add_argument("--device", default="local-task")
+    r.add_argument("--device", default="local-task", help="IREE's device to run on: "
+                   "local-task (the CPU, the default), vulkan or cuda; the artifact's target "
+                   "must be built for it")
     r.add_argument("--steps", type=int, help="steps to run (default: the job's, or 3 for "
                                              "arrays)")
     r.add_argument("--data", metavar="FILE",
@@ -531,7 +533,8 @@ def main(argv=None) -> int:
                                    "--eval-every steps")
     r.add_argument("--epochs", type=float, help="with JSONL data: passes over the data "
                                                 "instead of --steps")
-    r.add_argument("--eval-every", type=int)
+    r.add_argument("--eval-every", type=int, help="with --valid: steps between evaluations "
+                                                  "(default: at the start and the end)")
     r.add_argument("--save-every", type=int, help="steps between checkpoints (default: the "
                                                   "end, and Ctrl-C)")
     r.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")

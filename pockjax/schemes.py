@@ -180,7 +180,7 @@ def _chosen(params, last: int | None, name: str | None) -> list[str]:
         return all_blocks
     if not 1 <= last <= len(all_blocks):
         raise SchemeError(f"last={last} but the model has {len(all_blocks)} blocks; "
-                          f"use 1..{len(all_blocks)} or None for all")
+                          f"use 1..{len(all_blocks)} (last:{len(all_blocks)} trains them all)")
     return all_blocks[-last:]
 
 

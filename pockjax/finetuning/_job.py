@@ -293,7 +293,15 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     # The output folder before anything is read: a refused run leaves nothing behind.
     RunFolder.check(Path(out), resume=resume, overwrite=overwrite)
     lora = scheme.lora_rank
+    if Path(model).is_dir() and Path(out).resolve().is_relative_to(Path(model).resolve()):
+        raise FinetuneError(f"--out '{out}' is inside the model folder '{model}': the run "
+                            f"would write into the base model; give a folder outside it")
     given, model = model, model_folder(model)   # a GGUF file: the folder made of it
+    if valid is not None and Path(valid).is_file() and Path(data).is_file() \
+            and os.path.samefile(valid, data):
+        text = (f"--valid '{valid}' is the training file: its loss measures what the model "
+                f"memorised, not held-out data")
+        _say(progress, text) if progress else warnings.warn(text, stacklevel=2)
     source = gguf_file(model)
 
     def load():

@@ -252,9 +252,11 @@ def _check_frozen_dtype(frozen_dtype: str) -> None:
 
     try:
         lowbit.format_of(frozen_dtype)
-    except lowbit.QuantizeError:
+    except lowbit.QuantizeError as e:
+        why = str(e) if ":" in frozen_dtype else ""   # a group: lowbit says what it takes
         raise FinetuneError(f"--frozen-dtype {frozen_dtype!r}: choose float32, bfloat16, int8 "
-                            f"or int4 (int4:GROUP sets the group, e.g. int4:32)") from None
+                            f"or int4 (int4:GROUP sets the group, e.g. int4:32)"
+                            + (f"; {why}" if why else "")) from None
 
 
 # With an int4 format, the embedding tables and output heads stay in int8: on

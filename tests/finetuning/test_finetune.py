@@ -347,6 +347,10 @@ def test_bad_inputs_get_messages(folders, data, tmp_path, capsys):
           "bfloat16", "--out", tmp_path / "l")
     fails("--frozen-dtype 'int3': choose float32, bfloat16, int8 or int4", *base,
           "--frozen-dtype", "int3", "--out", tmp_path / "l2")
+    fails("the group is an even number of values", *base, "--frozen-dtype", "int4:7",
+          "--out", tmp_path / "l3")
+    fails("is inside the model folder", *base, "--out", Path(folders["llama"]) / "run")
+    assert not (Path(folders["llama"]) / "run").exists()
     gpt2 = ["--model", folders["gpt2"], *base[2:]]
     fails("use --frontend torch", *gpt2, "--frontend", "flax", "--out", tmp_path / "m")
     fails("takes at most 128 positions", *gpt2[:-1], "129", "--out", tmp_path / "m2")
@@ -979,3 +983,10 @@ def test_lr_auto_picks_the_rate_with_the_lowest_held_out_loss(folders, data, tmp
                     **{**kw, "scheme": "blockwise:2"})
     with pytest.raises(pj.FinetuneError, match="--lr must be a positive finite number or auto"):
         pj.finetune(folders["llama"], data["train"], tmp_path / "x", lr="fast", **kw)
+
+
+def test_valid_equal_to_the_training_data_is_said(folders, data, tmp_path, capsys):
+    pj.finetune(folders["llama"], data["train"], tmp_path / "a", valid=data["train"],
+                steps=1, batch=4, seq=24)
+    assert "is the training file: its loss measures what the model memorised" in \
+        capsys.readouterr().err
