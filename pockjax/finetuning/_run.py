@@ -51,16 +51,24 @@ class RunFolder:
             if not (out / RUN).is_file():
                 raise FinetuneError(f"--out '{out}' is not empty and holds no pockjax run; "
                                     f"give a new or empty folder")
-            if not (overwrite or resume):
+            if not (overwrite or resume or RunFolder.never_saved(out)):
                 raise FinetuneError(f"--out '{out}' holds another run ({RUN}); pass --resume "
                                     f"to continue it or --overwrite to start again")
+
+    @staticmethod
+    def never_saved(out: Path) -> bool:
+        """Whether `out` holds a run that stopped before saving anything (no checkpoint,
+        no final/): the same command starts it again without --overwrite."""
+        saved = any((out / CHECKPOINTS).glob("step-*.safetensors")) if (
+            out / CHECKPOINTS).is_dir() else False
+        return (out / RUN).is_file() and not saved and not (out / FINAL).exists()
 
     def __init__(self, out: Path, options: dict, *, resume: bool, overwrite: bool):
         self.out = out
         run_file = out / RUN
         self.check(out, resume=resume, overwrite=overwrite)
         if out.is_dir() and any(out.iterdir()):
-            if overwrite:
+            if overwrite or not resume and self.never_saved(out):
                 for name in (RUN, CHECKPOINTS, METRICS, FINAL, "loss.png", "final.gguf",
                              "final.gguf.json"):
                     p = out / name

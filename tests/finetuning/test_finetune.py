@@ -680,9 +680,23 @@ def test_refused_runs_say_so_before_any_work_and_leave_nothing(folders, data, tm
     # Another run in --out is refused before the data is read (the data here is bad too:
     # the message is about the folder).
     used = tmp_path / "used"
-    used.mkdir()
+    (used / "checkpoints").mkdir(parents=True)
     (used / "run.json").write_text("{}")
+    (used / "checkpoints" / "step-00000002.safetensors").write_bytes(b"")
     fails("holds another run (run.json); pass --resume", *base, "--data", latin, "--out", used)
+
+
+def test_a_run_that_saved_nothing_starts_again_without_overwrite(folders, data, tmp_path):
+    """A run that stopped before its first checkpoint leaves run.json and an empty
+    checkpoints/: the same command runs again in that folder."""
+    out = tmp_path / "run"
+    with pytest.raises(NonFiniteLoss):
+        pj.finetune(folders["llama"], data["train"], out, scheme="full", steps=3, batch=4,
+                    seq=24, lr=1e20, progress=False)
+    assert (out / "run.json").is_file() and not any((out / "checkpoints").iterdir())
+    again = pj.finetune(folders["llama"], data["train"], out, scheme="full", steps=3,
+                        batch=4, seq=24, progress=False)
+    assert again.steps == 3 and (out / "final").is_dir()
 
 
 def test_final_keeps_the_base_config_dtype_and_frozen_bytes(folders, data, tmp_path):
