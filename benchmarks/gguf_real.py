@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import ROOT, commit, report_result, run_row, versions
+from benchmarks.quality import cpu_model
 from benchmarks.quality_data import functions, package_root, python_files, read_source
 
 TRAIN_PACKAGES = ("jinja2", "markdown", "click", "pygments")
@@ -207,7 +208,7 @@ def write_report(args, results, train, test) -> None:
         f"the held-out loss on {sum(1 for _ in open(test))} from "
         f"{', '.join(TEST_PACKAGES)}.",
         "",
-        f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores; "
         f"{versions(['jax', 'gguf', 'transformers'])}; Python {platform.python_version()}; "
         f"commit {commit()}.",
         "",
