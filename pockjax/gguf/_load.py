@@ -109,8 +109,12 @@ def load_llama_gguf(folder, decide):
     source = source_of(folder)
     config = LlamaConfig.from_hf(read_config(folder), dtype=jnp.float32)
     names, transposed = checkpoint_names(config, transposed=True)
-    tensors = read_tensors(source)
-    mapped = hf_to_gguf_names(source, read_config(folder), names.values())
+    import gguf
+
+    reader = gguf.GGUFReader(str(source))
+    tensors = read_tensors(source, reader)
+    mapped = hf_to_gguf_names(source, read_config(folder), names.values(), reader)
+    del reader
     abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, params, rest = pj_nnx.split(abstract)
     for path, name in names.items():

@@ -51,13 +51,15 @@ def _cache_root() -> Path:
     return Path(base) / "pockjax" / "gguf"
 
 
-def _needs():
-    try:
-        import gguf  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        raise GgufError("reading a GGUF file needs the gguf and transformers packages: "
-                        "pip install 'pockjax[gguf]'") from None
+def _needs(*names: str) -> None:
+    """Found without importing them (transformers alone holds hundreds of MiB once
+    imported, which a cached folder does not need)."""
+    import importlib.util
+
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        raise GgufError(f"reading a GGUF file needs {' and '.join(missing)}: pip install "
+                        f"'pockjax[gguf]'")
 
 
 def model_folder(path) -> Path:
@@ -71,12 +73,13 @@ def model_folder(path) -> Path:
     path = Path(path).resolve()
     if not is_gguf(path):
         raise GgufError(f"'{path}' is not a GGUF file (it does not start with 'GGUF')")
-    _needs()
+    _needs("gguf")
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     folder = _cache_root() / f"{path.stem}-{key}"
     if (folder / SOURCE).is_file():
         return folder
+    _needs("transformers")
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -131,11 +134,12 @@ class GgufTensor:
     offset: int
 
 
-def read_tensors(path) -> dict[str, GgufTensor]:
-    """The tensors of GGUF file `path` by their GGUF names, memory-mapped."""
+def read_tensors(path, reader=None) -> dict[str, GgufTensor]:
+    """The tensors of GGUF file `path` (or of its open `gguf.GGUFReader`) by their GGUF
+    names, memory-mapped."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = reader or gguf.GGUFReader(str(path))
     out = {}
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))
@@ -145,12 +149,12 @@ def read_tensors(path) -> dict[str, GgufTensor]:
     return out
 
 
-def hf_to_gguf_names(path, config: dict, hf_names) -> dict[str, str]:
+def hf_to_gguf_names(path, config: dict, hf_names, reader=None) -> dict[str, str]:
     """Hugging Face tensor name -> the GGUF file's name for it, by gguf's own tensor-name
-    map for the file's architecture."""
+    map for the file's architecture (`reader`: the file's open `gguf.GGUFReader`)."""
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = reader or gguf.GGUFReader(str(path))
     arch_name = str(reader.fields["general.architecture"].contents())
     archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
     if arch_name not in archs:
