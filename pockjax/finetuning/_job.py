@@ -16,7 +16,8 @@ from pathlib import Path
 import numpy as np
 
 from pockjax.finetuning._base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
-from pockjax.finetuning._model import (frozen_formats, frozen_names, gguf_file, lm_loss,
+from pockjax.finetuning._formats import frozen_formats, stored_formats
+from pockjax.finetuning._model import (frozen_names, gguf_file, lm_loss,
                                        lm_loss_at, load_model, low_bit, model_folder, nll_sum,
                                        partial_names, stored_by_lowbit, target_positions,
                                        write_final)
@@ -379,6 +380,9 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     _say(progress, f"scheme {scheme}: {info.trainable_params:,} of {info.total_params:,} "
                    f"parameters train{turn}; {total} steps of {batch} x {seq} tokens "
                    f"({per_epoch} per epoch)")
+    stored = stored_formats(state.params)
+    if stored:
+        _say(progress, f"frozen weights stored as {stored}, decoded where each is used")
     start = 0
     if resume:
         if scheduled:

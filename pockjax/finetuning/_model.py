@@ -259,24 +259,6 @@ def _check_frozen_dtype(frozen_dtype: str) -> None:
                             + (f"; {why}" if why else "")) from None
 
 
-# With an int4 format, the embedding tables and output heads stay in int8: on
-# SmolLM2-135M-Instruct (tied head, 49,152 tokens) int4 there raised the held-out loss
-# by 0.44 nats (0.13 with groups along each token's row), int8 by none (results page
-# benchmarks/results/gguf_real.md); the blocks' weights in int4 cost 0.03.
-WIDE_PARTS = ("embed/embedding", "**/embed_tokens/weight", "**/wte/weight",
-              "**/embed_in/weight", "**/word_embeddings/weight", "lm_head/**", "**/lm_head/**",
-              "embed_out/**", "**/embed_out/**")
-
-
-def frozen_formats(frozen_dtype: str):
-    """The formats `finetune` stores frozen weights in for `--frozen-dtype`: one format,
-    or for int4 a dict of path patterns to formats (the embeddings and output heads,
-    `WIDE_PARTS`, in int8; the rest in int4), as `pockjax.lowbit.quantize` takes it."""
-    if not frozen_dtype.startswith("int4"):
-        return frozen_dtype
-    return {**{pattern: "int8" for pattern in WIDE_PARTS}, "**": frozen_dtype}
-
-
 def low_bit(frozen_dtype: str) -> bool:
     """Whether frozen weights are stored as integers (pockjax.lowbit), not a float type."""
     return frozen_dtype.startswith("int")
@@ -368,6 +350,8 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     from pockjax.scheme import leaves_with_paths
 
     fmt = lowbit.format_of(frozen_dtype)
+    from pockjax.finetuning._formats import frozen_formats
+
     fmt_of = lowbit.formats_by_path(frozen_formats(frozen_dtype))
     # Frozen vectors (norms): a plain array in this dtype.
     narrow = fmt.dtype if isinstance(fmt, lowbit.Cast) else jnp.bfloat16

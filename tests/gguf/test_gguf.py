@@ -211,6 +211,15 @@ def test_llama_cpp_runs_the_written_file_and_predicts_as_final(real_run):
     assert (got == want).mean() >= 0.9, (got, want)
 
 
+def test_the_log_says_what_the_frozen_weights_are_stored_as(smollm2):
+    from pockjax.finetuning._formats import stored_formats
+    from pockjax.finetuning._spec import SchemeSpec
+
+    stored = load_model(smollm2, scheme_of=SchemeSpec.parse("paper").build)
+    assert stored_formats(stored.params) == "120 Q4_1, 1 Q8_0"
+    assert stored_formats({"w": np.ones((2, 2))}) == ""
+
+
 def test_generate_answers_in_the_models_template_and_stops_at_its_end_of_turn(smollm2, real_run):
     import torch
     from transformers import AutoTokenizer

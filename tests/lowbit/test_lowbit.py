@@ -252,7 +252,8 @@ def test_finetune_stores_each_frozen_weight_as_it_is_read(tmp_path, monkeypatch,
     float32 model afterwards; trained weights are the file's float32 values, bit for bit
     (not rounded through bfloat16); and while a weight is read, the arrays alive are
     what was stored so far plus that one tensor's copies, never a whole model."""
-    from pockjax.finetuning._model import frozen_formats, load_model
+    from pockjax.finetuning._formats import frozen_formats
+    from pockjax.finetuning._model import load_model
     from pockjax.models.hf import load_llama
     from tests.finetuning.test_finetune import _folder
 
