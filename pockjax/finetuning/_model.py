@@ -225,7 +225,7 @@ def frontend_of(folder, frontend: str = "auto") -> tuple[str, dict, str]:
         config = hf.read_config(folder)
     except CheckpointError as e:
         raise FinetuneError(f"{e}; --model takes the folder a model was downloaded or "
-                            f"saved to") from None
+                            f"saved to, or a GGUF file") from None
     model_type = config.get("model_type")
     families = hf.SUPPORTED_FAMILIES
     if frontend == "torch":
