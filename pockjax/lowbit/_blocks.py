@@ -183,22 +183,23 @@ def _q3_k(b, d):
     return (dl * _f32(q)).reshape(n, 256)
 
 
+def _k4_scales(b, d):
+    """Q4_K's and Q5_K's eight sub-blocks' scales and minimums, `[n, 8, 1]` each."""
+    n = b.shape[0]
+    sc, mn = _scale_min_k4(b[:, 2:14])
+    return (d * _f32(sc)).reshape(n, 8, 1), (_f16(b, 0) * _f32(mn)).reshape(n, 8, 1)
+
+
 def _q4_k(b, d):
     n = b.shape[0]
-    dmin = _f16(b, 0)
-    sc, mn = _scale_min_k4(b[:, 2:14])
-    dl = (d * _f32(sc)).reshape(n, 8, 1)
-    dm = (dmin * _f32(mn)).reshape(n, 8, 1)
+    dl, dm = _k4_scales(b, d)
     q = _nibbles(b[:, 14:], 4, 32).reshape(n, 8, 32)
     return _exact_sum(dl * _f32(q), -dm).reshape(n, 256)
 
 
 def _q5_k(b, d):
     n = b.shape[0]
-    dmin = _f16(b, 0)
-    sc, mn = _scale_min_k4(b[:, 2:14])
-    dl = (d * _f32(sc)).reshape(n, 8, 1)
-    dm = (dmin * _f32(mn)).reshape(n, 8, 1)
+    dl, dm = _k4_scales(b, d)
     qh = (b[:, 14:46].reshape(n, 1, 32) >> jnp.arange(8).reshape(8, 1)) & 1
     ql = _nibbles(b[:, 46:], 4, 32).reshape(n, 8, 32)
     return _exact_sum(dl * _f32(ql | (qh << 4)), -dm).reshape(n, 256)
