@@ -103,7 +103,7 @@ def row(args) -> dict:
 
     import pockjax  # noqa: F401
     from pockjax import lowbit
-    from pockjax.finetuning import load_model, scheme_from_spec
+    from pockjax.finetuning import frozen_formats, load_model, scheme_from_spec
     from pockjax.models.llama import cast_frozen
 
     rss_imports = rss_mib()
@@ -116,7 +116,8 @@ def row(args) -> dict:
         loaded = load_model(args.folder, frozen_dtype=args.frozen_dtype)
         scheme = scheme_from_spec(args.scheme, loaded.params, loaded.num_layers)
         params = cast_frozen(loaded.params, scheme, native=True)  # plain bfloat16, then:
-        params = lowbit.quantize(params, scheme, args.frozen_dtype, dtype=jnp.float32)
+        params = lowbit.quantize(params, scheme, frozen_formats(args.frozen_dtype),
+                                 dtype=jnp.float32)
     del loaded
     seconds = time.perf_counter() - t0
     return {"seconds": seconds, "stored_bytes": lowbit.stored_bytes(params),

@@ -24,7 +24,8 @@ The package's modules: `_options` (`FinetuneOptions`: every option's default, ch
 and help, from which the command line, the keywords and `run.json` are read), `_spec`
 (`--scheme` read once into a `SchemeSpec`), `_model` (the folder's model, its loss,
 writing it back), `_job` (the run itself, `finetune`), `_run` (the output folder),
-`_cli` (`pockjax finetune` / `pockjax generate`), `_base` (the errors), and the device
+`_cli` (`pockjax finetune` / `pockjax generate`), `_base` (the errors), `_formats` (the
+frozen weights' formats), `_lr` (`--lr auto`), `_gguf` (GGUF files), and the device
 job's `_job_export` (`pockjax export --model`) and `_job_run` (`pockjax run`, no JAX).
 Their public names are handed on here.
 """
@@ -34,6 +35,7 @@ from pockjax.finetuning._base import (FRONTENDS, SCHEDULES, FinetuneError,  # no
 # The command lines' pieces, which `pockjax.cli` builds its subcommands from.
 from pockjax.finetuning._cli import (add_arguments, add_generate_arguments,  # noqa: F401
                                      generate_main, generate_text, main)
+from pockjax.finetuning._formats import WIDE_PARTS, frozen_formats  # noqa: F401
 from pockjax.finetuning._job import (FinetuneResult, check_positions, finetune,  # noqa: F401
                                      make_trainer, trainer_params)
 from pockjax.finetuning._model import (LORA_TARGETS, SAVE_DTYPES, LoadedModel,  # noqa: F401

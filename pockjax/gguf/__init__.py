@@ -7,7 +7,8 @@ reads the file's tensors as stored: frozen weights keep the file's blocks
 dequantize), trained ones are decoded to float32. `write_gguf` writes the fine-tuned
 model back: every frozen tensor the source file's bytes, every metadata key carried.
 
-Needs the `gguf` extra (`pip install 'pockjax[gguf]'`: gguf and transformers).
+Needs the `gguf` extra (`pip install 'pockjax[gguf]'`: gguf and transformers). Imports no
+JAX (the block formats' decoding is `pockjax.lowbit.Blocks`'s).
 
 The pieces: `pockjax.gguf._read` (the file, its folder, its tensors),
 `pockjax.gguf._load` (the model's parameters) and `pockjax.gguf._write` (the file out).
@@ -17,10 +18,8 @@ from __future__ import annotations
 from pockjax._src.home import claim
 from pockjax.gguf._read import GgufError, is_gguf, model_folder, read_tensors, source_of
 from pockjax.gguf._write import SAVE_TYPES, tensor_digest, write_gguf
-from pockjax.lowbit import Blocks
-from pockjax.lowbit._blocks import BLOCK_TYPES
 
 __all__ = ["GgufError", "is_gguf", "model_folder", "source_of", "read_tensors", "write_gguf",
-           "tensor_digest", "SAVE_TYPES", "BLOCK_TYPES", "Blocks"]
+           "tensor_digest", "SAVE_TYPES"]
 
 claim(globals())
