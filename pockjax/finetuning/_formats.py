@@ -1,5 +1,6 @@
 """The formats `finetune` stores frozen weights in: `frozen_formats` (what `--frozen-dtype`
-means per weight) and `stored_formats` (what the log says of a stored model)."""
+means per weight), `decisions_by_path` (what a loader storing weights as it reads them
+asks of each path) and `stored_formats` (what the log says of a stored model)."""
 from __future__ import annotations
 
 
@@ -33,3 +34,15 @@ def stored_formats(params) -> str:
     counts = Counter(x.fmt.name for x in jax.tree_util.tree_leaves(
         params, is_leaf=lowbit.is_quantized) if lowbit.is_quantized(x))
     return ", ".join(f"{n} {name}" for name, n in counts.most_common())
+
+def decisions_by_path(scheme, shapes) -> dict:
+    """`{path: decision}` of `scheme` resolved on the parameter shapes `shapes`: what a
+    loader that stores each weight as it reads it asks of each path."""
+    import jax
+
+    from pockjax.scheme import leaves_with_paths
+
+    decisions = jax.tree_util.tree_leaves(scheme.resolve(shapes),
+                                          is_leaf=lambda d: d is not None
+                                          and not isinstance(d, dict))
+    return dict(zip((path for path, _ in leaves_with_paths(shapes)[0]), decisions))

@@ -21,7 +21,7 @@ def gguf_model(folder: Path, frozen_dtype: str, lora, scheme_of, loaded_model):
     from pockjax.gguf import GgufError
     from pockjax.gguf._load import load_llama_gguf
     from pockjax.models.hf import save_llama_params
-    from pockjax.scheme import leaves_with_paths
+    from pockjax.finetuning._formats import decisions_by_path
 
     source = gguf_file(folder)
     if frozen_dtype != "float32":
@@ -43,11 +43,7 @@ def gguf_model(folder: Path, frozen_dtype: str, lora, scheme_of, loaded_model):
         abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
         _, shapes, _ = pj_nnx.split(abstract)
         scheme = scheme_of(shapes, config.num_layers)
-        decisions = jax.tree_util.tree_leaves(scheme.resolve(shapes),
-                                              is_leaf=lambda d: d is not None
-                                              and not isinstance(d, dict))
-        decided = dict(zip((path for path, _ in leaves_with_paths(shapes)[0]), decisions))
-        decide = decided.get
+        decide = decisions_by_path(scheme, shapes).get
     try:
         graphdef, params, rest, config = load_llama_gguf(folder, decide)
     except GgufError as e:

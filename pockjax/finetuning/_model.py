@@ -346,8 +346,8 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
 
     from pockjax import lowbit
     from pockjax.checkpoint import CheckpointError
+    from pockjax.finetuning._formats import decisions_by_path
     from pockjax.models.hf import llama_shapes, load_llama_params, save_llama_params
-    from pockjax.scheme import leaves_with_paths
 
     fmt = lowbit.format_of(frozen_dtype)
     from pockjax.finetuning._formats import frozen_formats
@@ -361,10 +361,7 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     except CheckpointError as e:
         raise FinetuneError(str(e)) from None
     scheme = scheme_of(shapes, config.num_layers)
-    decisions = jax.tree_util.tree_leaves(scheme.resolve(shapes),
-                                          is_leaf=lambda d: d is not None
-                                          and not isinstance(d, dict))
-    decided = dict(zip((path for path, _ in leaves_with_paths(shapes)[0]), decisions))
+    decided = decisions_by_path(scheme, shapes)
 
     def convert(path, array):
         try:  # as cast_frozen stores it (a weight trained in part: codes + float32 master)

@@ -240,3 +240,4 @@ def choose_scheme(loaded, spec, frozen_dtype: str, *, search: Callable | None = 
         raise FinetuneError(f"--scheme {spec} changes which weights train, so every weight "
                             f"needs its float32 value: use --frozen-dtype float32")
     return chosen
+
