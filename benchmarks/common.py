@@ -121,38 +121,48 @@ def commit() -> str:
 
 
 DEFAULT_MALLOC = "glibc's default"
+MALLOC_MODES = ("pockjax", "hugepages", "system")
 
 
 def malloc_setting(env) -> str:
-    """How a process with environment `env` sets glibc's allocator, and the kernel's
-    transparent huge page mode."""
+    """How a process with environment `env` sets its allocator (pockjax's reuse of each
+    step's memory, glibc's tunables), and the kernel's transparent huge page mode."""
     from pockjax._src.malloc import thp_mode
 
-    thp = thp_mode() or "unknown"
-    tunables = env.get("GLIBC_TUNABLES")
-    setting = f"`GLIBC_TUNABLES={tunables}`" if tunables else DEFAULT_MALLOC
-    return f"{setting}, transparent huge pages `{thp}`"
+    own = env.get("POCKJAX_MALLOC", "").strip().lower() == "system"
+    parts = ["`POCKJAX_MALLOC=system` (JAX's and glibc's own settings)" if own else
+             "pockjax's reuse of each step's memory (the default)"]
+    if env.get("GLIBC_TUNABLES"):
+        parts.append(f"`GLIBC_TUNABLES={env['GLIBC_TUNABLES']}`")
+    return ", ".join(parts) + f", transparent huge pages `{thp_mode() or 'unknown'}`"
 
 
 def malloc_env(mode: str) -> tuple[dict, str]:
-    """The row processes' environment for glibc's allocator, and its description. A
-    training step's buffers are allocated afresh every step; above glibc's mmap
-    threshold each is a new mapping whose pages fault in one by one (4 KiB each),
-    unless the kernel backs it with transparent huge pages."""
+    """The row processes' environment for the allocator, and its description: 'pockjax'
+    (what a user gets: each CPU step's scratch memory reused from the last step, see
+    pockjax/_src/malloc.py), 'hugepages' (the same, and glibc's huge-page tunable) or
+    'system' (`POCKJAX_MALLOC=system`: JAX's and glibc's own settings, each step's large
+    buffers mapped afresh and faulted in one 4 KiB page at a time)."""
+    if mode not in MALLOC_MODES:
+        raise ValueError(f"malloc mode {mode!r}: one of {', '.join(MALLOC_MODES)}")
     env = dict(os.environ)
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":")
+    env.pop("POCKJAX_MALLOC", None)
+    tunables = [t for t in env.pop("GLIBC_TUNABLES", "").split(":")
                 if t and not t.startswith("glibc.malloc.hugetlb=")]
     if mode == "hugepages":
         tunables.append("glibc.malloc.hugetlb=1")
-    env.pop("GLIBC_TUNABLES", None)
+    if mode == "system":
+        env["POCKJAX_MALLOC"] = "system"
     if tunables:
         env["GLIBC_TUNABLES"] = ":".join(tunables)
     return env, malloc_setting(env)
 
 
 def add_malloc_option(ap) -> None:
-    """`--malloc hugepages|default` on a benchmark's argument parser (see `malloc_env`)."""
-    ap.add_argument("--malloc", choices=["hugepages", "default"], default="hugepages",
-                    help="glibc's allocator in every row's process: 'hugepages' asks the kernel "
-                         "for transparent huge pages for large allocations "
-                         "(GLIBC_TUNABLES=glibc.malloc.hugetlb=1); 'default' runs without it")
+    """`--malloc pockjax|hugepages|system` on a benchmark's argument parser (see
+    `malloc_env`)."""
+    ap.add_argument("--malloc", choices=MALLOC_MODES, default="pockjax",
+                    help="the allocator in every row's process: 'pockjax' (the default: what a "
+                         "user gets, each step's memory reused), 'hugepages' (and "
+                         "GLIBC_TUNABLES=glibc.malloc.hugetlb=1), 'system' "
+                         "(POCKJAX_MALLOC=system: JAX's and glibc's own settings)")

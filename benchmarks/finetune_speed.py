@@ -1,13 +1,15 @@
-"""`pockjax finetune`'s loop against the bare `sparse_train` step it runs, side by side.
+"""`pockjax finetune`'s loop, from Python and from the command, against the bare
+`sparse_train` step it runs, side by side.
 
-Both rows train the same model folder (a LLaMA with random weights, saved by
+The rows train the same model folder (a LLaMA with random weights, saved by
 transformers) on the same batches of real text (the Python standard library's
 sources, tokenized by a byte-level BPE trained on them here), with the same scheme,
 optimizer and batch shape. The bare row prebuilds its batches and calls the trainer in
 a plain loop, reading nothing back until the last step (the step's own pace); the
-finetune row is `pj.finetune` with its evaluation off and one
-checkpoint at the end, and its step times come from its own metrics log. Each row runs
-in its own process; steps after the warm-up are timed.
+finetune rows are `pj.finetune` and the `pockjax finetune` command (started as a user
+starts it) with their evaluation off and one checkpoint at the end, and their step times
+come from their metrics logs. Each row runs in its own process; steps after the warm-up
+are timed.
 
     python -m benchmarks finetune_speed [--steps 40] [--warmup 5] [--layers 4] [--hidden 256]
         [--vocab 4096] [--seq 128] [--batch 4] [--scheme last:2]
@@ -18,7 +20,9 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -28,7 +32,17 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import ROOT, commit, report_result, run_row, versions  # noqa: E402
 
-ROWS = ("bare sparse_train step", "pockjax finetune")
+ROWS = ("bare sparse_train step", "pockjax finetune", "pockjax finetune command")
+
+
+def _step_times(out: Path, warmup: int) -> tuple[list[float], list[int], float]:
+    """A finetune run's step times after `warmup` steps, their tokens, and the time from
+    the end of the warm-up to the last step, from its `metrics.jsonl`."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if "loss" in r]
+    seconds = [r["seconds"] for r in records]
+    times = [b - a for a, b in zip(seconds[warmup - 1:], seconds[warmup:])]
+    return times, [r["tokens"] for r in records[warmup:]], seconds[-1] - seconds[warmup - 1]
 
 
 def make_folder(folder: Path, layers: int, hidden: int, vocab: int, seq: int, docs: int) -> Path:
@@ -69,19 +83,28 @@ def row(name: str, folder: Path, args) -> None:
 
     import pockjax as pj
 
-    if name == "pockjax finetune":
+    if name.startswith("pockjax finetune"):
         out = Path(tempfile.mkdtemp(prefix="finetune-speed-")) / "run"
-        result = pj.finetune(folder, folder / "data.jsonl", out, scheme=args.scheme,
-                             steps=args.warmup + args.steps, batch=args.batch, seq=args.seq,
-                             lr=1e-4, schedule="constant", progress=False)
-        seconds = [json.loads(line)["seconds"] for line in (out / "metrics.jsonl").read_text()
-                   .splitlines() if "loss" in json.loads(line)]
-        tokens = [json.loads(line)["tokens"] for line in (out / "metrics.jsonl").read_text()
-                  .splitlines() if "loss" in json.loads(line)]
-        times = [b - a for a, b in zip(seconds[args.warmup - 1:], seconds[args.warmup:])]
-        report_result({"row": name, "step_s": statistics.median(times),
-                       "total_s": seconds[-1] - seconds[args.warmup - 1],
-                       "tokens": sum(tokens[args.warmup:]), "final_loss": result.train_loss})
+        options = {"scheme": args.scheme, "steps": args.warmup + args.steps, "batch": args.batch,
+                   "seq": args.seq, "lr": 1e-4, "schedule": "constant"}
+        if name == "pockjax finetune":
+            loss = pj.finetune(folder, folder / "data.jsonl", out, **options,
+                               progress=False).train_loss
+            peak = None
+        else:  # the `pockjax` command, as a user starts it, in its own process
+            command = [sys.executable, "-c", "import sys; from pockjax.cli import main; "
+                       "sys.exit(main())", "finetune", "--model", str(folder),
+                       "--data", str(folder / "data.jsonl"), "--out", str(out), "--no-plot",
+                       *[f"--{k}={v}" for k, v in options.items()]]
+            subprocess.run(command, check=True, capture_output=True, text=True)
+            records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            losses = [r["loss"] for r in records if "loss" in r]
+            loss = statistics.fmean(losses[-10:])
+            peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        times, tokens, total = _step_times(out, args.warmup)
+        report_result({"row": name, "step_s": statistics.median(times), "total_s": total,
+                       "tokens": sum(tokens), "final_loss": loss,
+                       **({"command_rss_peak_mib": peak} if peak else {})})
         return
     from pockjax.data import batch_examples, pad_batch, read_jsonl
     from pockjax.finetuning import load_model, lm_loss, scheme_from_spec
@@ -161,14 +184,17 @@ def main() -> None:
             if "error" in res:
                 lines.append(f"| {name} | {i + 1} | {res['error']} | | | |")
                 continue
+            peak = res.get("command_rss_peak_mib", res["rss_peak_mib"])
             lines.append(f"| {name} | {i + 1} | {res['step_s']:.4f} | "
-                         f"{res['tokens'] / res['total_s']:,.0f} | {res['rss_peak_mib']:.0f} | "
+                         f"{res['tokens'] / res['total_s']:,.0f} | {peak:.0f} | "
                          f"{res['final_loss']:.4f} |")
     ok = [all("error" not in r for r in results[n]) for n in ROWS]
     if all(ok):
         tps = {n: statistics.median(r["tokens"] / r["total_s"] for r in results[n]) for n in ROWS}
-        lines += ["", f"finetune / bare tokens/s (medians over rounds): "
-                      f"{tps['pockjax finetune'] / tps['bare sparse_train step']:.3f}"]
+        bare = tps["bare sparse_train step"]
+        lines += ["", f"tokens/s over the bare step's (medians over rounds): `pj.finetune` "
+                      f"{tps['pockjax finetune'] / bare:.3f}, the `pockjax finetune` command "
+                      f"{tps['pockjax finetune command'] / bare:.3f}"]
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

@@ -6,9 +6,9 @@ The step's FLOPs come from `SparseTrainer.report()` on TinyLlama-1.1B's shape (s
 only, nothing allocated; float32, sequence 128, batch 1, AdamW, the last 6 blocks
 trained (not the head): the `pockjax sparse last-k f32` row of `benchmarks/real_size.py`), and its
 time from that row in `benchmarks/results/real_size.json` (`--step-seconds` overrides).
-Writes benchmarks/results/matmul_peak.md. Run it with the step row's allocator setting
-(`real_size.py` runs its rows with huge pages by default): products with outputs of
-32 MiB or more get fresh mappings, and with 4 KiB pages they fault in one by one.
+Writes benchmarks/results/matmul_peak.md. Its products are plain jitted functions, not
+pockjax steps, so glibc maps outputs of 32 MiB or more afresh each time and their 4 KiB
+pages fault in one by one unless the tunable below asks for huge pages.
 
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python benchmarks/matmul_peak.py
 """

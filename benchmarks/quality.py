@@ -353,7 +353,7 @@ def pretrained(work: Path, settings: dict, task_dir: str | None) -> dict:
 
 
 def retime(out: Path, work: Path, preset: str, task_dir: str | None,
-           names: str | None, malloc_mode: str = "hugepages") -> int:
+           names: str | None, malloc_mode: str = "pockjax") -> int:
     """`--retime`: each row of the finished run beside `out` timed again here, as the run
     times them (`timing_main`: its own process, `time_steps` steps on the domain task,
     seed 0, at the rate the run's sweep chose), with an empty compilation cache so the

@@ -61,9 +61,10 @@ also records its own `VmRSS` and high-water mark as each stage begins (compile, 
 optimizer state, each step), which the results file turns into a table of where its
 memory goes.
 
-Every row's process runs with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` unless
-`--malloc default` is given: XLA allocates the step's buffers afresh each step, and
-without transparent huge pages their 4 KiB pages fault in one by one (see the NOTES).
+Every row's process runs with the allocator a user gets (`--malloc pockjax`: each
+step's memory reused from the last); `--malloc hugepages` adds glibc's huge-page
+tunable and `--malloc system` keeps JAX's and glibc's own settings, where XLA's step
+buffers are mapped afresh each step and fault in one 4 KiB page at a time.
 
 Results accumulate in benchmarks/results/real_size.json (one entry per preset and
 row, so presets and rows can be run separately) and are written out as

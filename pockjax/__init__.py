@@ -11,6 +11,12 @@ from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
+# Before JAX's backends start: each CPU training step on the calling thread, where its
+# scratch memory can be reused from the last step (pockjax/_src/malloc.py).
+from pockjax._src.malloc import prepare_dispatch as _prepare_dispatch  # noqa: E402
+
+_prepare_dispatch()
+
 # name -> the module that defines it (a submodule's own name maps to None).
 _WHERE = {
     "Scheme": "scheme", "SchemeError": "scheme", "Full": "scheme", "Frozen": "scheme",

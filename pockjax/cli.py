@@ -377,7 +377,7 @@ def _run_job(args) -> int:
                          overwrite=args.overwrite, device=args.device, session=session)
     except Interrupted as e:
         print(f"pockjax run: {e}", file=sys.stderr)
-        return 130
+        return e.exit_status
     except FinetuneError as e:
         print(f"pockjax run: {e}", file=sys.stderr)
         return 1
@@ -478,13 +478,16 @@ def main(argv=None) -> int:
     """Parse the command line (`argv`, default `sys.argv[1:]`) and run the command.
 
     Returns the command's exit status; for `targets`, `export`, `inspect`, `run` and
-    `search`, 2 when the command raised `ExportError` and 130 when it was interrupted
-    with Ctrl-C (`finetune` and `generate` return `pockjax.finetuning`'s status).
+    `search`, 2 when the command raised `ExportError`, 130 after Ctrl-C, 143 after SIGTERM
+    (`finetune` and `generate` return `pockjax.finetuning`'s status).
     """
-    if argv is None:  # the command itself: glibc's huge-page tunable, before any work
-        from pockjax._src.malloc import restart_tuned
-        restart_tuned()
     from pockjax import finetuning
+    from pockjax._src.malloc import choice
+
+    try:
+        choice()  # a mistyped POCKJAX_MALLOC stops the command before any work
+    except ValueError as e:
+        raise SystemExit(f"pockjax: {e}") from None
 
     ap = argparse.ArgumentParser(prog="pockjax", description="Sparse on-device training with JAX and IREE")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -580,10 +583,8 @@ def main(argv=None) -> int:
     g = sub.add_parser("generate", help="continue a prompt with a Hugging Face model folder")
     finetuning.add_generate_arguments(g)
     args = ap.parse_args(argv)
-    if args.cmd == "finetune":
-        return finetuning.main(args)
-    if args.cmd == "generate":
-        return finetuning.generate_main(args)
+    if args.cmd in ("finetune", "generate"):
+        return (finetuning.main if args.cmd == "finetune" else finetuning.generate_main)(args)
     try:
         return {"targets": cmd_targets, "export": cmd_export, "inspect": cmd_inspect,
                 "run": cmd_run, "search": cmd_search, "merge": cmd_merge}[args.cmd](args)

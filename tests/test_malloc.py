@@ -1,6 +1,11 @@
-"""glibc's huge-page tunable for the `pockjax` command (`pockjax/_src/malloc.py`): when
-it applies, how it joins the user's own tunables, and the command starting itself again
-with it, once."""
+"""Each CPU training step's scratch memory reused from the last step
+(`pockjax/_src/malloc.py`): JAX's dispatch turned off at `import pockjax` where it is
+still ours to choose, glibc's heap keeping large blocks from the first step on, the
+user's opt-out, and the one warning where a step still runs on JAX's threads. Every case
+runs in a fresh process: the settings belong to the process."""
+import json
+import os
+import statistics
 import subprocess
 import sys
 
@@ -8,105 +13,127 @@ import pytest
 
 from pockjax._src import malloc
 
-
-@pytest.fixture
-def linux_with_thp(monkeypatch):
-    """A Linux glibc 2.36 with transparent huge pages on request, whatever this host is."""
-    monkeypatch.setattr(malloc.sys, "platform", "linux")
-    monkeypatch.setattr(malloc, "_glibc_version", lambda: (2, 36))
-    monkeypatch.setattr(malloc, "thp_mode", lambda: "madvise")
+ON_GLIBC = malloc._glibc()
 
 
-def test_the_tunable_joins_the_users_own(linux_with_thp):
-    assert malloc.tuned_environ({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-    env = malloc.tuned_environ({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0", "A": "b"})
-    assert env == {"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0:glibc.malloc.hugetlb=1",
-                   "A": "b"}
+def _run(code: str, **env) -> dict:
+    """Run `code` in a fresh Python; it prints one JSON line last."""
+    environ = {k: v for k, v in os.environ.items()
+               if k not in ("POCKJAX_MALLOC", malloc.ASYNC_ENV, "GLIBC_TUNABLES")}
+    environ.update(env)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=environ, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out["stderr"] = proc.stderr
+    return out
 
 
-@pytest.mark.parametrize("environ", [
-    {"POCKJAX_MALLOC": "system"},  # the user's opt-out
-    {"POCKJAX_MALLOC": " System "},
-    {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},  # the user's own choice stands
+_DISPATCH = """
+import json{first}
+import pockjax
+import jax
+print(json.dumps({{"async": bool(jax.config.read("jax_cpu_enable_async_dispatch"))}}))
+"""
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="the settings exist on Linux's glibc only")
+@pytest.mark.parametrize("first, env, expected", [
+    ("", {}, False),  # import pockjax before JAX: through the environment
+    ("\nimport jax", {}, False),  # JAX imported, its backends not started: through jax.config
+    ("\nimport jax; jax.numpy.ones(2)", {}, True),  # the backends run: too late, left alone
+    ("", {"POCKJAX_MALLOC": "system"}, True),  # the user's opt-out
+    ("", {"JAX_CPU_ENABLE_ASYNC_DISPATCH": "true"}, True),  # the user's own choice stands
 ])
-def test_the_users_choice_stands(linux_with_thp, environ):
-    assert malloc.tuned_environ(environ) is None
+def test_dispatch_is_turned_off_only_where_it_is_ours_to_choose(first, env, expected):
+    assert _run(_DISPATCH.format(first=first), **env)["async"] is expected
 
 
-def test_a_mistyped_choice_names_the_two(linux_with_thp):
-    assert malloc.tuned_environ({"POCKJAX_MALLOC": "hugepages"})["GLIBC_TUNABLES"] == \
-        "glibc.malloc.hugetlb=1"
+def test_the_choice_and_its_error():
+    assert malloc.choice({}) == malloc.choice({"POCKJAX_MALLOC": " Reuse "}) == "reuse"
+    assert malloc.choice({"POCKJAX_MALLOC": " System "}) == "system"
     with pytest.raises(ValueError, match="POCKJAX_MALLOC='sytem': set it to 'system'"):
-        malloc.tuned_environ({"POCKJAX_MALLOC": "sytem"})
+        malloc.choice({"POCKJAX_MALLOC": "sytem"})
+    environ = {"POCKJAX_MALLOC": "sytem"}  # the error comes with the first step, not import
+    assert malloc.prepare_dispatch(environ) is None and malloc.ASYNC_ENV not in environ
 
 
-def test_the_command_stops_on_a_mistyped_choice():
-    import os
-    proc = subprocess.run([sys.executable, "-c", "from pockjax.cli import main; main()",
-                           "targets"], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "POCKJAX_MALLOC": "sytem"}, check=False)
+# A step whose scratch memory (~100 MiB in one block) is far above glibc's mmap
+# threshold: its minor page faults per step say whether the memory was reused.
+_STEPS = """
+import json, resource{first}
+import pockjax as pj
+import jax, jax.numpy as jnp, numpy as np, optax
+
+def loss(p, b):
+    h = b["x"]
+    for w in p["w"]:
+        h = jnp.tanh(h @ w)
+    return jnp.mean(h ** 2)
+
+rng = np.random.default_rng(0)
+params = {{"w": [jnp.asarray(rng.standard_normal((512, 512), np.float32) / 23) for _ in range(6)]}}
+batch = {{"x": jnp.asarray(rng.standard_normal((4096, 512), np.float32))}}
+trainer = pj.sparse_train(loss, optimizer=optax.adam(1e-3), scheme=pj.Scheme(default=pj.Full()))
+state = trainer.init(params)
+faults, losses = [], []
+for i in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    state, m = trainer(state, batch)
+    losses.append(float(m["loss"]))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({{"faults": faults, "losses": losses,
+                  "w0": np.asarray(state.params["w"][0]).tobytes().hex()[:4000]}}))
+"""
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="the settings exist on Linux's glibc only")
+def test_steps_reuse_their_memory_with_the_same_results():
+    reused = _run(_STEPS.format(first=""))
+    system = _run(_STEPS.format(first=""), POCKJAX_MALLOC="system")
+    # The scratch block is ~25,000 pages: faulted in on every step with glibc's own
+    # settings, on the first step with pockjax's (medians of the steps after it: the
+    # kernel may reclaim idle pages now and then).
+    assert statistics.median(system["faults"][1:]) > 10_000, system["faults"]
+    assert statistics.median(reused["faults"][1:]) < 1_000, reused["faults"]
+    assert reused["losses"] == system["losses"] and reused["w0"] == system["w0"]
+    assert "RuntimeWarning" not in reused["stderr"] + system["stderr"]
+
+
+@pytest.mark.skipif(not ON_GLIBC, reason="the settings exist on Linux's glibc only")
+def test_a_step_on_jaxs_threads_says_so_once_with_the_way_out():
+    late = _run(_STEPS.format(first="\nimport jax; jax.numpy.ones(2)"))
+    assert late["stderr"].count("RuntimeWarning") == 1, late["stderr"]
+    assert "JAX's CPU backend started before pockjax was imported" in late["stderr"]
+    assert "Import pockjax before running anything with JAX" in late["stderr"]
+    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in late["stderr"]
+    # With the tunable the user already has the way out: nothing to say.
+    tuned = _run(_STEPS.format(first="\nimport jax; jax.numpy.ones(2)"),
+                 GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    assert "RuntimeWarning" not in tuned["stderr"]
+    assert tuned["losses"] == late["losses"]
+
+
+def test_a_mistyped_choice_stops_the_first_step_and_the_command():
+    env = {**os.environ, "POCKJAX_MALLOC": "sytem"}
+    proc = subprocess.run([sys.executable, "-c", _STEPS.format(first="")], capture_output=True,
+                          text=True, timeout=300, check=False, env=env)
+    assert proc.returncode == 1
+    assert "ValueError: POCKJAX_MALLOC='sytem': set it to 'system'" in proc.stderr
+    proc = subprocess.run([sys.executable, "-c", "from pockjax.cli import main; main()", "targets"],
+                          capture_output=True,
+                          text=True, timeout=120, check=False, env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (
-        "pockjax: POCKJAX_MALLOC='sytem': set it to 'system' to keep the system's malloc "
-        "settings, or 'hugepages' (the same as leaving it unset) for glibc's huge pages")
+        "pockjax: POCKJAX_MALLOC='sytem': set it to 'system' to keep JAX's and glibc's own "
+        "memory settings, or 'reuse' (the same as leaving it unset) to reuse each training "
+        "step's memory")
 
 
-def test_nothing_changes_where_the_tunable_does_not_exist(linux_with_thp, monkeypatch):
-    monkeypatch.setattr(malloc, "_glibc_version", lambda: (2, 34))  # before hugetlb
-    assert malloc.tuned_environ({}) is None
-    monkeypatch.setattr(malloc, "_glibc_version", lambda: None)  # musl, bionic
-    assert malloc.tuned_environ({}) is None
-    monkeypatch.setattr(malloc, "_glibc_version", lambda: (2, 36))
-    monkeypatch.setattr(malloc, "thp_mode", lambda: "never")
-    assert malloc.tuned_environ({}) is None
-    monkeypatch.setattr(malloc.sys, "platform", "darwin")
-    monkeypatch.setattr(malloc, "thp_mode", lambda: "madvise")
-    assert malloc.tuned_environ({}) is None
-
-
-def test_thethp_mode_is_read_from_the_kernels_line(tmp_path):
+def test_thp_mode_is_read_from_the_kernels_line(tmp_path):
     path = tmp_path / "enabled"
     path.write_text("always [madvise] never\n")
     assert malloc.thp_mode(str(path)) == "madvise"
     path.write_text("[always] madvise never\n")
     assert malloc.thp_mode(str(path)) == "always"
     assert malloc.thp_mode(str(tmp_path / "missing")) is None
-
-
-_SHOW = ("import os; from pockjax._src.malloc import restart_tuned; print('start', flush=True); "
-         "restart_tuned(); print(os.environ.get('GLIBC_TUNABLES'))")
-
-
-def _started(**env) -> list[str]:
-    import os
-    environ = {k: v for k, v in os.environ.items()
-               if k not in ("GLIBC_TUNABLES", "POCKJAX_MALLOC", "POCKJAX_MALLOC_RESTARTED")}
-    proc = subprocess.run([sys.executable, "-c", _SHOW], capture_output=True, text=True,
-                          env={**environ, **env}, timeout=120, check=False)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split()
-
-
-def test_the_process_starts_again_once_with_the_tunable():
-    """Where the tunable applies on this host, the process runs its start once more, with
-    it; elsewhere it runs on as started."""
-    if malloc.tuned_environ({}) is None:
-        assert _started() == ["start", "None"]
-    else:
-        assert _started() == ["start", "start", "glibc.malloc.hugetlb=1"]
-    assert _started(POCKJAX_MALLOC="system") == ["start", "None"]
-    # Once only, even where glibc would not pass the tunable on.
-    assert _started(POCKJAX_MALLOC_RESTARTED="1") == ["start", "None"]
-
-
-def test_the_command_line_restarts_and_main_with_arguments_does_not(monkeypatch):
-    import pockjax._src.malloc as m
-    from pockjax.cli import main
-
-    calls = []
-    monkeypatch.setattr(m, "restart_tuned", lambda: calls.append(1))
-    assert main(["targets"]) == 0
-    assert calls == []
-    monkeypatch.setattr(sys, "argv", ["pockjax", "targets"])
-    assert main() == 0
-    assert calls == [1]

@@ -1,51 +1,77 @@
-"""glibc's malloc for training steps: transparent huge pages for large buffers.
+"""Each training step's scratch memory reused from the last step, not mapped afresh.
 
-XLA's CPU runtime takes each step's scratch memory with one `malloc` (hundreds of MiB
-for a small LLaMA's step). glibc serves a request that large with a fresh `mmap` and
-gives it back with `munmap` when the step ends, so every step faults the whole buffer
-in again, one 4 KiB page at a time. glibc's `glibc.malloc.hugetlb=1` tunable makes
-malloc advise transparent huge pages for its mappings, and the same buffer comes in
-2 MiB pages. The results are the same (allocation does not change arithmetic), and so
-is the peak memory; the first step can take longer where the kernel compacts memory to
-find huge pages. The measurements are in docs/results.md ("The small model's step
-against PyTorch and peft").
+XLA's CPU runtime takes a step's scratch memory with one `malloc` (hundreds of MiB for a
+small LLaMA's step). glibc serves a request that large with a fresh `mmap` and gives it
+back with `munmap` when the step ends, so every step faults the whole buffer in again, one
+4 KiB page at a time (145,000 page faults a step at the quality benchmark's small shape).
+pockjax changes two settings inside the process, with no environment variable:
 
-glibc reads its tunables when a process starts, so the `pockjax` command sets the
-tunable in its environment and starts itself again before any work. A program that
-trains through the Python API gets the same by starting Python with
-`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`. `POCKJAX_MALLOC=system` keeps the system's
-settings (`hugepages`, or unset, is the default). Where the tunable does not exist (not
-Linux, not glibc 2.35 or later) or transparent huge pages are off (`never`), nothing
-changes.
+- `import pockjax` turns off JAX's asynchronous dispatch on CPU where nobody has chosen
+  it (`JAX_CPU_ENABLE_ASYNC_DISPATCH` unset) and JAX's backends have not started yet
+  (`prepare_dispatch`; where JAX is not loaded yet, as soon as it is). A step on one CPU device then runs on the thread that calls it.
+  That matters because in any other thread glibc's arena is made of 64 MiB heaps, and a
+  larger request is mapped afresh whatever the settings.
+- The first step run on CPU sets glibc's `M_MMAP_MAX` to 0 and `M_TRIM_THRESHOLD` to its
+  largest value (`reuse_step_memory`): large blocks come from the heap and stay in it
+  when freed, so the next step's scratch memory is the same pages, already mapped.
 
-This module imports nothing beyond the standard library: the command line calls it
-before loading JAX.
+The results are the same (allocation does not change arithmetic). The peak memory is
+the same too; what changes is that the heap keeps its largest size until the process
+ends instead of shrinking between steps. A step no longer overlaps the Python loop's own
+work (reading back the loss, the next batch) with its computation; the measurements are
+in docs/results.md.
+
+`POCKJAX_MALLOC=system` keeps JAX's and glibc's own settings. Where a step still runs
+on JAX's dispatch threads (JAX's backends started before pockjax was imported, or the
+user asked for asynchronous dispatch, or a step over several devices), the first such
+step says so once, with the way out: import pockjax first, or start Python with
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which makes glibc's fresh mappings come in 2 MiB
+pages. Neither setting exists outside Linux's glibc, where nothing changes.
+
+This module imports nothing beyond the standard library: `import pockjax` calls it, and
+the device runtime imports pockjax without JAX.
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import os
 import sys
+import warnings
 
-__all__ = ["TUNABLE", "restart_tuned", "thp_mode", "tuned_environ"]
+__all__ = ["ASYNC_ENV", "choice", "prepare_dispatch", "reuse_step_memory", "thp_mode"]
 
-TUNABLE = "glibc.malloc.hugetlb=1"
+ASYNC_ENV = "JAX_CPU_ENABLE_ASYNC_DISPATCH"
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
-_RESTARTED = "POCKJAX_MALLOC_RESTARTED"
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
+_state = {"steps": None}  # what reuse_step_memory did
 
 
-def _glibc_version() -> tuple[int, int] | None:
-    """(major, minor) of the running glibc, or None where the C library is another."""
+def choice(environ=None) -> str:
+    """`POCKJAX_MALLOC` in `environ` (default `os.environ`): 'reuse' (unset, the default)
+    or 'system'.
+
+    Raises:
+      ValueError: it is set to something else; the message names the two.
+    """
+    env = os.environ if environ is None else environ
+    value = env.get("POCKJAX_MALLOC", "").strip().lower()
+    if value in ("", "reuse"):
+        return "reuse"
+    if value == "system":
+        return "system"
+    raise ValueError(f"POCKJAX_MALLOC={env['POCKJAX_MALLOC']!r}: set it to 'system' to keep "
+                     f"JAX's and glibc's own memory settings, or 'reuse' (the same as leaving "
+                     f"it unset) to reuse each training step's memory")
+
+
+def _glibc() -> bool:
+    """Whether this process runs on Linux's glibc (where `mallopt` takes these settings)."""
     try:
-        name, _, version = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")
+        name = os.confstr("CS_GNU_LIBC_VERSION").partition(" ")[0]
     except (AttributeError, ValueError, OSError):
-        return None
-    if name != "glibc":
-        return None
-    try:
-        major, minor = version.split(".")[:2]
-        return int(major), int(minor)
-    except ValueError:
-        return None
+        return False
+    return sys.platform.startswith("linux") and name == "glibc"
 
 
 def thp_mode(path: str = _THP) -> str | None:
@@ -60,50 +86,114 @@ def thp_mode(path: str = _THP) -> str | None:
     return text[start + 1:end] if 0 <= start < end else None
 
 
-def tuned_environ(environ=None) -> dict | None:
-    """`environ` (default `os.environ`) with `TUNABLE` added to `GLIBC_TUNABLES`, or None
-    where it does not apply: `POCKJAX_MALLOC=system`, a hugetlb tunable already set, not
-    glibc 2.35 or later on Linux, or transparent huge pages off.
+def _turn_off() -> bool:
+    """`jax_cpu_enable_async_dispatch` set False where JAX's backends have not started."""
+    try:
+        from jax._src import xla_bridge
+        from jax._src.config import config
+        if xla_bridge.backends_are_initialized():
+            return False
+        config.update("jax_cpu_enable_async_dispatch", False)
+    except Exception:  # another JAX than the one this was written against: leave it
+        return False
+    return True
+
+
+class _WhenJaxLoads(importlib.abc.MetaPathFinder):
+    """Sets the flag right after JAX defines it (the module below), for a program that
+    imports pockjax before JAX: JAX reads no environment variable for this flag."""
+
+    MODULE = "jax._src.xla_bridge"
+
+    def find_spec(self, name, path, target=None):
+        if name != self.MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _turn_off()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def prepare_dispatch(environ=None) -> str | None:
+    """Turn off JAX's asynchronous dispatch on CPU, where it is still ours to choose:
+    where JAX is loaded but its backends have not started, through `jax.config`; before
+    JAX is loaded, the same as soon as it is. Nothing changes where the user set
+    `JAX_CPU_ENABLE_ASYNC_DISPATCH`, `POCKJAX_MALLOC` (in `environ`, default `os.environ`)
+    is 'system' or not understood (its error comes with the first step), or the backends
+    already run.
+
+    Returns:
+      'config' (set), 'import' (to be set when JAX loads), or None.
+    """
+    env = os.environ if environ is None else environ
+    try:
+        if choice(env) == "system" or ASYNC_ENV in env or not _glibc():
+            return None
+    except ValueError:
+        return None
+    if _WhenJaxLoads.MODULE not in sys.modules:
+        if not any(isinstance(f, _WhenJaxLoads) for f in sys.meta_path):
+            sys.meta_path.insert(0, _WhenJaxLoads())
+        return "import"
+    return "config" if _turn_off() else None
+
+
+def _mallopt(param: int, value: int) -> bool:
+    import ctypes
+    try:
+        return bool(ctypes.CDLL(None).mallopt(param, value))
+    except (OSError, AttributeError):
+        return False
+
+
+def reuse_step_memory(devices: int = 1) -> str | None:
+    """Called before each step a trainer runs (the work is done once per process): on CPU,
+    keep large blocks in glibc's heap so each step's scratch memory is the last step's.
+
+    Args:
+      devices: how many devices the step runs on (several: JAX runs it on its own
+        threads, whose memory this cannot keep).
+
+    Returns:
+      'reuse' (glibc's settings changed now), 'warned' (the step runs on JAX's threads:
+      said now, once a process), or None (nothing to do: already done, not on CPU, not
+      glibc, or `POCKJAX_MALLOC=system`).
 
     Raises:
-      ValueError: `POCKJAX_MALLOC` is set to something other than `system` or
-        `hugepages`; the message names the two.
+      ValueError: `POCKJAX_MALLOC` holds something other than 'system' or 'reuse'.
     """
-    env = dict(os.environ if environ is None else environ)
-    choice = env.get("POCKJAX_MALLOC", "").strip().lower()
-    if choice == "system":
+    if _state["steps"] in ("reuse", "none"):
         return None
-    if choice not in ("", "hugepages"):
-        raise ValueError(f"POCKJAX_MALLOC={env['POCKJAX_MALLOC']!r}: set it to 'system' to "
-                         f"keep the system's malloc settings, or 'hugepages' (the same as "
-                         f"leaving it unset) for glibc's huge pages")
-    current = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb" in current:
-        return None
-    if not sys.platform.startswith("linux") or (_glibc_version() or (0, 0)) < (2, 35):
-        return None
-    if thp_mode() in (None, "never"):
-        return None
-    env["GLIBC_TUNABLES"] = f"{current}:{TUNABLE}" if current else TUNABLE
-    return env
+    mode = choice()
+    import jax
 
-
-def restart_tuned() -> None:
-    """Start this process again, the same command line, with `tuned_environ()`; return
-    where it does not apply (including in the process so started, whose environment
-    has the tunable) or the command line is not known. A bad `POCKJAX_MALLOC` stops the
-    command with its message."""
-    try:
-        env = tuned_environ()
-    except ValueError as e:
-        raise SystemExit(f"pockjax: {e}") from None
-    argv = getattr(sys, "orig_argv", None)
-    if env is None or not argv or not sys.executable or os.environ.get(_RESTARTED):
-        return
-    env[_RESTARTED] = "1"  # once, even where the tunable does not reach the new process
-    sys.stdout.flush()
-    sys.stderr.flush()
-    try:
-        os.execve(sys.executable, argv, env)
-    except OSError:  # not startable again here: run as started
-        return
+    if mode == "system" or not _glibc() or jax.default_backend() != "cpu":
+        _state["steps"] = "none"
+        return None
+    if devices == 1 and not jax.config.read("jax_cpu_enable_async_dispatch"):
+        _mallopt(_M_MMAP_MAX, 0)
+        _mallopt(_M_TRIM_THRESHOLD, -1)  # read as size_t: the largest threshold, never trim
+        _state["steps"] = "reuse"
+        return "reuse"
+    if _state["steps"] == "warned" or "glibc.malloc.hugetlb" in os.environ.get(
+            "GLIBC_TUNABLES", ""):
+        return None
+    _state["steps"] = "warned"
+    why = ("the step runs on several devices" if devices > 1 else
+           f"{ASYNC_ENV} is set" if os.environ.get(ASYNC_ENV, "false").lower() not in
+           ("false", "0") else
+           "JAX's CPU backend started before pockjax was imported")
+    warnings.warn(f"pockjax: {why}, so the step runs on JAX's dispatch threads, where glibc "
+                  f"maps its scratch memory afresh every step (a small LLaMA's step up to 1.5x "
+                  f"slower). Import pockjax before running anything with JAX, or start Python "
+                  f"with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (POCKJAX_MALLOC=system "
+                  f"silences this)", RuntimeWarning, stacklevel=3)
+    return "warned"

@@ -33,5 +33,21 @@ class NonFiniteLoss(FinetuneError, errors.NonFiniteLoss):
 
 
 class Interrupted(FinetuneError):
-    """Raised when Ctrl-C stops the run; a checkpoint of the last completed step was
-    written (where a step completed)."""
+    """Raised when Ctrl-C or SIGTERM (a scheduler stopping the job) stops the run; a
+    checkpoint of the last completed step was written (where a step completed).
+
+    Attributes:
+      signal: 'Ctrl-C' or 'SIGTERM'.
+    """
+
+    def __init__(self, message: str, signal: str = "Ctrl-C"):
+        super().__init__(message)
+        self.signal = signal
+
+    def __reduce__(self):
+        return type(self), (str(self), self.signal)
+
+    @property
+    def exit_status(self) -> int:
+        """128 + the signal's number, as a shell reports a command the signal stopped."""
+        return 143 if self.signal == "SIGTERM" else 130

@@ -36,7 +36,7 @@ def main(args) -> int:
                           options=FinetuneOptions.from_args(args))
     except Interrupted as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
-        return 130
+        return e.exit_status
     except FinetuneError as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
         return 1

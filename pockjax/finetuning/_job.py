@@ -10,6 +10,7 @@ import math
 import os
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -274,7 +275,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     Raises:
       FinetuneError: bad options, data, model or output folder (the message names it).
       NonFiniteLoss: the loss became NaN or infinite (the last good checkpoint stays).
-      Interrupted: Ctrl-C; the last completed step was saved, `resume=True` continues.
+      Interrupted: Ctrl-C or SIGTERM; the last completed step was saved, `resume=True`
+        continues.
     """
     import jax
 
@@ -421,7 +423,7 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         return total_nll / count
 
     schedule_fn = _schedule(lr, warmup, total, schedule)
-    saved: list[Path] = []
+    saved: list[tuple[Path, float]] = []
     skips = [0]
 
     def plain_batch(step):
@@ -500,14 +502,17 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                        f"of the {len(train) * seq:,} padded positions; --logits all for every "
                        f"position)")
 
+    def save(s) -> None:  # each checkpoint, and the seconds it took
+        began = time.perf_counter()
+        saved.append((run.save(s, keep), time.perf_counter() - began))
+
     try:
         with warnings.catch_warnings():  # finetune says it itself, with the checkpoint
             warnings.filterwarnings("ignore", message="fit: interrupted")
             state, history = fit(step_fn, state, batch_of, total, start=start,
                                  progress=progress, log_every=1, desc="finetune",
                                  evaluate=evaluate if held is not None else None,
-                                 eval_every=eval_every, save=lambda s: saved.append(
-                                     run.save(s, keep)), save_every=save_every,
+                                 eval_every=eval_every, save=save, save_every=save_every,
                                  on_record=record, stop_nonfinite=True, tokens=tokens_of,
                                  compile_cache=o.compile_cache)
     except StepNotFinite as e:
@@ -521,11 +526,13 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                             f"or pass --skip-nonfinite to skip such steps") from None
     close_prefix_cache(cached, out)
     if history.interrupted:
+        by = history.stopped_by
         if history.steps > 0:
-            raise Interrupted(f"interrupted at step {start + history.steps} of {total}; saved "
-                              f"{saved[-1]}; continue with --resume")
-        raise Interrupted(f"interrupted before the first step completed; nothing was saved "
-                          f"(step {start}); run again (with --resume to continue)")
+            raise Interrupted(f"stopped by {by} at step {start + history.steps} of {total}; "
+                              f"saved {saved[-1][0]} in {saved[-1][1]:.1f} s; continue with "
+                              f"--resume", by)
+        raise Interrupted(f"stopped by {by} before the first step completed; nothing was "
+                          f"saved (step {start}); run again (with --resume to continue)", by)
     valid_before = history.valid[0][2] if history.valid and history.valid[0][0] == 0 else None
     valid_after = (history.valid[-1][2] if history.valid and history.valid[-1][0] == total
                    else (evaluate(state) if held is not None else None))

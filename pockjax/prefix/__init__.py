@@ -43,6 +43,7 @@ import numpy as np
 
 from pockjax import lowbit
 from pockjax._src.home import claim
+from pockjax._src.malloc import reuse_step_memory
 from pockjax.prefix._cache import PrefixCache, example_keys, whole_digest
 from pockjax.prefix._cut import CutValue, PrefixCacheError, PrefixSplit, find_cut
 from pockjax.scheme import Frozen
@@ -306,6 +307,7 @@ class PrefixCachedTrainer:
           ValueError: `keys` does not hold one key per example.
           PrefixCacheError: as `split`.
         """
+        reuse_step_memory()
         entry = self._splits.get(self._signature(state.params, batch), False)
         if entry is False:
             self.split(state, batch)

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from pockjax._src.errors import NonFiniteLoss
-from pockjax.train._interrupt import InterruptAfter
+from pockjax._src.interrupt import InterruptAfter, signal_name, stop_on_sigterm
 from pockjax.train._state import TrainState
 
 if TYPE_CHECKING:
@@ -30,8 +30,8 @@ class History:
       loss: the losses of its steps as float32 (skipped steps left out).
       seconds: training seconds, from the first step's start.
       steps: steps run in this call.
-      interrupted: whether Ctrl-C stopped it (the state returned is the one after the
-        last completed step).
+      interrupted: whether Ctrl-C or SIGTERM stopped it (the state returned is the one
+        after the last completed step).
       valid: the evaluations, as `(step, seconds, value)`.
       skipped: steps skipped for a non-finite loss or gradient.
       tokens: the tokens counted (with `fit(tokens=...)`).
@@ -44,6 +44,7 @@ class History:
     valid: list = dataclasses.field(default_factory=list)
     skipped: int = 0
     tokens: int = 0
+    stopped_by: str | None = None  # 'Ctrl-C' or 'SIGTERM' where interrupted
 
     @property
     def steps_per_second(self) -> float:
@@ -133,12 +134,13 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
     Each step's loss is read back while the next step runs, so the loop adds no wait to
     the compiled step. A progress bar (unless `progress=False`) shows the loss, tokens/s
     (with `tokens`), peak memory and the time left. Ctrl-C stops the run after the step
-    in flight: `save` gets the state after the last completed step, and it is returned
-    with `History.interrupted` set (the state passed in was donated to the first step, so
+    in flight, and so does SIGTERM (a scheduler stopping the job; where no other handler
+    is installed): `save` gets the state after the last completed step, and it is
+    returned with `History.interrupted` set (the state passed in was donated to the first step, so
     this return value is the run's only state).
 
-    A warning is issued when the batches run out before `steps`, and when Ctrl-C
-    stops the run.
+    A warning is issued when the batches run out before `steps`, and when Ctrl-C or
+    SIGTERM stops the run.
 
     Args:
       trainer: the step: a `SparseTrainer`, or any `step(state, batch) -> (state,
@@ -157,10 +159,11 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         when `start` is 0, every `eval_every` steps and after the last.
       eval_every: steps between evaluations; None (the default): before the first and
         after the last step only.
-      save: `save(state)`, run every `save_every` steps, after the last and on Ctrl-C,
-        each time after the losses up to that step were read (and found finite).
+      save: `save(state)`, run every `save_every` steps, after the last and on Ctrl-C
+        or SIGTERM, each time after the losses up to that step were read (and found
+        finite).
       save_every: steps between saves; None (the default): after the last step (and
-        on Ctrl-C) only.
+        on Ctrl-C or SIGTERM) only.
       on_record: gets a dict per step (`step`, `loss`, `seconds` since the first step,
         `tokens`; the first step's also `compile_seconds`, the tracing and compiling it
         took), per skipped step (`step`, `skipped`: True, `loss`: None: the step's
@@ -256,49 +259,51 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         emit({"step": at, "valid_loss": value, "seconds": clock()})
 
     compiled_at_first = [0.0]  # the first step's compilation, seconds
-    try:
-        if evaluate is not None and start == 0:
-            evaluation(state, 0)
-        began = time.perf_counter()
-        for batch in it:
-            ntok = tokens(step) if tokens is not None else None
-            with InterruptAfter():
-                before = compile_seconds()
-                state, metrics = trainer(state, batch)
-                if step == start:
-                    compiled_at_first[0] = compile_seconds() - before
-                    if progress:
-                        bar.set_postfix_str(f"compiled the step in {compiled_at_first[0]:.1f} s",
-                                            refresh=False)
-                step += 1
-                unread.append((step, metrics, ntok))
-            while len(unread) > 1:
-                read(unread.pop(0))
-            tokens_done += ntok or 0
-            bar.update(1)
-            last = step == total
-            if save is not None and ((save_every and step % save_every == 0) or last):
-                read_all()
+    stopped_by = None
+    with stop_on_sigterm():  # a scheduler's SIGTERM saves as Ctrl-C does
+        try:
+            if evaluate is not None and start == 0:
+                evaluation(state, 0)
+            began = time.perf_counter()
+            for batch in it:
+                ntok = tokens(step) if tokens is not None else None
+                with InterruptAfter():
+                    before = compile_seconds()
+                    state, metrics = trainer(state, batch)
+                    if step == start:
+                        compiled_at_first[0] = compile_seconds() - before
+                        if progress:
+                            bar.set_postfix_str(f"compiled the step in "
+                                                f"{compiled_at_first[0]:.1f} s", refresh=False)
+                    step += 1
+                    unread.append((step, metrics, ntok))
+                while len(unread) > 1:
+                    read(unread.pop(0))
+                tokens_done += ntok or 0
+                bar.update(1)
+                last = step == total
+                if save is not None and ((save_every and step % save_every == 0) or last):
+                    read_all()
+                    save(state)
+                if evaluate is not None and eval_every and step % eval_every == 0 and not last:
+                    read_all()
+                    evaluation(state, step)
+            read_all()
+            jax.block_until_ready(state)
+        except KeyboardInterrupt as e:
+            if _deleted(state):  # a second Ctrl-C inside a step: its input is gone
+                raise
+            interrupted, stopped_by = True, signal_name(e)
+            bar.close()
+            read_all()
+            jax.block_until_ready(state)
+            if save is not None and step > start:
                 save(state)
-            if evaluate is not None and eval_every and step % eval_every == 0 and not last:
-                read_all()
-                evaluation(state, step)
-        read_all()
-        jax.block_until_ready(state)
-    except KeyboardInterrupt:
-        if _deleted(state):  # a second Ctrl-C inside a step: its input is gone
-            raise
-        interrupted = True
-        bar.close()
-        read_all()
-        jax.block_until_ready(state)
-        if save is not None and step > start:
-            save(state)
-    finally:
-        bar.close()
+        finally:
+            bar.close()
     seconds = time.perf_counter() - began if began is not None else 0.0
     if interrupted:
-        warnings.warn(f"fit: interrupted (Ctrl-C) after {step - start} steps; returning the "
+        warnings.warn(f"fit: interrupted ({stopped_by}) after {step - start} steps; returning the "
                       f"state after step {step}", stacklevel=2)
     else:
         if total is not None and step < total:
@@ -307,4 +312,4 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         if evaluate is not None and step > start:
             evaluation(state, step)
     return state, History(np.asarray(losses, dtype=np.float32), seconds, step - start,
-                          interrupted, valid, skipped, tokens_done)
+                          interrupted, valid, skipped, tokens_done, stopped_by)

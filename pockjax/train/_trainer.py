@@ -13,6 +13,7 @@ import optax
 
 from pockjax import lowbit
 from pockjax import sharding as _sharding
+from pockjax._src.malloc import reuse_step_memory
 from pockjax.remat import Remat, checkpointed
 from pockjax.train._state import (TrainState, abstract_arrays, check_not_donated, decisions_tree,
                             distinct_buffers, is_abstract, with_shardings)
@@ -321,6 +322,7 @@ class SparseTrainer:
                             "it can be reported or lowered, not stepped or exported; make it "
                             "from the model's arrays with trainer.init(params)")
         check_not_donated(state, self.donate)
+        reuse_step_memory(1 if self.layout is None else self.layout.mesh.devices.size)
         if self.layout is not None:
             batch = self.layout.put_batch(batch)
         return self._step_jit(state, batch)

@@ -53,19 +53,25 @@ def test_torch_profile_groups_every_operator_of_a_step():
     assert 0 < sum(got["ops"].values()) <= got["wall"] * 1e3 * 1.05
 
 
-def test_malloc_env_sets_only_the_huge_page_tunable(monkeypatch):
+def test_malloc_env_sets_the_modes_and_keeps_the_users_own_tunables(monkeypatch):
     from benchmarks.common import malloc_env
 
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=0")
+    monkeypatch.setenv("POCKJAX_MALLOC", "system")
     env, text = malloc_env("hugepages")
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
-    assert text.startswith("`GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1`")
-    env, text = malloc_env("default")
+    assert "POCKJAX_MALLOC" not in env
+    assert text.startswith("pockjax's reuse of each step's memory (the default), "
+                           "`GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1`")
+    env, text = malloc_env("pockjax")
     assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2"   # the user's own kept
     monkeypatch.delenv("GLIBC_TUNABLES")
-    env, text = malloc_env("default")
-    assert "GLIBC_TUNABLES" not in env and text.startswith("glibc's default")
-    assert "transparent huge pages `" in text
+    env, text = malloc_env("system")
+    assert "GLIBC_TUNABLES" not in env and env["POCKJAX_MALLOC"] == "system"
+    assert text.startswith("`POCKJAX_MALLOC=system` (JAX's and glibc's own settings), "
+                           "transparent huge pages `")
+    with pytest.raises(ValueError, match="malloc mode 'default': one of pockjax, hugepages"):
+        malloc_env("default")
 
 
 def test_remat_table_reports_each_sequence_with_and_without_remat(tmp_path):

@@ -41,7 +41,7 @@ def test_guard_runs_the_row_with_the_allocator_setting(tmp_path):
     script = tmp_path / "env.py"
     script.write_text("import json, os; print('RESULT ' + json.dumps("
                       "{'tunables': os.environ.get('GLIBC_TUNABLES', '')}))")
-    for mode, huge in (("hugepages", True), ("default", False)):
+    for mode, huge in (("hugepages", True), ("pockjax", False), ("system", False)):
         env, _ = malloc_env(mode)
         tunables = guarded([str(script)], limit_gib=8, timeout=30, env=env)["tunables"]
         assert ("glibc.malloc.hugetlb=1" in tunables.split(":")) == huge, (mode, tunables)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -79,26 +80,37 @@ def test_the_job_ends_where_finetune_ends(setup):
     np.testing.assert_allclose(logits[0].numpy(), logits[1].numpy(), rtol=1e-4, atol=1e-5)
 
 
-def test_kill_9_then_resume_equals_the_uninterrupted_run(setup):
-    """`pockjax run` killed mid-run (SIGKILL), then `--resume`: the same final folder as a
-    run that was never stopped, bit for bit."""
+@pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
+def test_kill_9_or_sigterm_then_resume_equals_the_uninterrupted_run(setup, stop):
+    """`pockjax run` killed mid-run (SIGKILL) or stopped as a scheduler stops a job
+    (SIGTERM: the step in flight saved), then `--resume`: the same final folder as a run
+    that was never stopped, bit for bit."""
     whole = setup["tmp"] / "whole"
-    assert _run(setup, whole, "--save-every", "1") == 0
-    cut = setup["tmp"] / "cut"
+    if not (whole / "final").exists():
+        assert _run(setup, whole, "--save-every", "1") == 0
+    cut = setup["tmp"] / f"cut-{stop}"
     cmd = [sys.executable, "-m", "pockjax.cli", "run", str(setup["art"]), "--data",
            str(setup["data"]), "--valid", str(setup["valid"]), "--eval-every", "4", "--out",
-           str(cut), "--save-every", "1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           str(cut), "--save-every", "1" if stop == "SIGKILL" else "100"]
+    log = setup["tmp"] / f"stderr-{stop}.txt"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if len(list((cut / "checkpoints").glob("step-*.safetensors"))) >= 1 and \
+        if (cut / "metrics.jsonl").exists() and \
                 any(json.loads(line).get("step", 0) >= 3 for line in
                     (cut / "metrics.jsonl").read_text().splitlines() if line.strip()):
-            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(getattr(signal, stop))
             break
         time.sleep(0.02)
     proc.wait()
-    killed = proc.returncode == -signal.SIGKILL
+    killed = proc.returncode in (-signal.SIGKILL, 143)
+    if stop == "SIGTERM" and killed:  # saved on the way out, though --save-every is 100
+        said = re.search(r"pockjax run: stopped by SIGTERM at step (\d+) of \d+; saved it in "
+                         r"[\d.]+ s; continue with --resume", log.read_text())
+        assert said, log.read_text()[-2000:]
+        saved = sorted((cut / "checkpoints").glob("step-*.safetensors"))
+        assert [p.stem for p in saved] == [f"step-{int(said.group(1)):08d}"]
     resumed = subprocess.run([*cmd, "--resume"], cwd=ROOT, capture_output=True, text=True,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

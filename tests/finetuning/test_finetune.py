@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -236,19 +237,22 @@ def _params(folder: Path) -> dict[str, np.ndarray]:
     return load_file(str(folder / "model.safetensors"))
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_resume_after_sigkill_equals_an_uninterrupted_run_bit_for_bit(folders, data, tmp_path,
-                                                                      kind, capsys):
+@pytest.mark.parametrize("kind, stop", [("llama", "SIGKILL"), ("gpt2", "SIGKILL"),
+                                        ("llama", "SIGTERM")])
+def test_resume_after_sigkill_or_sigterm_equals_an_uninterrupted_run_bit_for_bit(
+        folders, data, tmp_path, kind, stop, capsys):
     args = ["--model", folders[kind], "--data", data["completion"], "--scheme", "last:1",
             "--steps", 30, "--batch", 4, "--seq", 24, "--lr", 1e-3, "--save-every", 1,
             "--keep", 2, "--seed", 5]
     whole = _cli(*args, "--out", tmp_path / "whole")
     assert whole.returncode == 0, whole.stderr
-    # The same run, killed at a random step once it has checkpoints, then resumed.
-    out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "pockjax.cli", "finetune", *map(str, args),
-                             "--out", str(out)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # The same run, killed (or stopped as a scheduler stops a job) at a random step once
+    # it has checkpoints, then resumed.
+    out, log = tmp_path / "killed", tmp_path / "stderr.txt"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "pockjax.cli", "finetune",
+                                 *map(str, args), "--out", str(out)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
     kill_at = int(np.random.default_rng().integers(2, 20))
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -256,10 +260,19 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run_bit_for_bit(folders, d
         if any(int(p.stem.split("-")[1]) >= kill_at for p in ckpts):
             break
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
-    assert not (out / "final").exists()
+    proc.send_signal(getattr(signal, stop))
+    proc.wait(timeout=120)
+    err = log.read_text()
+    assert not (out / "final").exists(), "the run ended before it was stopped"
+    if stop == "SIGKILL":
+        assert proc.returncode == -signal.SIGKILL
+    else:  # the step in flight completes, is saved, and the command says so
+        assert proc.returncode == 143, err
+        said = re.search(r"pockjax finetune: stopped by SIGTERM at step (\d+) of 30; saved "
+                         r"(\S+) in [\d.]+ s; continue with --resume", err)
+        assert said, err[-2000:]
+        saved = sorted((out / "checkpoints").glob("step-*.safetensors"))[-1]
+        assert said.group(2) == str(saved) and saved.stem == f"step-{int(said.group(1)):08d}"
     from pockjax.cli import main  # refused before any work: in this process
     assert main(["finetune", *map(str, args), "--out", str(out)]) != 0
     assert "--resume" in capsys.readouterr().err  # the folder is in use

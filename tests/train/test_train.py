@@ -447,12 +447,27 @@ def sigint_raises():
     signal.signal(signal.SIGINT, before)
 
 
+@pytest.fixture
+def sigterm_default():
+    """SIGTERM left to the operating system, as in a job a scheduler started."""
+    import signal
+
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.parametrize("sent", ["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("where", ["in the step", "between steps"])
-def test_ctrl_c_in_fit_returns_the_last_completed_state(where, sigint_raises):
-    # Ctrl-C (a real SIGINT) at the third step: fit returns the state after the steps
-    # that completed; the state passed in was donated to the first step.
+def test_ctrl_c_or_sigterm_in_fit_returns_the_last_completed_state(where, sent, sigint_raises,
+                                                                   sigterm_default):
+    # Ctrl-C (a real SIGINT), or SIGTERM as a scheduler sends it, at the third step: fit
+    # returns the state after the steps that completed and saves it; the state passed in
+    # was donated to the first step.
     import os
     import signal
+
+    sig = getattr(signal, sent)
 
     trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-2), scheme=MIXED)
     batches = _batches(6)
@@ -461,23 +476,45 @@ def test_ctrl_c_in_fit_returns_the_last_completed_state(where, sigint_raises):
     def step(state, batch):
         calls.append(1)
         if len(calls) == 3 and where == "in the step":
-            os.kill(os.getpid(), signal.SIGINT)  # arrives while the step is dispatched
+            os.kill(os.getpid(), sig)  # arrives while the step is dispatched
         return trainer(state, batch)
 
     def feed():
         for i, batch in enumerate(batches):
             if i == 3 and where == "between steps":
-                os.kill(os.getpid(), signal.SIGINT)  # while the next batch is loaded
+                os.kill(os.getpid(), sig)  # while the next batch is loaded
             yield batch
 
     state = trainer.init(_mlp_params())
-    with pytest.warns(UserWarning, match="interrupted .Ctrl-C. after 3 steps"):
-        state, history = pj.fit(step, state, feed(), progress=False)
+    saved = []
+    name = "Ctrl-C" if sent == "SIGINT" else "SIGTERM"
+    with pytest.warns(UserWarning, match=f"interrupted .{name}. after 3 steps"):
+        state, history = pj.fit(step, state, feed(), progress=False,
+                                save=lambda s: saved.append(int(s.step)))
     assert history.interrupted and history.steps == 3 and history.loss.shape == (3,)
+    assert history.stopped_by == name and saved == [3]
     assert int(state.step) == 3
     want, _ = reference_steps(_mlp_loss, optax.adam(1e-2), MIXED, _mlp_params(), batches[:3])
     assert_trees_close(state.params, want)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back as it was
+
+
+def test_a_users_own_sigterm_handler_is_left_in_place(sigterm_default):
+    import os
+    import signal
+
+    seen = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    trainer = pj.sparse_train(_mlp_loss, optimizer=optax.adam(1e-2), scheme=MIXED)
+
+    def step(state, batch):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return trainer(state, batch)
+
+    state, history = pj.fit(step, trainer.init(_mlp_params()), _batches(3), progress=False)
+    assert not history.interrupted and history.steps == 3 and history.stopped_by is None
+    assert seen == [signal.SIGTERM] * 3  # each held across its step, then handed on
 
 
 def test_fit_leaves_an_ignored_sigint_ignored():
@@ -505,7 +542,7 @@ def test_a_held_ctrl_c_goes_to_the_handler_installed_before(sigint_raises):
     import os
     import signal
 
-    from pockjax.train._interrupt import InterruptAfter
+    from pockjax._src.interrupt import InterruptAfter
 
     seen = []
     signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
