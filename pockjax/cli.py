@@ -539,7 +539,7 @@ def main(argv=None) -> int:
     r.add_argument("--eval-every", type=int, help="with --valid: steps between evaluations "
                                                   "(default: at the start and the end)")
     r.add_argument("--save-every", type=int, help="steps between checkpoints (default: the "
-                                                  "end, and Ctrl-C)")
+                                                  "end, and Ctrl-C or SIGTERM)")
     r.add_argument("--keep", type=int, default=3, help="checkpoints kept (default 3)")
     r.add_argument("--resume", action="store_true", help="continue the run in --out")
     r.add_argument("--overwrite", action="store_true", help="start again in --out")

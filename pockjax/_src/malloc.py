@@ -6,8 +6,8 @@ back with `munmap` when the step ends, so every step faults the whole buffer in 
 4 KiB page at a time (145,000 page faults a step at the quality benchmark's small shape).
 pockjax changes two settings inside the process, with no environment variable:
 
-- `import pockjax` turns off JAX's asynchronous dispatch on CPU where nobody has chosen
-  it (`JAX_CPU_ENABLE_ASYNC_DISPATCH` unset) and JAX's backends have not started yet
+- `import pockjax` turns off JAX's asynchronous dispatch on CPU
+  (`jax_cpu_enable_async_dispatch`) where JAX's backends have not started yet
   (`prepare_dispatch`; where JAX is not loaded yet, as soon as it is). A step on one CPU device then runs on the thread that calls it.
   That matters because in any other thread glibc's arena is made of 64 MiB heaps, and a
   larger request is mapped afresh whatever the settings.
@@ -21,10 +21,11 @@ ends instead of shrinking between steps. A step no longer overlaps the Python lo
 work (reading back the loss, the next batch) with its computation; the measurements are
 in docs/results.md.
 
-`POCKJAX_MALLOC=system` keeps JAX's and glibc's own settings. Where a step still runs
-on JAX's dispatch threads (JAX's backends started before pockjax was imported, or the
-user asked for asynchronous dispatch, or a step over several devices), the first such
-step says so once, with the way out: import pockjax first, or start Python with
+`POCKJAX_MALLOC=system` keeps JAX's and glibc's own settings (so does turning the
+dispatch flag back on with `jax.config.update` after importing pockjax, for the
+dispatch). Where a step still runs on JAX's dispatch threads (JAX's backends started
+before pockjax was imported, the flag turned back on, or a step over several devices),
+the first such step says so once, with the way out: import pockjax first, or start Python with
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which makes glibc's fresh mappings come in 2 MiB
 pages. Neither setting exists outside Linux's glibc, where nothing changes.
 
@@ -39,9 +40,9 @@ import os
 import sys
 import warnings
 
-__all__ = ["ASYNC_ENV", "choice", "prepare_dispatch", "reuse_step_memory", "thp_mode"]
+__all__ = ["FLAG", "choice", "prepare_dispatch", "reuse_step_memory", "thp_mode"]
 
-ASYNC_ENV = "JAX_CPU_ENABLE_ASYNC_DISPATCH"
+FLAG = "jax_cpu_enable_async_dispatch"  # JAX reads no environment variable for it
 _THP = "/sys/kernel/mm/transparent_hugepage/enabled"
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
 _state = {"steps": None}  # what reuse_step_memory did
@@ -93,7 +94,7 @@ def _turn_off() -> bool:
         from jax._src.config import config
         if xla_bridge.backends_are_initialized():
             return False
-        config.update("jax_cpu_enable_async_dispatch", False)
+        config.update(FLAG, False)
     except Exception:  # another JAX than the one this was written against: leave it
         return False
     return True
@@ -125,17 +126,16 @@ class _WhenJaxLoads(importlib.abc.MetaPathFinder):
 def prepare_dispatch(environ=None) -> str | None:
     """Turn off JAX's asynchronous dispatch on CPU, where it is still ours to choose:
     where JAX is loaded but its backends have not started, through `jax.config`; before
-    JAX is loaded, the same as soon as it is. Nothing changes where the user set
-    `JAX_CPU_ENABLE_ASYNC_DISPATCH`, `POCKJAX_MALLOC` (in `environ`, default `os.environ`)
-    is 'system' or not understood (its error comes with the first step), or the backends
-    already run.
+    JAX is loaded, the same as soon as it is. Nothing changes where `POCKJAX_MALLOC` (in
+    `environ`, default `os.environ`) is 'system' or not understood (its error comes with
+    the first step), or the backends already run.
 
     Returns:
       'config' (set), 'import' (to be set when JAX loads), or None.
     """
     env = os.environ if environ is None else environ
     try:
-        if choice(env) == "system" or ASYNC_ENV in env or not _glibc():
+        if choice(env) == "system" or not _glibc():
             return None
     except ValueError:
         return None
@@ -178,7 +178,7 @@ def reuse_step_memory(devices: int = 1) -> str | None:
     if mode == "system" or not _glibc() or jax.default_backend() != "cpu":
         _state["steps"] = "none"
         return None
-    if devices == 1 and not jax.config.read("jax_cpu_enable_async_dispatch"):
+    if devices == 1 and not jax.config.read(FLAG):
         _mallopt(_M_MMAP_MAX, 0)
         _mallopt(_M_TRIM_THRESHOLD, -1)  # read as size_t: the largest threshold, never trim
         _state["steps"] = "reuse"
@@ -188,9 +188,8 @@ def reuse_step_memory(devices: int = 1) -> str | None:
         return None
     _state["steps"] = "warned"
     why = ("the step runs on several devices" if devices > 1 else
-           f"{ASYNC_ENV} is set" if os.environ.get(ASYNC_ENV, "false").lower() not in
-           ("false", "0") else
-           "JAX's CPU backend started before pockjax was imported")
+           "JAX's CPU backend started before pockjax was imported (or "
+           f"{FLAG} was turned back on)")
     warnings.warn(f"pockjax: {why}, so the step runs on JAX's dispatch threads, where glibc "
                   f"maps its scratch memory afresh every step (a small LLaMA's step up to 1.5x "
                   f"slower). Import pockjax before running anything with JAX, or start Python "

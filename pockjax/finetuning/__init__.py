@@ -11,9 +11,9 @@ checkpoints and guards:
   (`pockjax.data.batch_at`), so a checkpoint's step is its whole data position, and a
   resumed run's parameters equal an uninterrupted run's bit for bit;
 - checkpoints (`pockjax.save`: parameters, optimizer state, step, checksummed) are
-  written atomically every `save_every` steps, on Ctrl-C and at the end; the last
-  `keep` are kept;
-- each step's loss is read while the next step runs; a non-finite one stops the run
+  written atomically every `save_every` steps, on Ctrl-C or SIGTERM and at the end;
+  the last `keep` are kept;
+- each step's loss is read after the next step is dispatched; a non-finite one stops the run
   (`NonFiniteLoss`) before anything after it is saved, or, with `skip_nonfinite`, the
   step is skipped (`sparse_train(skip_nonfinite=True)`) and counted.
 

@@ -73,7 +73,7 @@ class FinetuneOptions:
     eval_every: int | None = _option(None, "steps between evaluations (default: at the start "
                                      "and the end)")
     save_every: int | None = _option(None, "steps between checkpoints (default: at the end, "
-                                     "and on Ctrl-C)")
+                                     "and on Ctrl-C or SIGTERM)")
     keep: int = _option(3, "checkpoints kept (default 3)")
     resume: bool = _option(False, "continue the run in --out")
     overwrite: bool = _option(False, "start again in --out")

@@ -131,8 +131,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
     """Run `trainer` (a `SparseTrainer`, or any `step(state, batch) -> (state, metrics)`)
     from step `start` to step `steps`, or until the batches run out.
 
-    Each step's loss is read back while the next step runs, so the loop adds no wait to
-    the compiled step. A progress bar (unless `progress=False`) shows the loss, tokens/s
+    Each step's loss is read back after the next step is dispatched, so where dispatch is
+    asynchronous (a GPU) the loop adds no wait to the compiled step. A progress bar (unless `progress=False`) shows the loss, tokens/s
     (with `tokens`), peak memory and the time left. Ctrl-C stops the run after the step
     in flight, and so does SIGTERM (a scheduler stopping the job; where no other handler
     is installed): `save` gets the state after the last completed step, and it is
