@@ -187,12 +187,15 @@ def reuse_step_memory(devices: int = 1) -> str | None:
             "GLIBC_TUNABLES", ""):
         return None
     _state["steps"] = "warned"
-    why = ("the step runs on several devices" if devices > 1 else
-           "JAX's CPU backend started before pockjax was imported (or "
-           f"{FLAG} was turned back on)")
-    warnings.warn(f"pockjax: {why}, so the step runs on JAX's dispatch threads, where glibc "
-                  f"maps its scratch memory afresh every step (a small LLaMA's step up to 1.5x "
-                  f"slower). Import pockjax before running anything with JAX, or start Python "
-                  f"with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (POCKJAX_MALLOC=system "
+    if devices > 1:
+        why, way = (f"the step runs on {devices} devices, which JAX runs on its own threads",
+                    "Start Python")
+    else:
+        why, way = ("JAX's CPU backend started before pockjax was imported (or "
+                    f"{FLAG} was turned back on), so the step runs on JAX's dispatch thread",
+                    "Import pockjax before running anything with JAX, or start Python")
+    warnings.warn(f"pockjax: {why}, where glibc maps the step's scratch memory afresh every "
+                  f"step (a small LLaMA's step up to 1.5x slower). {way} with "
+                  f"GLIBC_TUNABLES=glibc.malloc.hugetlb=1 for huge pages (POCKJAX_MALLOC=system "
                   f"silences this)", RuntimeWarning, stacklevel=3)
     return "warned"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pockjax._src.interrupt import signal_name, stop_on_sigterm
+from pockjax._src.interrupt import InterruptAfter, signal_name, stop_on_sigterm
 from pockjax.finetuning._base import FinetuneError, Interrupted, NonFiniteLoss
 from pockjax.finetuning._run import FINAL, RunFolder, fingerprint, run_options
 from pockjax.checkpoint import numpy_dtype, safetensors_header
@@ -282,8 +282,9 @@ def run_job(artifact, data, out, *, valid=None, steps: int | None = None,
             while step < total:
                 b = batch_at(train, step, batch, seq, seed=seed, pad_id=pad)
                 ntok = sum(len(e.ids) for e in batch_examples(train, step, batch, seed=seed))
-                loss = float(session.step(b)["loss"])
-                step += 1
+                with InterruptAfter():  # a signal waits for the step to finish whole
+                    loss = float(session.step(b)["loss"])
+                    step += 1
                 if not math.isfinite(loss):
                     kept = run.checkpoints()
                     where = (f"the last checkpoint, {kept[-1][1]}, is from step {kept[-1][0]}"

@@ -214,7 +214,7 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         it = iter(batches) if steps is None else itertools.islice(iter(batches), max(steps - start, 0))
     losses: list[float] = []
     valid: list[tuple[int, float, float]] = []
-    unread: list[tuple[int, Any, int]] = []
+    unread: list[tuple[int, Any, int, float | None]] = []
     skipped = tokens_done = 0
     interrupted = False
     step = start
@@ -229,7 +229,7 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
     def read(entry) -> None:
         """A finished step's loss: recorded, or a stop on a non-finite one."""
         nonlocal skipped
-        at, metrics, ntok = entry
+        at, metrics, ntok, done = entry
         loss = float(metrics["loss"])
         if hasattr(metrics, "get") and bool(metrics.get("skipped", False)):
             skipped += 1
@@ -238,7 +238,7 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         if stop_nonfinite and not np.isfinite(loss):
             raise NonFiniteLoss(at, loss)
         losses.append(loss)
-        record = {"step": at, "loss": loss, "seconds": clock()}
+        record = {"step": at, "loss": loss, "seconds": clock() if done is None else done}
         if at == start + 1:
             record["compile_seconds"] = round(compiled_at_first[0], 3)
         if ntok is not None:
@@ -276,7 +276,10 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
                             bar.set_postfix_str(f"compiled the step in "
                                                 f"{compiled_at_first[0]:.1f} s", refresh=False)
                     step += 1
-                    unread.append((step, metrics, ntok))
+                    # A step that ran within the call (one CPU device) ended now;
+                    # one dispatched asynchronously ends by the time its loss is read.
+                    ready = getattr(metrics["loss"], "is_ready", lambda: True)()
+                    unread.append((step, metrics, ntok, clock() if ready else None))
                 while len(unread) > 1:
                     read(unread.pop(0))
                 tokens_done += ntok or 0

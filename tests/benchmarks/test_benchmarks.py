@@ -213,7 +213,7 @@ def test_edge_speed_rows_start_alike_and_count_page_faults(tmp_path):
         [sys.executable, "-m", "benchmarks", "edge_speed", "--size",
          "layers=2,hidden=32,intermediate=64,heads=2,vocab=64,seq=16,batch=2", "--rounds", "1",
          "--steps", "2", "--rows", "torch full,pockjax full,pockjax last:1", "--malloc",
-         "default", "--out", str(out)],
+         "system", "--out", str(out)],
         cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=900,
         check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -225,5 +225,6 @@ def test_edge_speed_rows_start_alike_and_count_page_faults(tmp_path):
         assert row["faults_per_step"] >= 0 and len(row["medians"]) == 1
     assert rows["pockjax full"]["trained_params"] == rows["torch full"]["trained_params"]
     assert rows["pockjax last:1"]["trained_params"] < rows["pockjax full"]["trained_params"]
+    assert data["meta"]["malloc"].startswith("`POCKJAX_MALLOC=system`")
     assert "GLIBC_TUNABLES" not in data["meta"]["malloc"] and len(data["meta"]["peaks_gflops"]) == 1
     assert "faults/step" in out.read_text()
