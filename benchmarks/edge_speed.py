@@ -24,11 +24,11 @@ compilation and allocation), and the table gives the median over rounds with the
 rounds' range. Each pockjax row also gets its FLOPs (`pockjax.count_flops` of the
 compiled step's program) and the time they would take at this machine's float32 matmul
 peak (the fastest of ten jitted 2048^3 products, measured in the parent process before
-each round, the best round's): the row's bound. Every
-row's process runs with the allocator a user gets (`--malloc pockjax`: each step's
-memory reused from the last; `hugepages` adds glibc's huge-page tunable, `system` keeps
-JAX's and glibc's own settings), and each row counts its minor page faults per step. Writes `benchmarks/results/edge_speed.md` and
-`.json`.
+each round, the best round's): the row's bound. Every row's process runs with the
+allocator a user gets (`--malloc pockjax`: each step's memory reused from the last;
+`hugepages` adds glibc's huge-page tunable, `system` keeps JAX's and glibc's own
+settings), and each row counts its minor page faults per step. Writes
+`benchmarks/results/edge_speed.md` and `.json`.
 """
 from __future__ import annotations
 

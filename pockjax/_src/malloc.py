@@ -8,24 +8,25 @@ pockjax changes two settings inside the process, with no environment variable:
 
 - `import pockjax` turns off JAX's asynchronous dispatch on CPU
   (`jax_cpu_enable_async_dispatch`) where JAX's backends have not started yet
-  (`prepare_dispatch`; where JAX is not loaded yet, as soon as it is). A step on one CPU device then runs on the thread that calls it.
-  That matters because in any other thread glibc's arena is made of 64 MiB heaps, and a
-  larger request is mapped afresh whatever the settings.
+  (`prepare_dispatch`; where JAX is not loaded yet, as soon as it is). A step on one
+  CPU device then runs on the thread that calls it. That matters because in any other
+  thread glibc's arena is made of 64 MiB heaps, and a larger request is mapped afresh
+  whatever the settings.
 - The first step run on CPU sets glibc's `M_MMAP_MAX` to 0 and `M_TRIM_THRESHOLD` to its
   largest value (`reuse_step_memory`): large blocks come from the heap and stay in it
   when freed, so the next step's scratch memory is the same pages, already mapped.
 
-The results are the same (allocation does not change arithmetic). The peak memory is
-the same too; what changes is that the heap keeps its largest size until the process
-ends instead of shrinking between steps. A step no longer overlaps the Python loop's own
-work (reading back the loss, the next batch) with its computation; the measurements are
-in docs/results.md.
+The results are the same (allocation does not change arithmetic), and the peak memory
+stayed within 2% where measured; what changes is that the heap keeps its largest size
+until the process ends instead of shrinking between steps. A step no longer overlaps
+the Python loop's own work (reading back the loss, the next batch) with its
+computation; the measurements are in docs/results.md.
 
-`POCKJAX_MALLOC=system` keeps JAX's and glibc's own settings (so does turning the
-dispatch flag back on with `jax.config.update` after importing pockjax, for the
-dispatch). Where a step still runs on JAX's dispatch threads (JAX's backends started
-before pockjax was imported, the flag turned back on, or a step over several devices),
-the first such step says so once, with the way out: import pockjax first, or start Python with
+`POCKJAX_MALLOC=system` keeps JAX's and glibc's own settings (for the dispatch, so does
+turning the flag back on with `jax.config.update` after importing pockjax). Where a step
+still runs on JAX's dispatch threads (JAX's backends started before pockjax was
+imported, the flag turned back on, or a step over several devices), the first such step
+says so once, with the way out: import pockjax first, or start Python with
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, which makes glibc's fresh mappings come in 2 MiB
 pages. Neither setting exists outside Linux's glibc, where nothing changes.
 
