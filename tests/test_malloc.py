@@ -114,6 +114,23 @@ def test_a_step_on_jaxs_threads_says_so_once_with_the_way_out():
     assert tuned["losses"] == late["losses"]
 
 
+@pytest.mark.skipif(not ON_GLIBC, reason="the settings exist on Linux's glibc only")
+def test_a_step_over_several_devices_names_its_own_way_out():
+    code = ("import json, warnings\nimport pockjax\nfrom pockjax._src import malloc\n"
+            "with warnings.catch_warnings(record=True) as w:\n"
+            "    warnings.simplefilter('always')\n"
+            "    said = [malloc.reuse_step_memory(4), malloc.reuse_step_memory(4),\n"
+            "            malloc.reuse_step_memory(1)]\n"
+            "print(json.dumps({'said': said, 'w': [str(x.message) for x in w]}))")
+    out = _run(code)
+    # Said once; a later single-device step still gets its memory reused.
+    assert out["said"] == ["warned", None, "reuse"] and len(out["w"]) == 1
+    assert out["w"][0].startswith("pockjax: the step runs on 4 devices, which JAX runs on "
+                                  "its own threads")
+    assert "Start Python with GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in out["w"][0]
+    assert "Import pockjax" not in out["w"][0]
+
+
 def test_a_mistyped_choice_stops_the_first_step_and_the_command():
     env = {**os.environ, "POCKJAX_MALLOC": "sytem"}
     proc = subprocess.run([sys.executable, "-c", _STEPS.format(first="")], capture_output=True,

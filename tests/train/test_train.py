@@ -389,6 +389,30 @@ def test_fit_evaluates_saves_records_and_resumes_from_a_step():
         pj.fit(trainer, again, lambda i: batches[i], progress=False)
 
 
+@pytest.mark.parametrize("ready", [True, False])
+def test_fit_records_when_each_step_ended(ready):
+    # A step that ran within the call (one CPU device: its loss is ready on return) is
+    # timed at its return, not when its loss is read, after the next step; a step still
+    # running on return (asynchronous dispatch) is timed when its loss is read.
+    import time
+
+    class Loss(float):
+        def is_ready(self):
+            return ready
+
+    def step(state, batch):
+        time.sleep(0.3)
+        return state + 1, {"loss": Loss(1.0)}
+
+    records = []
+    pj.fit(step, 0, [None] * 3, progress=False, on_record=records.append, compile_cache=False)
+    seconds = [r["seconds"] for r in records if "loss" in r]
+    if ready:  # each step's own end: 0.3, 0.6, 0.9
+        assert [round(s / 0.3) for s in seconds] == [1, 2, 3], seconds
+    else:  # read after the next step: 0.6, 0.9, and the last at the end
+        assert [round(s / 0.3) for s in seconds] == [2, 3, 3], seconds
+
+
 def test_fit_stops_at_a_nonfinite_loss_before_saving_past_it():
     trainer = pj.sparse_train(_mlp_loss, optimizer=optax.sgd(0.1), scheme=MIXED)
     batches = _batches(5)
