@@ -35,14 +35,10 @@ from benchmarks.quality import cpu_model  # noqa: E402
 ROWS = ("bare sparse_train step", "pockjax finetune", "pockjax finetune command")
 
 
-def _step_times(out: Path, warmup: int) -> tuple[list[float], list[int], float]:
-    """A finetune run's step times after `warmup` steps, their tokens, and the time from
-    the end of the warm-up to the last step, from its `metrics.jsonl`."""
+def _step_records(out: Path) -> list[dict]:
+    """A finetune run's step records (its `metrics.jsonl` lines with a loss)."""
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    records = [r for r in records if "loss" in r]
-    seconds = [r["seconds"] for r in records]
-    times = [b - a for a, b in zip(seconds[warmup - 1:], seconds[warmup:])]
-    return times, [r["tokens"] for r in records[warmup:]], seconds[-1] - seconds[warmup - 1]
+    return [r for r in records if "loss" in r]
 
 
 def make_folder(folder: Path, layers: int, hidden: int, vocab: int, seq: int, docs: int) -> Path:
@@ -97,16 +93,15 @@ def row(name: str, folder: Path, args) -> None:
                        "--data", str(folder / "data.jsonl"), "--out", str(out), "--no-plot",
                        *[f"--{k}={v}" for k, v in options.items()]]
             subprocess.run(command, check=True, capture_output=True, text=True)
-            records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-            losses = [r["loss"] for r in records if "loss" in r]
-            loss = statistics.fmean(losses[-10:])
+            loss = statistics.fmean(r["loss"] for r in _step_records(out)[-10:])
             peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        times, tokens, total = _step_times(out, args.warmup)
-        first = next(json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()
-                     if '"loss"' in x)
-        report_result({"row": name, "step_s": statistics.median(times), "total_s": total,
-                       "tokens": sum(tokens), "final_loss": loss, "first_s": first["seconds"],
-                       "compile_s": first.get("compile_seconds"),
+        records, w = _step_records(out), args.warmup
+        seconds = [r["seconds"] for r in records]
+        times = [b - a for a, b in zip(seconds[w - 1:], seconds[w:])]
+        report_result({"row": name, "step_s": statistics.median(times),
+                       "total_s": seconds[-1] - seconds[w - 1],
+                       "tokens": sum(r["tokens"] for r in records[w:]), "final_loss": loss,
+                       "first_s": seconds[0], "compile_s": records[0].get("compile_seconds"),
                        **({"command_rss_peak_mib": peak} if peak else {})})
         return
     from pockjax.data import batch_examples, pad_batch, read_jsonl
