@@ -3,7 +3,7 @@
 XLA's CPU runtime takes a step's scratch memory with one `malloc` (hundreds of MiB for a
 small LLaMA's step). glibc serves a request that large with a fresh `mmap` and gives it
 back with `munmap` when the step ends, so every step faults the whole buffer in again, one
-4 KiB page at a time (145,000 page faults a step at the quality benchmark's small shape).
+4 KiB page at a time.
 pockjax changes two settings inside the process, with no environment variable:
 
 - `import pockjax` turns off JAX's asynchronous dispatch on CPU
@@ -16,9 +16,9 @@ pockjax changes two settings inside the process, with no environment variable:
   largest value (`reuse_step_memory`): large blocks come from the heap and stay in it
   when freed, so the next step's scratch memory is the same pages, already mapped.
 
-The results are the same (allocation does not change arithmetic), and the peak memory
-stayed within 2% where measured; what changes is that the heap keeps its largest size
-until the process ends instead of shrinking between steps. A step no longer overlaps
+The results are the same (allocation does not change arithmetic), and so is the peak
+memory; what changes is that the heap keeps its largest size until the process ends
+instead of shrinking between steps. A step no longer overlaps
 the Python loop's own work (reading back the loss, the next batch) with its
 computation; the measurements are in docs/results.md.
 
@@ -147,12 +147,12 @@ def prepare_dispatch(environ=None) -> str | None:
     return "config" if _turn_off() else None
 
 
-def _mallopt(param: int, value: int) -> bool:
+def _mallopt(param: int, value: int) -> None:
     import ctypes
     try:
-        return bool(ctypes.CDLL(None).mallopt(param, value))
-    except (OSError, AttributeError):
-        return False
+        ctypes.CDLL(None).mallopt(param, value)
+    except (OSError, AttributeError):  # no mallopt in this C library: nothing to set
+        pass
 
 
 def reuse_step_memory(devices: int = 1) -> str | None:
