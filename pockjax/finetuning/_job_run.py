@@ -276,44 +276,46 @@ def run_job(artifact, data, out, *, valid=None, steps: int | None = None,
         bar = None
     valid_before = evaluate(0, None) if held is not None and start == 0 else None
     losses, tokens, began = [], 0, time.perf_counter()
-    step = start
+    step = saved_at = start
     with stop_on_sigterm():  # a scheduler's SIGTERM saves as Ctrl-C does
         try:
             while step < total:
                 b = batch_at(train, step, batch, seq, seed=seed, pad_id=pad)
                 ntok = sum(len(e.ids) for e in batch_examples(train, step, batch, seed=seed))
-                with InterruptAfter():  # a signal waits for the step to finish whole
+                with InterruptAfter():  # a signal waits for the step, its record and its save
                     loss = float(session.step(b)["loss"])
                     step += 1
-                if not math.isfinite(loss):
-                    kept = run.checkpoints()
-                    where = (f"the last checkpoint, {kept[-1][1]}, is from step {kept[-1][0]}"
-                             if kept else "no checkpoint was written")
-                    raise NonFiniteLoss(step, loss, f"step {step}: the loss is {loss}; the run "
-                                        f"stopped and {where}. Export again with a lower --lr "
-                                        f"({job['lr']:g}) or more --warmup")
-                losses.append(loss)
-                tokens += ntok
-                seconds = round(time.perf_counter() - began, 3)
-                run.log({"step": step, "loss": loss, "lr": learning_rate(job, step - 1),
-                         "tokens": ntok, "seconds": seconds})
-                if bar is not None:
-                    bar.update(1)
-                    rate = tokens / max(seconds, 1e-9)
-                    bar.set_postfix_str(f"loss {loss:.4g}, {rate:,.0f} tok/s", refresh=False)
-                elif progress and (step % 10 == 0 or step == total):
-                    say(f"step {step}/{total}: loss {loss:.4f}")
+                    if not math.isfinite(loss):
+                        kept = run.checkpoints()
+                        where = (f"the last checkpoint, {kept[-1][1]}, is from step {kept[-1][0]}"
+                                 if kept else "no checkpoint was written")
+                        raise NonFiniteLoss(step, loss, f"step {step}: the loss is {loss}; the run "
+                                            f"stopped and {where}. Export again with a lower --lr "
+                                            f"({job['lr']:g}) or more --warmup")
+                    losses.append(loss)
+                    tokens += ntok
+                    seconds = round(time.perf_counter() - began, 3)
+                    run.log({"step": step, "loss": loss, "lr": learning_rate(job, step - 1),
+                             "tokens": ntok, "seconds": seconds})
+                    if bar is not None:
+                        bar.update(1)
+                        rate = tokens / max(seconds, 1e-9)
+                        bar.set_postfix_str(f"loss {loss:.4g}, {rate:,.0f} tok/s", refresh=False)
+                    elif progress and (step % 10 == 0 or step == total):
+                        say(f"step {step}/{total}: loss {loss:.4f}")
+                    if (save_every and step % save_every == 0) or step == total:
+                        save()
+                        saved_at = step
                 if held is not None and eval_every and step % eval_every == 0 and step < total:
                     evaluate(step, began)
-                if (save_every and step % save_every == 0) or step == total:
-                    save()
         except KeyboardInterrupt as e:
             if bar is not None:
                 bar.close()
             by = signal_name(e)
             if step > start:
                 saving = time.perf_counter()
-                save()
+                if saved_at < step:
+                    save()
                 raise Interrupted(f"stopped by {by} at step {step} of {total}; saved it in "
                                   f"{time.perf_counter() - saving:.1f} s; continue with --resume",
                                   by) from None

@@ -250,8 +250,9 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
                                 refresh=False)
 
     def read_all() -> None:
-        while unread:
-            read(unread.pop(0))
+        with InterruptAfter():  # a record taken is a record written
+            while unread:
+                read(unread.pop(0))
 
     def evaluation(state, at) -> None:
         value = float(evaluate(state))
@@ -260,6 +261,7 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
 
     compiled_at_first = [0.0]  # the first step's compilation, seconds
     stopped_by = None
+    saved_at = start
     with stop_on_sigterm():  # a scheduler's SIGTERM saves as Ctrl-C does
         try:
             if evaluate is not None and start == 0:
@@ -280,14 +282,18 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
                     # one dispatched asynchronously ends by the time its loss is read.
                     ready = getattr(metrics["loss"], "is_ready", lambda: True)()
                     unread.append((step, metrics, ntok, clock() if ready else None))
-                while len(unread) > 1:
-                    read(unread.pop(0))
-                tokens_done += ntok or 0
-                bar.update(1)
-                last = step == total
-                if save is not None and ((save_every and step % save_every == 0) or last):
-                    read_all()
-                    save(state)
+                    # The step's records and its checkpoint are held as the step is: a
+                    # signal between taking a record and writing it would lose the step
+                    # from the log.
+                    while len(unread) > 1:
+                        read(unread.pop(0))
+                    tokens_done += ntok or 0
+                    bar.update(1)
+                    last = step == total
+                    if save is not None and ((save_every and step % save_every == 0) or last):
+                        read_all()
+                        save(state)
+                        saved_at = step
                 if evaluate is not None and eval_every and step % eval_every == 0 and not last:
                     read_all()
                     evaluation(state, step)
@@ -300,7 +306,7 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
             bar.close()
             read_all()
             jax.block_until_ready(state)
-            if save is not None and step > start:
+            if save is not None and step > saved_at:
                 save(state)
         finally:
             bar.close()

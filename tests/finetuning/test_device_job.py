@@ -119,6 +119,9 @@ def test_kill_9_or_sigterm_then_resume_equals_the_uninterrupted_run(setup, stop)
     assert (cut / "final" / "model.safetensors").read_bytes() == \
         (whole / "final" / "model.safetensors").read_bytes()
     assert _valid_losses(cut)[-1] == _valid_losses(whole)[-1]
+    steps = [r["step"] for r in map(json.loads, (cut / "metrics.jsonl").read_text().splitlines())
+             if "loss" in r]
+    assert steps == list(range(1, steps[-1] + 1)) and steps[-1] >= 3  # each step logged once
 
 
 def test_low_bit_channels_and_lora_folders(setup):

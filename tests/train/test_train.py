@@ -482,12 +482,13 @@ def sigterm_default():
 
 
 @pytest.mark.parametrize("sent", ["SIGINT", "SIGTERM"])
-@pytest.mark.parametrize("where", ["in the step", "between steps"])
+@pytest.mark.parametrize("where", ["in the step", "between steps", "while a step is logged",
+                                   "while it saves"])
 def test_ctrl_c_or_sigterm_in_fit_returns_the_last_completed_state(where, sent, sigint_raises,
                                                                    sigterm_default):
     # Ctrl-C (a real SIGINT), or SIGTERM as a scheduler sends it, at the third step: fit
-    # returns the state after the steps that completed and saves it; the state passed in
-    # was donated to the first step.
+    # returns the state after the steps that completed, every one of them logged once, and
+    # saves it once; the state passed in was donated to the first step.
     import os
     import signal
 
@@ -509,14 +510,26 @@ def test_ctrl_c_or_sigterm_in_fit_returns_the_last_completed_state(where, sent, 
                 os.kill(os.getpid(), sig)  # while the next batch is loaded
             yield batch
 
+    logged, saved = [], []
+
+    def log(record):
+        if record["step"] == 2 and where == "while a step is logged":
+            os.kill(os.getpid(), sig)  # arrives before the record is written
+        logged.append(record["step"])
+
+    def save(state):
+        if int(state.step) == 3 and where == "while it saves":
+            os.kill(os.getpid(), sig)  # arrives before the checkpoint is written
+        saved.append(int(state.step))
+
     state = trainer.init(_mlp_params())
-    saved = []
     name = "Ctrl-C" if sent == "SIGINT" else "SIGTERM"
     with pytest.warns(UserWarning, match=f"interrupted .{name}. after 3 steps"):
-        state, history = pj.fit(step, state, feed(), progress=False,
-                                save=lambda s: saved.append(int(s.step)))
+        state, history = pj.fit(step, state, feed(), progress=False, on_record=log, save=save,
+                                save_every=1 if where == "while it saves" else None)
     assert history.interrupted and history.steps == 3 and history.loss.shape == (3,)
-    assert history.stopped_by == name and saved == [3]
+    assert history.stopped_by == name and logged == [1, 2, 3]
+    assert saved == ([1, 2, 3] if where == "while it saves" else [3])
     assert int(state.step) == 3
     want, _ = reference_steps(_mlp_loss, optax.adam(1e-2), MIXED, _mlp_params(), batches[:3])
     assert_trees_close(state.params, want)
