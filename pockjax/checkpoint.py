@@ -302,6 +302,18 @@ def _checkpoint_metadata(path: str) -> dict[str, str]:
     return meta
 
 
+def _placed(array: np.ndarray, leaf):
+    """A tensor read from a file, as a JAX array where `leaf` lives: on the devices of
+    its sharding where it spans several (a state on a mesh), else on the default one."""
+    import jax
+    import jax.numpy as jnp
+
+    sharding = getattr(leaf, "sharding", None)
+    if sharding is not None and len(sharding.device_set) > 1:
+        return jax.device_put(array, sharding)
+    return jnp.asarray(array)
+
+
 def load(path: str | os.PathLike, like):
     """Load a checkpoint into the structure of `like` (a state of the same model).
 
@@ -311,8 +323,10 @@ def load(path: str | os.PathLike, like):
 
     Args:
       path: the checkpoint file.
-      like: a state (or pytree) of the same model; only its structure, shapes, dtypes
-        and scheme are used.
+      like: a state (or pytree) of the same model; only its structure, shapes, dtypes,
+        scheme and shardings are used: a leaf whose sharding spans several devices (a
+        state on a mesh, or a `jax.ShapeDtypeStruct` with `sharding=`) is loaded onto
+        them, whatever the layout the checkpoint was saved from.
 
     Returns:
       A pytree of `like`'s structure holding the file's tensors as JAX arrays.
@@ -377,7 +391,7 @@ def load(path: str | os.PathLike, like):
             with safe_open(path, framework="numpy") as f:
                 a = f.get_tensor(name)
             _hash_one(h, name, np.ascontiguousarray(a))
-            have[name] = jnp.asarray(a)
+            have[name] = _placed(a, want[name])
             del a
     except Exception as e:
         raise CheckpointError(f"checkpoint '{path}' could not be read (truncated or corrupt?): "

@@ -36,14 +36,15 @@ from pockjax.finetuning._base import (FRONTENDS, SCHEDULES, FinetuneError,  # no
 from pockjax.finetuning._cli import (add_arguments, add_generate_arguments,  # noqa: F401
                                      generate_main, generate_text, main)
 from pockjax.finetuning._formats import WIDE_PARTS, frozen_formats  # noqa: F401
-from pockjax.finetuning._job import (FinetuneResult, check_positions, finetune,  # noqa: F401
-                                     make_trainer, trainer_params)
+from pockjax.finetuning._job import FinetuneResult, check_positions, finetune  # noqa: F401
 from pockjax.finetuning._model import (LORA_TARGETS, SAVE_DTYPES, LoadedModel,  # noqa: F401
                                        lm_loss, load_model, nll_sum)
 from pockjax.finetuning._options import FinetuneOptions
 from pockjax.finetuning._run import CHECKPOINTS, FINAL, METRICS, RUN  # noqa: F401
 from pockjax.finetuning._spec import (SCHEMES, SchemeSpec, choose_scheme,  # noqa: F401
                                       output_head, scheme_from_spec, spec_number)
+from pockjax.finetuning._step import (Placement, choose_devices, make_trainer,  # noqa: F401
+                                      trainer_params)
 
 __all__ = ["finetune", "FinetuneOptions", "SchemeSpec", "FinetuneError", "NonFiniteLoss",
            "Interrupted", "FinetuneResult", "load_model", "lm_loss", "scheme_from_spec",

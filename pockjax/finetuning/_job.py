@@ -1,6 +1,5 @@
 """The fine-tuning run: `finetune` (a model folder and JSONL in, a run folder out) and
-the pieces the device job's export shares with it (`trainer_params`, `make_trainer`,
-`check_positions`)."""
+`check_positions`, which the device job's export shares with it."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pockjax.finetuning._base import SCHEDULES, FinetuneError, Interrupted, NonFiniteLoss
-from pockjax.finetuning._formats import frozen_formats, stored_formats
-from pockjax.finetuning._model import (frozen_names, gguf_file, lm_loss,
-                                       lm_loss_at, load_model, low_bit, model_folder, nll_sum,
-                                       partial_names, stored_by_lowbit, target_positions,
+from pockjax.finetuning._base import FinetuneError, Interrupted, NonFiniteLoss
+from pockjax.finetuning._formats import stored_formats
+from pockjax.finetuning._model import (frozen_names, gguf_file, lm_loss, load_model,
+                                       model_folder, nll_sum, partial_names, target_positions,
                                        write_final)
 from pockjax.finetuning._gguf import write_final_gguf
 from pockjax.finetuning._lr import previous_lr, sweep_lr
@@ -28,6 +26,8 @@ from pockjax.finetuning._options import FinetuneOptions
 from pockjax.finetuning._run import (FINAL, RunFolder, close_prefix_cache, fingerprint,
                                      plot_losses, run_options)
 from pockjax.finetuning._spec import choose_scheme
+from pockjax.finetuning._step import (choose_devices, lr_schedule, make_trainer,
+                                      search_scheme, trainer_params)
 
 
 @dataclasses.dataclass
@@ -67,60 +67,6 @@ class FinetuneResult:
     total_params: int
 
 
-def _schedule(lr: float, warmup: int, total: int, kind: str):
-    import optax
-
-    if kind not in SCHEDULES:
-        raise FinetuneError(f"--schedule {kind!r}: choose one of {', '.join(SCHEDULES)}")
-    decay = max(total - warmup, 1)
-    after = {"cosine": optax.cosine_decay_schedule(lr, decay),
-             "linear": optax.linear_schedule(lr, 0.0, decay),
-             "constant": optax.constant_schedule(lr)}[kind]
-    if warmup <= 0:
-        return after
-    return optax.join_schedules([optax.linear_schedule(0.0, lr, warmup), after], [warmup])
-
-
-def trainer_params(loaded, chosen, frozen_dtype: str):
-    """The loaded model's parameters as `finetune`'s trainer takes them: trained leaves
-    float32, frozen ones stored in `frozen_dtype` (bfloat16 `lowbit` nodes, or the
-    integer formats) where the loading did not store them already."""
-    params = loaded.params
-    if frozen_dtype != "float32" and loaded.kind == "flax" and loaded.scheme is None:
-        from pockjax.models.llama import cast_frozen
-        # Trained leaves float32; frozen ones bfloat16 (Cast nodes), or plain bfloat16
-        # arrays that lowbit.quantize stores in the integer format below.
-        params = cast_frozen(params, chosen, native=low_bit(frozen_dtype))
-    if stored_by_lowbit(frozen_dtype, loaded):
-        import jax.numpy as jnp
-
-        from pockjax import lowbit
-        try:  # trained leaves stay float32; the step computes the frozen ones in float32
-            params = lowbit.quantize(params, chosen, frozen_formats(frozen_dtype),
-                                     dtype=jnp.float32)
-        except lowbit.QuantizeError as e:
-            raise FinetuneError(f"--frozen-dtype {frozen_dtype}: {e}") from None
-    return params
-
-
-def make_trainer(loaded, chosen, *, lr: float, warmup: int, total: int, schedule: str,
-                 weight_decay: float, moments: str, skip_nonfinite: bool = False):
-    """`finetune`'s training step for a loaded model and scheme: `lm_loss` of the model,
-    AdamW with the learning-rate schedule over `total` steps, `pockjax.sparse_train`."""
-    from pockjax.optim import adamw
-    from pockjax.train import sparse_train
-
-    def loss_fn(p, b):
-        if "targets" in b:  # the head at the counted positions only (target_positions)
-            return lm_loss_at(loaded, p, b)
-        return lm_loss(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"])
-
-    optimizer = adamw(_schedule(lr, warmup, total, schedule), weight_decay=weight_decay,
-                      moments=moments)
-    return sparse_train(loss_fn, optimizer=optimizer, scheme=chosen,
-                        skip_nonfinite=skip_nonfinite)
-
-
 def _say(progress: bool, text: str) -> None:
     if progress:
         from tqdm.auto import tqdm
@@ -142,35 +88,6 @@ def check_positions(model, seq: int | None) -> int:
                             f"positions (max_position_embeddings in its config.json); pass "
                             f"--seq {limit} or less")
     return seq
-
-
-def _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr, cache,
-                   progress):
-    """`pockjax.search_scheme` over the model's candidates under `budget`, on the first batches
-    of the training data (scored on the validation data, or on training batches the
-    search does not train on)."""
-    import optax
-
-    from pockjax.data import batch_at, eval_batches
-    from pockjax.scheme_search import search_scheme
-    from pockjax.train import sparse_train
-
-    steps = 10
-    train_batches = [batch_at(train, i, batch, seq, seed=seed, pad_id=pad) for i in range(steps)]
-    heldout = (list(eval_batches(held, batch, seq, pad))[:4] if held is not None else
-               [batch_at(train, steps + i, batch, seq, seed=seed, pad_id=pad) for i in range(2)])
-
-    def factory(scheme):
-        return sparse_train(loss_fn, optimizer=optax.adamw(lr), scheme=scheme)
-
-    try:
-        scheme, report = search_scheme(factory, loaded.params, (train_batches, heldout),
-                                       budget=budget, steps=steps, cache=str(cache),
-                                       progress=progress)
-    except ValueError as e:
-        raise FinetuneError(f"--scheme search:{budget}: {e}") from None
-    _say(progress, f"search under {budget}: trains {', '.join(report.chosen)}")
-    return scheme
 
 
 def finetune(model, data, out, *, options: FinetuneOptions | None = None,
@@ -242,6 +159,15 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         (`load_model`).
       skip_nonfinite: skip a step whose loss or gradient is not finite (counted) instead
         of stopping; default False.
+      devices: the devices the step runs on: a number, "all", or "auto" (the default:
+        every GPU or TPU of JAX's default backend, as many as divide `batch`; one device
+        on CPU, whose devices share its cores). `batch` stays the global batch: each
+        step trains on the same examples as on one device, split over the devices.
+      mesh: their axes, "data=N", "fsdp=N" or both ("data=2,fsdp=4"): every axis splits
+        the batch, and `fsdp` shards the parameters (frozen ones too) and the optimizer
+        state over its devices; None (the default) is "data" over `devices`. The log
+        says what each device holds. The prefix cache stays off on a mesh; `--lr auto`'s
+        sweep and `search:` run on one device.
       plot: draw `loss.png` at the end (matplotlib, skipped where it is not installed);
         the metrics log is written either way. Default True.
       prefix_cache: "auto" (the default: when the data is seen more than once and the
@@ -340,8 +266,9 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         return lm_loss(loaded.apply(p, b["tokens"]), b["tokens"], b["mask"])
 
     def search(budget):
-        return _search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr,
-                              Path(out) / "search-cache", progress)
+        return search_scheme(loaded, loss_fn, train, held, budget, batch, seq, pad, seed, lr,
+                             Path(out) / "search-cache", progress,
+                             lambda text: _say(progress, text))
 
     chosen = choose_scheme(loaded, scheme, frozen_dtype, search=search,
                            say=lambda text: _say(progress, text))
@@ -357,6 +284,11 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     recorded = run_options(o, model=os.path.abspath(given), data=fingerprint(data),
                            scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
                            total_steps=total, seq=seq)
+    placement = choose_devices(o.devices, o.mesh, batch, lambda text: _say(progress, text))
+    recorded["mesh"] = placement.text if placement is not None else None  # not checked
+    if placement is not None and prefix_cache == "on":
+        raise FinetuneError(f"--prefix-cache on with --mesh {placement.text}: the prefix "
+                            f"cache runs on one device; pass --prefix-cache off or --devices 1")
     if lr == "auto":
         chosen_lr = previous_lr(Path(out)) if resume else None
         if chosen_lr is None:
@@ -374,7 +306,7 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
 
     trainer = make_trainer(loaded, chosen, lr=lr, warmup=warmup, total=total,
                            schedule=schedule, weight_decay=weight_decay, moments=moments,
-                           skip_nonfinite=o.skip_nonfinite)
+                           skip_nonfinite=o.skip_nonfinite, placement=placement)
     state = trainer.init(params, copy=False)
     info = trainer.explain(state, batch_at(train, 0, batch, seq, seed=seed, pad_id=pad))
     turn = (f" (in turns of {chosen.every} steps; {len(chosen.schemes)} schemes, the first "
@@ -385,6 +317,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     stored = stored_formats(state.params)
     if stored:
         _say(progress, f"frozen weights stored as {stored}, decoded where each is used")
+    if placement is not None:
+        _say(progress, placement.describe(state))
     start = 0
     if resume:
         if scheduled:
@@ -392,8 +326,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         else:
             # A checkpoint holds every weight: the loaded ones are dropped before it is
             # read (the state in memory once), and loaded again only if none loads.
-            like = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                          state)
+            like = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
             if run.checkpoints():
                 state = params = loaded.params = None
         restored, path = run.restore(like)
@@ -422,7 +356,7 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
             total_nll, count = total_nll + float(s), count + float(n)
         return total_nll / count
 
-    schedule_fn = _schedule(lr, warmup, total, schedule)
+    schedule_fn = lr_schedule(lr, warmup, total, schedule)
     saved: list[tuple[Path, float]] = []
     skips = [0]
 
@@ -476,7 +410,7 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         run.log(r)
 
     step_fn, cached = trainer, None
-    if prefix_cache == "off":
+    if prefix_cache == "off" or placement is not None:
         pass
     elif prefix_cache == "auto" and total <= per_epoch:
         _say(progress, "prefix cache off (auto): each example is seen once")

@@ -105,8 +105,8 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
         compile for the target.
     """
     from pockjax.export import export
-    from pockjax.finetuning._job import (check_positions, make_trainer, options_from,
-                                         trainer_params)
+    from pockjax.finetuning._job import check_positions, options_from
+    from pockjax.finetuning._step import make_trainer, trainer_params
     from pockjax.finetuning._model import load_model
     from pockjax.finetuning._spec import choose_scheme
     from pockjax.tokenizer import Tokenizer, TokenizerError

@@ -96,6 +96,14 @@ class FinetuneOptions:
         "auto", "the model code: auto (pockjax's Flax LLaMA for LLaMA families, pockjax.torch "
         "for other causal LMs), flax, or torch (transformers' own module for any family)",
         result=True, job=True, choices=FRONTENDS)
+    devices: int | str = _option(
+        "auto", "devices the step runs on: N, all, or auto (default: every GPU or TPU of "
+        "JAX's default backend; one on CPU, whose devices share its cores); --batch stays "
+        "the global batch, split over them", metavar="N")
+    mesh: str | None = _option(
+        None, "the devices' axes: data=N (data-parallel), fsdp=N (parameters and optimizer "
+        "state sharded too), or both, e.g. data=2,fsdp=4 (default: data over --devices)",
+        metavar="AXES")
     plot: bool = _option(True, "do not draw loss.png (matplotlib) at the end; metrics.jsonl is "
                          "written either way", flag="--no-plot")
     prefix_cache: str = _option("auto", "compute the frozen prefix once per example when the "
@@ -176,6 +184,20 @@ class FinetuneOptions:
             if choices is not None and value not in choices:
                 raise FinetuneError(f"{_flag(field.name)} must be one of {', '.join(choices)}, "
                                     f"got {value!r}")
+        devices = self.devices
+        if isinstance(devices, str) and devices.strip().isdigit():
+            devices = int(devices)
+        if not (devices in ("auto", "all") or _whole(devices) and devices >= 1):
+            raise FinetuneError(f"--devices must be a positive whole number, all or auto, got "
+                                f"{self.devices!r}")
+        object.__setattr__(self, "devices", devices)
+        if self.mesh is not None:
+            axes = mesh_axes(self.mesh)
+            size = math.prod(axes.values())
+            if _whole(devices) and devices != size:
+                raise FinetuneError(f"--mesh {self.mesh} has {size} devices, --devices "
+                                    f"{devices}; give one of them, or the same count")
+            object.__setattr__(self, "mesh", ",".join(f"{a}={n}" for a, n in axes.items()))
         if self.scheme.lora_rank is not None and self.frozen_dtype != "float32":
             raise FinetuneError(f"--scheme {self.scheme} with --frozen-dtype "
                                 f"{self.frozen_dtype} is not implemented; use --frozen-dtype "
@@ -214,6 +236,31 @@ class FinetuneOptions:
                                 type=_NUMBERS.get(field.name),
                                 choices=meta["choices"], metavar=meta["metavar"],
                                 help=meta["help"])
+
+
+MESH_AXES = ("data", "fsdp")
+"""The axes `--mesh` names: `data` splits each step's batch, `fsdp` splits the batch and
+shards the parameters and optimizer state too."""
+
+
+def mesh_axes(text: str) -> dict[str, int]:
+    """`--mesh`'s text (`data=2,fsdp=4`) as `{axis: size}`, in `MESH_AXES`' order.
+
+    Raises:
+      FinetuneError: an unknown or repeated axis, or a size that is not a positive whole
+        number.
+    """
+    axes: dict[str, int] = {}
+    for part in str(text).replace(" ", "").split(","):
+        name, eq, size = part.partition("=")
+        if name not in MESH_AXES or not eq or not size.isdigit() or int(size) < 1:
+            raise FinetuneError(f"--mesh {text!r}: expected AXIS=SIZE[,AXIS=SIZE] with AXIS "
+                                f"one of {', '.join(MESH_AXES)} and SIZE a positive whole "
+                                f"number, e.g. data=4 or data=2,fsdp=2; got {part!r}")
+        if name in axes:
+            raise FinetuneError(f"--mesh {text!r}: the axis {name!r} is given twice")
+        axes[name] = int(size)
+    return {a: axes[a] for a in MESH_AXES if a in axes}
 
 
 def _number_kind(hint) -> type | None:
