@@ -407,6 +407,9 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                 _say(progress, f"step {r['step']}: {r['seconds']:.1f} s, of which compiling "
                                f"{first:.1f} s" + (" (the compilation cache was on)"
                                                     if o.compile_cache else ""))
+                if first_step:
+                    line = placement.compiled_memory(trainer, *first_step)
+                    _say(progress and line is not None, line)
         run.log(r)
 
     step_fn, cached = trainer, None
@@ -440,9 +443,23 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         began = time.perf_counter()
         saved.append((run.save(s, keep), time.perf_counter() - began))
 
+    # The first step's state and batch as shapes: the compiled step's memory per device
+    # is read from them after that step (a schedule's trainer has no single step).
+    first_step = (jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=x.sharding), state), batch_of(start)) if (
+        placement is not None and not scheduled) else None
     try:
         with warnings.catch_warnings():  # finetune says it itself, with the checkpoint
             warnings.filterwarnings("ignore", message="fit: interrupted")
+            if progress:  # pockjax's own warnings (the allocator's) as lines of the log
+                shown = warnings.showwarning
+
+                def show(message, category, filename, lineno, file=None, line=None):
+                    text = str(message)
+                    if text.startswith("pockjax: "):
+                        return _say(True, text[len("pockjax: "):])
+                    return shown(message, category, filename, lineno, file, line)
+                warnings.showwarning = show
             state, history = fit(step_fn, state, batch_of, total, start=start,
                                  progress=progress, log_every=1, desc="finetune",
                                  evaluate=evaluate if held is not None else None,

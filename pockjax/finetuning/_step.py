@@ -64,6 +64,21 @@ class Placement:
                 f"device of the state's {whole / 2**20:,.1f} MiB")
 
 
+    def compiled_memory(self, trainer, state, batch) -> str | None:
+        """The log's line on the step's compiled memory on each device: its arguments
+        and temporaries. Read after the first step, from the executable that step
+        compiled (lowering it again finds it in JAX's cache); None where XLA does not
+        say."""
+        stats = trainer.lower(state, batch).compile().memory_analysis()
+        if stats is None:
+            return None
+        args, temp = stats.argument_size_in_bytes, stats.temp_size_in_bytes
+        fresh = max(stats.output_size_in_bytes - stats.alias_size_in_bytes, 0)
+        return (f"the compiled step takes {(args + temp + fresh) / 2**20:,.1f} MiB on each "
+                f"device: {args / 2**20:,.1f} MiB of arguments (state and batch), "
+                f"{temp / 2**20:,.1f} MiB of temporaries")
+
+
 def choose_devices(devices, mesh: str | None, batch: int, say) -> Placement | None:
     """The mesh `--devices` and `--mesh` ask for, or None for one device.
 

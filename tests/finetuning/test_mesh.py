@@ -103,10 +103,13 @@ def test_the_state_is_sharded_as_the_mesh_says_and_the_log_says_so(setup, capsys
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the run says it in its log; --devices auto on CPU is one device, with no mesh line
-    pj.finetune(setup["model"], setup["data"], setup["tmp"] / "said", mesh="fsdp=4", steps=1,
+    pj.finetune(setup["model"], setup["data"], setup["tmp"] / "said", mesh="fsdp=4", steps=2,
                 batch=4, seq=24, plot=False)
-    assert "pockjax finetune: mesh fsdp=4 on 4 cpu devices: each takes 1 of" in \
-        capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "pockjax finetune: mesh fsdp=4 on 4 cpu devices: each takes 1 of" in err
+    said = re.search(r"the compiled step takes ([\d.]+) MiB on each device: ([\d.]+) MiB of "
+                     r"arguments \(state and batch\), ([\d.]+) MiB of temporaries", err)
+    assert said and 0 < float(said.group(2)) < held, err[-3000:]
     pj.finetune(setup["model"], setup["data"], setup["tmp"] / "auto", steps=1, batch=4,
                 seq=24, plot=False)
     err = capsys.readouterr().err
