@@ -42,6 +42,7 @@ _WHERE = {
     "data": None,  # JSONL fine-tuning data: formats, prompt masking, batches
     "lowbit": None,  # frozen weights in int8 / int4, dequantized where they are used
     "torch": None,  # PyTorch modules in through torchax (torch imported on first use)
+    "keras": None,  # Keras 3 models on its JAX backend (keras imported on first use)
     "optim": None,  # AdamW with 8- or 16-bit moments; the per-leaf fused update
     "backend": None,  # host training on XLA or IREE's CPU backend, or the faster of the two
 }
