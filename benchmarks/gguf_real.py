@@ -138,7 +138,9 @@ def formats(args) -> None:
 
     base = held(loaded.params)
     rows = [("float32", base)]
-    for name, fmt in FORMATS.items():
+    zp = lowbit.Int4(zero_point=True)
+    for name, fmt in {**FORMATS, "int4 with zero points, the embedding int8": {E: "int8", "**": zp},
+                      "int4 with zero points, the embedding too": {E: zp, "**": zp}}.items():
         if fmt == "rows":
             q = lowbit.quantize(loaded.params, scheme, {E: "int4"}, layouts={E: {"in": 1, "out": 0}})
         else:

@@ -105,10 +105,15 @@ def int4_codes(w, axis: int, group: int, zero_point: bool, scale_dtype):
     if zero_point:
         lo = jnp.min(grouped, axis=axis + 1, keepdims=True)
         hi = jnp.max(grouped, axis=axis + 1, keepdims=True)
-        scale = jnp.where(hi > lo, (hi - lo) / 15.0, 1.0).astype(scale_dtype)
+        # The zero point is an int8: a group all on one side of 0 has it outside 0..15
+        # (its 16 levels span the group, not 0 as well). The scale is widened only
+        # where -lo / scale would not fit in an int8 (a group far from 0 for its width).
+        span = jnp.maximum((hi - lo) / 15.0, jnp.abs(lo) / 126.0)
+        scale = jnp.where(span > 0, span, 1.0).astype(scale_dtype)
         s32 = scale.astype(jnp.float32)
-        zero = jnp.clip(jnp.round(-lo / s32), 0, 15).astype(jnp.int8)
+        zero = jnp.clip(jnp.round(-lo / s32), -128, 127)
         levels = jnp.clip(jnp.round(grouped / s32) + zero, 0, 15)
+        zero = zero.astype(jnp.int8)
     else:
         amax = jnp.max(jnp.abs(grouped), axis=axis + 1, keepdims=True)
         scale = jnp.where(amax > 0, amax / 7.0, 1.0).astype(scale_dtype)
@@ -137,6 +142,8 @@ def dequantize_stored(q, dtype) -> jax.Array:
     # than 32 bits exists in the step, even between kernels.
     data = from_words(q.data, q.data_shape) if q.words else q.data
     zero = from_words(q.zero, q.scale.shape) if q.words and q.zero is not None else q.zero
+    if q.words and zero is not None:  # the byte's two's-complement value
+        zero = zero - jnp.where(zero >= 128, 256, 0)
     if isinstance(q.fmt, Blocks):
         return decode(data, q.scale, q.fmt, q.axis, q.shape, words_bytes=q.words).astype(dtype)
     if isinstance(q.fmt, Int8):

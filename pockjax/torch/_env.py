@@ -146,6 +146,14 @@ def environment():
         sdpa = functools.partial(_sdpa, env)
         env.override_op_definition(torch.nn.functional.scaled_dot_product_attention, sdpa)
         env.override_op_definition(torch.ops.aten.scaled_dot_product_attention.default, sdpa)
+        # Mixture-of-experts layers (transformers' Mixtral, Qwen2/3-MoE, OLMoE experts)
+        # multiply each expert's tokens by its weights in one grouped matmul, which
+        # torchax 0.0.13 does not define: `_grouped_mm`, as jax.lax.ragged_dot.
+        grouped = functools.partial(_grouped_mm, env)
+        for op in (getattr(torch.ops.aten, "_grouped_mm", None),
+                   getattr(torch.nn.functional, "grouped_mm", None)):
+            if op is not None:
+                env.override_op_definition(getattr(op, "default", op), grouped)
         _ENV = env
     return _ENV
 
@@ -172,6 +180,30 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training, moment
     if bias is not None:
         out = out + bias.reshape(shape)
     return out, mean, rstd
+
+
+def _grouped_mm(env, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """`torch._grouped_mm` for the forms a mixture-of-experts forward uses: `(M, K)`
+    rows sorted by group times `(G, K, N)` weights, row block `offs[g-1]:offs[g]` by
+    group `g` (rows past `offs[-1]` come out 0), and `(G, M, K) @ (G, K, N)`."""
+    import jax.numpy as jnp
+
+    a, b, o, c = env.t2j_iso((mat_a, mat_b, offs, bias))
+    if a.ndim == 2 and b.ndim == 3 and o is not None:
+        sizes = jnp.diff(o.astype(jnp.int32), prepend=jnp.zeros((1,), jnp.int32))
+        out = jax.lax.ragged_dot(a, b, sizes)
+    elif a.ndim == 3 and b.ndim == 3 and o is None:
+        out = jnp.matmul(a, b)
+    else:
+        raise NotImplementedError(
+            f"_grouped_mm of shapes {tuple(a.shape)} x {tuple(b.shape)} "
+            f"{'with' if o is not None else 'without'} offsets is not defined in pockjax's "
+            f"torchax environment (a mixture-of-experts forward uses (M, K) x (G, K, N) with "
+            f"offsets)")
+    if c is not None:
+        out = out + c
+    dtype = a.dtype if out_dtype is None else jnp.dtype(str(out_dtype).removeprefix("torch."))
+    return env.j2t_iso(out.astype(dtype))
 
 
 def _sdpa(env, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -903,6 +903,46 @@ def test_families_train_what_the_scheme_means_and_generate(family, data, tmp_pat
     assert code == 0, capsys.readouterr().err
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_mixture_of_experts_checkpoints_finetune(family, data, tmp_path):
+    """A mixture-of-experts folder through `finetune` (pockjax.torch): `paper` trains the
+    attention and every expert's stacked gate/up weights (Qwen2-MoE's shared expert too)
+    and leaves the router and the down projections as the base's bytes; transformers
+    loads final/."""
+    from tests.torch.test_torch import MOE
+
+    fast = _tokenizer()
+    config = MOE[family](vocab_size=len(fast), hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64,
+                         bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id)
+    torch.manual_seed(0)
+    folder = tmp_path / family
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    run = pj.finetune(folder, data["train"], tmp_path / "run", steps=3, batch=4, seq=16,
+                      lr=1e-3, progress=False, plot=False)
+    assert np.isfinite(run.train_loss)
+    base, final = _params(folder), _params(Path(run.final))
+    assert base.keys() == final.keys()  # the file's own names (one tensor per expert)
+    moved = {k for k in base if not np.array_equal(base[k], final[k])}
+    want = {f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkvo"}
+    if family == "mixtral":
+        want |= {f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4)
+                 for w in ("w1", "w3")}
+        router = "model.layers.1.block_sparse_moe.gate.weight"
+    else:  # q/k/v biases, and the shared expert's first linears
+        want |= {f"model.layers.1.mlp.experts.{e}.{w}_proj.weight" for e in range(4)
+                 for w in ("gate", "up")}
+        want |= {f"model.layers.1.self_attn.{p}_proj.bias" for p in "qkv"}
+        want |= {f"model.layers.1.mlp.shared_expert.{p}_proj.weight" for p in ("gate", "up")}
+        router = "model.layers.1.mlp.gate.weight"
+    assert moved == want
+    assert router in base
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(run.final)
+    np.testing.assert_array_equal(loaded.model.layers[1].mlp.gate.weight.detach().numpy(),
+                                  base[router])
+
+
 def test_a_second_run_reads_its_compiled_steps_from_the_cache(folders, data, tmp_path):
     """`finetune` turns on JAX's persistent compilation cache in the user's cache folder
     (here POCKJAX_CACHE_DIR): the first run fills it, the second finds its programs there

@@ -76,6 +76,18 @@ def test_rounding_is_within_half_a_step_and_exact_on_the_grid():
         if levels != 15:  # symmetric formats: values on the grid come back exactly
             again = np.asarray(lowbit.dequantize(lowbit.quantize_leaf(back, fmt)))
             np.testing.assert_array_equal(again, back)
+    # zero-point int4 on groups all on one side of 0 (a norm's scales, a shifted layer),
+    # near-constant ones far from 0 too: within a step of the group's own width
+    shifted = rng.standard_normal((64, 6)).astype(np.float32) * [1, 1, 1, 1e-3, 1, 0]
+    shifted += np.array([3.0, -3.0, 50.0, 7.0, 0.5, -2.0], np.float32)
+    for words in (False, True):
+        q = lowbit.quantize_leaf(shifted, lowbit.Int4(group=16, zero_point=True))
+        q = lowbit.in_words(q) if words else q
+        back = np.asarray(lowbit.dequantize(q))
+        group_width = np.ptp(shifted.reshape(4, 16, 6), axis=1)
+        step = np.maximum(group_width / 15, np.abs(shifted.reshape(4, 16, 6)).max(1) / 120)
+        err = np.abs(back - shifted).reshape(4, 16, 6).max(1)
+        assert np.all(err <= step * 1.01 + 1e-6), (words, err / np.maximum(step, 1e-9))
     q = lowbit.quantize_leaf(w, "int4")
     assert q.data.dtype == jnp.int8 and q.data.shape == (32, 24) and q.scale.dtype == jnp.bfloat16
     assert q.nbytes < w.nbytes / 6

@@ -587,3 +587,64 @@ def test_docstring_examples():
 
     result = doctest.testmod(pt, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+MOE = {  # each family's config, its sizes given as keywords
+    "mixtral": lambda **kw: transformers.MixtralConfig(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, num_key_value_heads=2,
+        **kw),
+    "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+        shared_expert_intermediate_size=24, intermediate_size=48, num_key_value_heads=2, **kw),
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, intermediate_size=48,
+        num_key_value_heads=2, head_dim=8, **kw),
+    "olmoe": lambda **kw: transformers.OlmoeConfig(
+        num_experts=4, num_experts_per_tok=2, intermediate_size=48, num_key_value_heads=2, **kw),
+}
+
+
+@pytest.mark.parametrize("family", list(MOE))
+def test_mixture_of_experts_forward_and_gradients_equal_torch(family):
+    """Mixture-of-experts families (transformers' grouped matmul over each expert's
+    tokens, defined in pockjax's torchax environment as jax.lax.ragged_dot): logits and
+    gradients equal torch's, with two of the four experts' stacked weights training
+    (Channels over the expert axis) and the router frozen."""
+    config = MOE[family](vocab_size=V, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = np.random.RandomState(1).randint(0, V, (B, T)).astype(np.int32)
+    params, apply = pt.functional(model, output=lambda o: o.logits)
+    with torch.no_grad():
+        want = model(input_ids=torch.tensor(ids), use_cache=False).logits.numpy()
+    got = apply(params, input_ids=jnp.asarray(ids), use_cache=False)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+    blk = "model/layers/1"
+    scheme = pj.Scheme({f"{blk}/mlp/experts/gate_up_proj": pj.Channels(count=2, axis=0),
+                        f"{blk}/mlp/experts/down_proj": pj.Full(),
+                        f"{blk}/self_attn/q_proj/weight": pj.Full()})
+
+    def loss(p, b):
+        logits = apply(p, input_ids=b, use_cache=False)
+        return _xent(logits[:, :-1], b[:, 1:])
+
+    g = pj.sparse_grad(loss, scheme)(params, jnp.asarray(ids))
+    model.zero_grad()
+    _lm_loss_torch(model, {"ids": ids}).backward()
+    decisions = dict(leaves_with_paths(scheme.resolve(params))[0])
+    assert isinstance(decisions[f"{blk}/mlp/gate/weight"], pj.Frozen)
+    trained = 0
+    for path, d in decisions.items():
+        node = g
+        for k in path.split("/"):
+            node = node[k]
+        if isinstance(d, pj.Frozen):
+            assert node is None, path
+            continue
+        trained += 1
+        torch_grad = model.get_parameter(path.replace("/", ".")).grad.numpy()
+        np.testing.assert_allclose(np.asarray(node), _slice(torch_grad, d), rtol=1e-4,
+                                   atol=1e-6, err_msg=path)
+    assert trained == 3
