@@ -43,6 +43,7 @@ _WHERE = {
     "lowbit": None,  # frozen weights in int8 / int4, dequantized where they are used
     "torch": None,  # PyTorch modules in through torchax (torch imported on first use)
     "keras": None,  # Keras 3 models on its JAX backend (keras imported on first use)
+    "onnx": None,  # ONNX files, interpreted into jax.numpy (onnx imported on first use)
     "optim": None,  # AdamW with 8- or 16-bit moments; the per-leaf fused update
     "backend": None,  # host training on XLA or IREE's CPU backend, or the faster of the two
 }
