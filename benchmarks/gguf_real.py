@@ -163,7 +163,7 @@ def formats(args) -> None:
             "grid over groups of 64 leaves each group's mean error about twice symmetric "
             "int4's (on Gaussian weights the two are equal, and the zero-point format's error "
             "is lower). Before the zero point could leave 0..15 (commit 4935103), a group all "
-            "on one side of 0 was clipped: +3.3 and +4.3 nats for these two rows."]
+            "on one side of 0 was clipped, and the format cost 3.3 to 4.3 nats on this model."]
     out = Path(args.results).with_name("gguf_real_formats.md")
     out.write_text("\n".join(head + lines + tail) + "\n")
     print("\n".join(lines))
