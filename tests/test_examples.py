@@ -80,3 +80,39 @@ def test_an_example_that_lost_the_device_runs_once_more(tmp_path):
     with pytest.raises(AssertionError, match="another failure"):
         run(str(script))
     assert runs.read_text() == "x"
+
+
+def test_the_scheduler_job_files_pass_flags_finetune_takes(tmp_path):
+    """examples/slurm_finetune.sbatch and examples/kubernetes_finetune.yaml: the script
+    parses, SIGTERM comes with a grace period, and the command's own parser takes every
+    flag they pass (with a model that is not there, finetune stops at the model, exit 1,
+    not at a flag, exit 2)."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    script = root / "examples" / "slurm_finetune.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert re.search(r"^#SBATCH --signal=B:TERM@\d+$", text, re.M)
+    line = text[text.index("exec pockjax finetune"):].replace("\\\n", " ").splitlines()[0]
+    slurm = shlex.split(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", line))[3:]
+    job = yaml.safe_load((root / "examples" / "kubernetes_finetune.yaml").read_text())
+    pod = job["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] >= 60
+    [container] = pod["containers"]
+    assert container["command"] == ["pockjax", "finetune"]
+    for name, args in (("slurm", slurm), ("kubernetes", container["args"])):
+        args = list(args)
+        assert "--resume" in args and "--mesh" in args
+        args[args.index("--model") + 1] = str(tmp_path / "no-model")
+        args[args.index("--out") + 1] = str(tmp_path / name)
+        done = subprocess.run([sys.executable, "-m", "pockjax.cli", "finetune", *args],
+                              capture_output=True, text=True, cwd=root, timeout=300)
+        assert done.returncode == 1, (name, done.stderr[-2000:])
+        assert "pockjax finetune:" in done.stderr and "no-model" in done.stderr, done.stderr
