@@ -413,8 +413,11 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         run.log(r)
 
     step_fn, cached = trainer, None
-    if prefix_cache == "off" or placement is not None:
+    if prefix_cache == "off":
         pass
+    elif placement is not None:  # "on" was refused above
+        if total > per_epoch:
+            _say(progress, "prefix cache off (auto): it runs on one device, the step on a mesh")
     elif prefix_cache == "auto" and total <= per_epoch:
         _say(progress, "prefix cache off (auto): each example is seen once")
     else:
