@@ -310,7 +310,8 @@ def _placed(array: np.ndarray, leaf):
 
     sharding = getattr(leaf, "sharding", None)
     if sharding is not None and len(sharding.device_set) > 1:
-        return jax.device_put(array, sharding)
+        # each process places the pieces its own devices hold (several hosts too)
+        return jax.make_array_from_callback(array.shape, sharding, lambda i: array[i])
     return jnp.asarray(array)
 
 

@@ -21,6 +21,7 @@ from pockjax.finetuning._model import (frozen_names, gguf_file, lm_loss, load_mo
                                        model_folder, nll_sum, partial_names, target_positions,
                                        write_final)
 from pockjax.finetuning._gguf import write_final_gguf
+from pockjax.finetuning._hosts import join
 from pockjax.finetuning._lr import previous_lr, sweep_lr
 from pockjax.finetuning._options import FinetuneOptions
 from pockjax.finetuning._run import (FINAL, RunFolder, close_prefix_cache, fingerprint,
@@ -218,6 +219,12 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     frozen_dtype, moments, frontend, progress = o.frozen_dtype, o.moments, o.frontend, o.progress
     resume, overwrite, keep, valid = o.resume, o.overwrite, o.keep, o.valid
     eval_every, save_every, prefix_cache = o.eval_every, o.save_every, o.prefix_cache
+    hosts = join(o.coordinator, o.num_processes, o.process_id)  # before any JAX work
+    if hosts is not None:
+        if lr == "auto" or scheme.kind == "search":
+            raise FinetuneError("--lr auto and --scheme search run on one process; choose "
+                                "them in a one-process run, then pass them here")
+        progress = progress and hosts.writer  # one log: process 0's
 
     # The output folder before anything is read: a refused run leaves nothing behind.
     RunFolder.check(Path(out), resume=resume, overwrite=overwrite)
@@ -284,7 +291,11 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     recorded = run_options(o, model=os.path.abspath(given), data=fingerprint(data),
                            scheme=(f"lora:{lora} " if lora else "") + chosen.to_json(),
                            total_steps=total, seq=seq)
-    placement = choose_devices(o.devices, o.mesh, batch, lambda text: _say(progress, text))
+    placement = choose_devices(o.devices, o.mesh, batch, lambda text: _say(progress, text),
+                               processes=1 if hosts is None else hosts.count)
+    if hosts is not None:
+        _say(progress, hosts.describe())
+        recorded["processes"] = hosts.count  # not checked: a run resumes on any
     recorded["mesh"] = placement.text if placement is not None else None  # not checked
     if placement is not None and prefix_cache == "on":
         raise FinetuneError(f"--prefix-cache on with --mesh {placement.text}: the prefix "
@@ -302,7 +313,11 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                                  say=lambda text: _say(progress, text))
         recorded["lr_auto"] = chosen_lr
         lr = chosen_lr["chosen"]
-    run = RunFolder(Path(out), recorded, resume=resume, overwrite=overwrite)
+    if hosts is None or hosts.writer:
+        run = RunFolder(Path(out), recorded, resume=resume, overwrite=overwrite)
+    if hosts is not None:  # the others read the folder once process 0 has made it
+        hosts.barrier("pockjax finetune: run folder")
+        run = run if hosts.writer else RunFolder.reader(Path(out))
 
     trainer = make_trainer(loaded, chosen, lr=lr, warmup=warmup, total=total,
                            schedule=schedule, weight_decay=weight_decay, moments=moments,
@@ -352,6 +367,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
             return None
         total_nll = count = 0.0
         for b in eval_batches(held, batch, seq, pad):
+            if hosts is not None:  # every process's devices read the whole batch
+                b = hosts.global_batch(placement.replicated(b), b)
             s, n = batch_nll(state.params, b)
             total_nll, count = total_nll + float(s), count + float(n)
         return total_nll / count
@@ -437,6 +454,12 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     # prefix cache, whose example keys read every batch array.
     at_targets = o.logits == "targets" and loaded.hidden is not None and step_fn is trainer
     batch_of = with_targets if at_targets else plain_batch
+    if hosts is not None:  # each process supplies the rows its devices hold
+        local_of = batch_of
+
+        def batch_of(step):
+            b = local_of(step)
+            return hosts.global_batch(trainer.layout.batch_shardings(b), b)
     if at_targets and 2 * train.targets <= len(train) * seq:
         _say(progress, f"the output head runs at the positions the loss counts ({train.targets:,} "
                        f"of the {len(train) * seq:,} padded positions; --logits all for every "
@@ -444,7 +467,13 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
 
     def save(s) -> None:  # each checkpoint, and the seconds it took
         began = time.perf_counter()
-        saved.append((run.save(s, keep), time.perf_counter() - began))
+        if hosts is None:
+            saved.append((run.save(s, keep), time.perf_counter() - began))
+            return
+        whole = hosts.gather(s)  # every process takes part; process 0 writes
+        path = run.save(whole, keep) if hosts.writer else run.path_of(int(whole.step))
+        hosts.barrier(f"pockjax finetune: checkpoint {int(whole.step)}")
+        saved.append((path, time.perf_counter() - began))
 
     # The first step's state and batch as shapes: the compiled step's memory per device
     # is read from them after that step (a schedule's trainer has no single step).
@@ -454,6 +483,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     try:
         with warnings.catch_warnings():  # finetune says it itself, with the checkpoint
             warnings.filterwarnings("ignore", message="fit: interrupted")
+            if hosts is not None and not hosts.writer:  # process 0 says them
+                warnings.filterwarnings("ignore", message="pockjax: ")
             if progress:  # pockjax's own warnings (the allocator's) as lines of the log
                 shown = warnings.showwarning
 
@@ -492,11 +523,13 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                    else (evaluate(state) if held is not None else None))
     seconds = history.seconds
     final = Path(out) / FINAL
-    write_final(loaded, state.params, final, base=model, frozen=frozen, partial=partial,
-                save_dtype=o.save_dtype)
-    if source is not None:
+    params = state.params if hosts is None else hosts.gather(state.params)
+    if hosts is None or hosts.writer:
+        write_final(loaded, params, final, base=model, frozen=frozen, partial=partial,
+                    save_dtype=o.save_dtype)
+    if source is not None and (hosts is None or hosts.writer):
         written = Path(out) / "final.gguf"
-        report = write_final_gguf(loaded, state.params, written, base=model, frozen=frozen,
+        report = write_final_gguf(loaded, params, written, base=model, frozen=frozen,
                                   gguf_type=o.gguf_type, metadata={
                                       "general.pockjax.tool": "pockjax finetune",
                                       "general.pockjax.scheme": str(scheme),
@@ -511,8 +544,10 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         write_atomic(Path(out) / "final.gguf.json", (json.dumps(
             {name: {how: detail} for name, (how, detail) in report.items()}, indent=1)
             + "\n").encode())
-    if o.plot:
+    if o.plot and (hosts is None or hosts.writer):
         plot_losses(Path(out))
+    if hosts is not None:
+        hosts.barrier("pockjax finetune: final")
     result = FinetuneResult(
         out=str(out), final=str(final), steps=total, start_step=start,
         train_loss=float(np.mean(history.loss[-10:])) if len(history.loss) else float("nan"),

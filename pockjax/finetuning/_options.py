@@ -104,6 +104,15 @@ class FinetuneOptions:
         None, "the devices' axes: data=N (data-parallel), fsdp=N (parameters and optimizer "
         "state sharded too), or both, e.g. data=2,fsdp=4 (default: data over --devices)",
         metavar="AXES")
+    coordinator: str | None = _option(
+        None, "HOST:PORT of process 0, for a run over several processes (hosts), each "
+        "started with the same --coordinator and --num-processes and its own --process-id "
+        "(default: one process, or the processes SLURM's srun or mpirun started)",
+        metavar="HOST:PORT")
+    num_processes: int | None = _option(None, "the run's processes, with --coordinator",
+                                        metavar="N")
+    process_id: int | None = _option(None, "this process, 0 to N-1, with --coordinator",
+                                     metavar="I")
     plot: bool = _option(True, "do not draw loss.png (matplotlib) at the end; metrics.jsonl is "
                          "written either way", flag="--no-plot")
     prefix_cache: str = _option("auto", "compute the frozen prefix once per example when the "
@@ -198,6 +207,24 @@ class FinetuneOptions:
                 raise FinetuneError(f"--mesh {self.mesh} has {size} devices, --devices "
                                     f"{devices}; give one of them, or the same count")
             object.__setattr__(self, "mesh", ",".join(f"{a}={n}" for a, n in axes.items()))
+        given = [n for n in ("coordinator", "num_processes", "process_id")
+                 if getattr(self, n) is not None]
+        if given and len(given) != 3:
+            raise FinetuneError("a run over several processes needs --coordinator HOST:PORT, "
+                                "--num-processes N and --process-id I together; got only "
+                                + ", ".join(_flag(n) for n in given))
+        if given:
+            host, _, port = str(self.coordinator).rpartition(":")
+            if not host or not port.isdigit():
+                raise FinetuneError(f"--coordinator must be HOST:PORT (process 0's address "
+                                    f"and a free port), got {self.coordinator!r}")
+            if not (_whole(self.num_processes) and self.num_processes >= 1 and
+                    _whole(self.process_id) and 0 <= self.process_id < self.num_processes):
+                raise FinetuneError(f"--process-id must be 0 to --num-processes - 1, got "
+                                    f"{self.process_id!r} of {self.num_processes!r}")
+            if self.lr == "auto" or self.scheme.kind == "search":
+                raise FinetuneError("--lr auto and --scheme search: run on one process; "
+                                    "choose them in a one-process run, then pass them here")
         if self.scheme.lora_rank is not None and self.frozen_dtype != "float32":
             raise FinetuneError(f"--scheme {self.scheme} with --frozen-dtype "
                                 f"{self.frozen_dtype} is not implemented; use --frozen-dtype "

@@ -63,6 +63,16 @@ class RunFolder:
             out / CHECKPOINTS).is_dir() else False
         return (out / RUN).is_file() and not saved and not (out / FINAL).exists()
 
+    writer = True  # False: another process of the run writes the folder
+
+    @classmethod
+    def reader(cls, out: Path) -> "RunFolder":
+        """The folder as a process other than the writer sees it: its checkpoints read,
+        nothing written."""
+        run = cls.__new__(cls)
+        run.out, run.writer = out, False
+        return run
+
     def __init__(self, out: Path, options: dict, *, resume: bool, overwrite: bool):
         self.out = out
         run_file = out / RUN
@@ -102,11 +112,15 @@ class RunFolder:
                 continue
         return sorted(found)
 
+    def path_of(self, step: int) -> Path:
+        """The checkpoint file of `step`."""
+        return self.out / CHECKPOINTS / f"step-{step:08d}.safetensors"
+
     def save(self, state, keep: int) -> Path:
         from pockjax.checkpoint import save
 
         step = int(state.step)
-        path = self.out / CHECKPOINTS / f"step-{step:08d}.safetensors"
+        path = self.path_of(step)
         save(path, state)
         for _, old in self.checkpoints()[:-keep]:
             old.unlink(missing_ok=True)
@@ -125,13 +139,15 @@ class RunFolder:
         return None, None
 
     def log(self, record: dict) -> None:
+        if not self.writer:
+            return
         with open(self.out / METRICS, "a") as f:
             f.write(json.dumps(record) + "\n")
 
     def trim_log(self, step: int) -> None:
         """Drop records after `step` (a resumed run logs those steps again)."""
         path = self.out / METRICS
-        if not path.is_file():
+        if not self.writer or not path.is_file():
             return
         kept = []
         for line in path.read_text().splitlines():

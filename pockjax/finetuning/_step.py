@@ -64,6 +64,13 @@ class Placement:
                 f"device of the state's {whole / 2**20:,.1f} MiB")
 
 
+    def replicated(self, tree):
+        """A sharding for each array of `tree` that puts it whole on every device."""
+        import jax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        return jax.tree_util.tree_map(lambda _: NamedSharding(self.mesh, P()), tree)
+
     def compiled_memory(self, trainer, state, batch) -> str | None:
         """The log's line on the step's compiled memory on each device: its arguments
         and temporaries. Read after the first step, from the executable that step
@@ -79,13 +86,15 @@ class Placement:
                 f"{temp / 2**20:,.1f} MiB of temporaries")
 
 
-def choose_devices(devices, mesh: str | None, batch: int, say) -> Placement | None:
+def choose_devices(devices, mesh: str | None, batch: int, say, *,
+                   processes: int = 1) -> Placement | None:
     """The mesh `--devices` and `--mesh` ask for, or None for one device.
 
     `auto` takes every device of JAX's default backend where it is a GPU or TPU (as many
     as divide `batch`), and one on CPU: a CPU's devices share its cores, so splitting
     the step brings no speed. `all` takes every device. A mesh without `--devices` takes
-    as many devices as its axes multiply to.
+    as many devices as its axes multiply to. Over several `processes`, `auto` takes every
+    process's devices.
 
     Raises:
       FinetuneError: more devices asked for than JAX sees, or a batch the devices do not
@@ -101,8 +110,8 @@ def choose_devices(devices, mesh: str | None, batch: int, say) -> Placement | No
         for size in axes.values():
             n *= size
     elif devices == "auto":
-        n = 1 if kind == "cpu" else len(available)
-        while batch % n:  # the most devices that divide the batch
+        n = 1 if kind == "cpu" and processes == 1 else len(available)
+        while batch % n and processes == 1:  # the most devices that divide the batch
             n -= 1
         if n < len(available) and kind != "cpu":
             say(f"--devices auto: {n} of the {len(available)} {kind} devices, the most that "
@@ -117,13 +126,17 @@ def choose_devices(devices, mesh: str | None, batch: int, say) -> Placement | No
         raise FinetuneError(f"--{'mesh ' + mesh if mesh is not None else f'devices {devices}'}"
                             f" needs {n} devices; JAX sees {len(available)} {kind} "
                             f"device{'s' if len(available) > 1 else ''}{hint}")
+    if processes > 1 and n != len(available):
+        raise FinetuneError(f"a run over {processes} processes takes all their "
+                            f"{len(available)} devices; --devices/--mesh ask for {n}")
     if batch % n:
         raise FinetuneError(f"--batch {batch} is split over {n} devices, which do not divide "
                             f"it; give a --batch that is a multiple of {n}")
     if n == 1:
         return None
-    return Placement(jax.make_mesh(tuple(axes.values()), tuple(axes), devices=available[:n]),
-                     axes, batch)
+    auto = (jax.sharding.AxisType.Auto,) * len(axes)  # the axes the step's layout uses
+    return Placement(jax.make_mesh(tuple(axes.values()), tuple(axes), devices=available[:n],
+                                   axis_types=auto), axes, batch)
 
 
 def lr_schedule(lr: float, warmup: int, total: int, kind: str):
