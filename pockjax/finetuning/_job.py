@@ -169,6 +169,10 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         state over its devices; None (the default) is "data" over `devices`. The log
         says what each device holds. The prefix cache stays off on a mesh; `--lr auto`'s
         sweep and `search:` run on one device.
+      coordinator, num_processes, process_id: a run over several processes (hosts):
+        process 0's "HOST:PORT", their count and this one's index, the same run started
+        in each (None: one process, or the processes SLURM's srun or mpirun started).
+        Process 0 writes the run's folder.
       plot: draw `loss.png` at the end (matplotlib, skipped where it is not installed);
         the metrics log is written either way. Default True.
       prefix_cache: "auto" (the default: when the data is seen more than once and the
