@@ -15,9 +15,10 @@ job: a process killed outright ends the others' run within about this time."""
 
 
 def _cluster_size() -> int:
-    """The processes the cluster's environment starts (SLURM's tasks, Open MPI's ranks);
-    1 outside one."""
-    for name in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
+    """The processes the cluster started together: the tasks of a SLURM `srun` step (not
+    a batch script's allocation, which one process may run in alone), or Open MPI's
+    ranks; 1 outside them."""
+    for name in ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):
         value = os.environ.get(name, "")
         if value.isdigit():
             return int(value)
