@@ -120,3 +120,15 @@ def test_kill_9_of_one_process_stops_the_other_and_resume_ends_bit_for_bit(setup
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
     assert [r["step"] for r in _records(cut) if "loss" in r] == list(range(1, 31))
+
+
+def test_one_process_in_a_batch_scripts_allocation_runs_alone(monkeypatch):
+    """A SLURM batch script's allocation of several tasks, with pockjax started once in
+    it (not under srun): one process, no wait for others that never come."""
+    from pockjax.finetuning._hosts import join
+
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_JOB_ID", "17")
+    monkeypatch.delenv("SLURM_STEP_NUM_TASKS", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    assert join(None, None, None) is None
