@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
-EXTRAS ?= dev,export,torch,keras,onnx,gguf,examples,docs
+EXTRAS ?= dev,export,torch,keras,onnx,tf,gguf,examples,docs
 # The aarch64 build of IREE's runtime tools, to run android-arm64 artifacts under QEMU.
 ARM64_RUNTIME ?= .cache/iree-aarch64
 SMOLLM2 ?= .cache/smollm2

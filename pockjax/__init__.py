@@ -44,6 +44,7 @@ _WHERE = {
     "torch": None,  # PyTorch modules in through torchax (torch imported on first use)
     "keras": None,  # Keras 3 models on its JAX backend (keras imported on first use)
     "onnx": None,  # ONNX files, interpreted into jax.numpy (onnx imported on first use)
+    "tf": None,  # TensorFlow SavedModels and tf.functions, through tf2jax (imported on first use)
     "optim": None,  # AdamW with 8- or 16-bit moments; the per-leaf fused update
     "backend": None,  # host training on XLA or IREE's CPU backend, or the faster of the two
 }

@@ -343,8 +343,10 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
     chosen inverted-residual block trains; the depth-wise and the second point-wise
     (projection) convolutions do not.
 
-    Paths follow `pockjax.models.MobileNetV2` (`blocks/{i}/expand/conv/kernel`) or
-    torchvision's `mobilenet_v2` through `pockjax.torch` (`features/{i}/conv/0/0/weight`).
+    Paths follow `pockjax.models.MobileNetV2` (`blocks/{i}/expand/conv/kernel`),
+    torchvision's `mobilenet_v2` through `pockjax.torch` (`features/{i}/conv/0/0/weight`)
+    or Keras's `keras.applications.MobileNetV2` through `pockjax.keras`
+    (`{model}/block_{i}_expand/kernel`, the classifier `{model}/predictions/**`).
 
     Args:
       params: the model's parameters (or a model `params_of` takes).
@@ -354,8 +356,8 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
         None (the default) trains the kernels in full.
       axis: the channel axis for `ratio`: "out" (the default), "in" or an int.
       norms: also train the chosen blocks' batch norm scales and biases; default False.
-      classifier: train the classifier (`classifier/**`, a new task's head) in full;
-        default True.
+      classifier: train the classifier (`classifier/**`, or Keras's `predictions`; a new
+        task's head) in full; default True.
 
     Returns:
       A `Scheme`; every other parameter is frozen.
@@ -368,28 +370,32 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
     if not any(p.startswith("blocks/") for p in paths) and any(
             re.fullmatch(r"features/\d+/conv/3/weight", p) for p in paths):
         return _torchvision_mobilenetv2(paths, last, ratio, axis, norms, classifier)
+    if any(re.fullmatch(r"(?:.*/)?block_\d+_expand/kernel", p) for p in paths):
+        return _keras_mobilenetv2(paths, last, ratio, axis, norms, classifier)
     found = (re.fullmatch(r"blocks/(\d+)/expand/conv/kernel", p) for p in paths)
     expanding = [f"blocks/{i}" for i in sorted(int(m[1]) for m in found if m)]
     if not expanding:
         raise SchemeError("no 'blocks/{i}/expand/conv/kernel' parameters: this scheme needs "
-                          "pockjax.models.MobileNetV2's parameter paths")
-    return _expansion_scheme(paths, expanding, last, "expand/conv/kernel", ratio, axis,
-                             [f"*/bn/{n}" for n in ("scale", "bias")] if norms else [], classifier)
+                          "the parameter paths of pockjax.models.MobileNetV2, torchvision's "
+                          "mobilenet_v2 or keras.applications.MobileNetV2")
+    return _expansion_scheme(paths, expanding, last, "/expand/conv/kernel", ratio, axis,
+                             [f"/*/bn/{n}" for n in ("scale", "bias")] if norms else [], classifier)
 
 
-def _expansion_scheme(paths, expanding, last, expand, ratio, axis, norms, classifier) -> Scheme:
+def _expansion_scheme(paths, expanding, last, expand, ratio, axis, norms, classifier,
+                      head: str = "classifier/**") -> Scheme:
     """The paper's MobileNetV2 scheme over blocks `expanding` (with an expansion conv at
-    `{block}/{expand}`): the last `last` of them, their norms (`{block}/{n}` for `n` in
-    `norms`) and the classifier."""
+    `{block}{expand}`): the last `last` of them, their norms (`{block}{n}` for `n` in
+    `norms`) and the classifier (`head`)."""
     if last is not None:
         if not 1 <= last <= len(expanding):
             raise SchemeError(f"last={last} but the model has {len(expanding)} blocks with an "
                               f"expansion convolution; use 1..{len(expanding)}")
         expanding = expanding[-last:]
-    rules: list = [(f"{b}/{expand}", _decision(ratio, axis)) for b in expanding]
-    rules += [(f"{b}/{n}", Full()) for b in expanding for n in norms]
+    rules: list = [(f"{b}{expand}", _decision(ratio, axis)) for b in expanding]
+    rules += [(f"{b}{n}", Full()) for b in expanding for n in norms]
     if classifier:
-        rules += _keep_matching([("classifier/**", Full())], paths, "'classifier/**'")
+        rules += _keep_matching([(head, Full())], paths, repr(head))
     return Scheme(rules, default=Frozen())
 
 
@@ -398,9 +404,22 @@ def _torchvision_mobilenetv2(paths, last, ratio, axis, norms, classifier) -> Sch
     # ConvBNReLU (depth-wise), Conv2d (project), BatchNorm2d]; without one it has 3 entries.
     found = (re.fullmatch(r"features/(\d+)/conv/3/weight", p) for p in paths)
     expanding = [f"features/{i}" for i in sorted(int(m[1]) for m in found if m)]
-    return _expansion_scheme(paths, expanding, last, "conv/0/0/weight", ratio, axis,
-                             [f"conv/{bn}/{n}" for bn in ("0/1", "1/1", "3") for n in ("weight", "bias")]
+    return _expansion_scheme(paths, expanding, last, "/conv/0/0/weight", ratio, axis,
+                             [f"/conv/{bn}/{n}" for bn in ("0/1", "1/1", "3") for n in ("weight", "bias")]
                              if norms else [], classifier)
+
+
+def _keras_mobilenetv2(paths, last, ratio, axis, norms, classifier) -> Scheme:
+    # keras.applications.MobileNetV2 names its layers flat: block_{i}_expand (a Conv2D),
+    # block_{i}_expand_BN, block_{i}_depthwise(_BN), block_{i}_project(_BN), predictions.
+    found = (re.fullmatch(r"(.*/)?block_(\d+)_expand/kernel", p) for p in paths)
+    expanding = [f"{m[1] or ''}block_{m[2]}" for m in sorted(
+        (m for m in found if m), key=lambda m: int(m[2]))]
+    head = next((re.sub(r"/[^/]*$", "/**", p) for p in paths
+                 if re.fullmatch(r"(?:.*/)?predictions/[^/]*", p)), "**/predictions/**")
+    return _expansion_scheme(paths, expanding, last, "_expand/kernel", ratio, axis,
+                             [f"_{part}_BN/{n}" for part in ("expand", "depthwise", "project")
+                              for n in ("gamma", "beta")] if norms else [], classifier, head)
 
 
 def lora(names: Sequence[str] = ("lora_a", "lora_b")) -> Scheme:

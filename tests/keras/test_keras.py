@@ -227,3 +227,19 @@ def test_a_mesh_trains_as_one_device():
                                     for n in (name, "one"))):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6,
                                        err_msg=f"{name}: {p}")
+
+
+def test_the_paper_mobilenetv2_scheme_on_keras_applications_paths():
+    model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
+                                           classes=5, classifier_activation=None)
+    params, _ = pk.functional(model)
+    resolved = dict(pj.scheme.leaves_with_paths(
+        pj.schemes.mobilenetv2(params, last=2, norms=True).resolve(params))[0])
+    trained = sorted(p for p, d in resolved.items() if not isinstance(d, pj.Frozen))
+    assert trained == sorted(
+        ["block_15_expand/kernel", "block_16_expand/kernel", "predictions/kernel",
+         "predictions/bias"] + [f"block_{i}_{part}_BN/{n}" for i in (15, 16)
+                                for part in ("expand", "depthwise", "project")
+                                for n in ("gamma", "beta")])
+    halves = pj.schemes.mobilenetv2(params, last=1, ratio=0.5, classifier=False).resolve(params)
+    assert halves["block_16_expand"]["kernel"] == pj.Channels(count=168, axis=3)  # HWIO "out"
