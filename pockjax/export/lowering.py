@@ -41,7 +41,7 @@ from pockjax.export.manifest import SCOPE
 from pockjax.export.targets import ExportError
 from pockjax.optim import fused
 from pockjax.scheme import Frozen, leaves_with_paths
-from pockjax.transforms import depthwise, dot_layout
+from pockjax.transforms import convolutions, dot_layout
 from pockjax.transforms.legalize import legalize_for_iree
 from pockjax.view import trained_indices
 
@@ -283,10 +283,10 @@ def lower_step(trainer, state, batch, *, donate: bool = True,
         lowered module whose layout is not recognised.
     """
     # Weight gradients as JAX writes them: IREE's Vulkan code generation computes the
-    # swapped form wrong (pockjax.transforms.dot_layout). Depth-wise convolutions stay
-    # convolutions: IREE 3.13's CPU code generation fails on the shifted slices' weight
-    # gradients ("'vector.contract' op invalid accumulator/result vector shape").
-    with dot_layout.transposed_dots_kept(), depthwise.convolutions_kept():
+    # swapped form wrong (pockjax.transforms.dot_layout). Convolutions stay convolutions:
+    # IREE 3.13's CPU code generation fails on depth-wise ones' shifted slices
+    # (pockjax.transforms.convolutions).
+    with dot_layout.transposed_dots_kept(), convolutions.convolutions_kept():
         return _lower_step(trainer, state, batch, donate=donate, placement=placement,
                            ties=ties, backend=backend, tie_weights=tie_weights, prefix=prefix)
 

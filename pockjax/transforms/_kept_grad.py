@@ -18,7 +18,7 @@ from jax import lax
 from jax.interpreters import partial_eval as pe
 
 from pockjax.scheme import Frozen, Full
-from pockjax.transforms import depthwise, dot_layout, pushdown, scan_split
+from pockjax.transforms import convolutions, dot_layout, pushdown, scan_split
 
 
 def make_jaxpr_with_aux(f, *args):
@@ -96,7 +96,7 @@ def kept_value_and_grad(call, decisions, has_aux, leaves, dyn):
     fwd_closed, fwd_tree, _ = make_jaxpr_with_aux(functools.partial(_forward, call, decisions),
                                                    t, frozen_parts, dyn)
     split_closed, n_split = scan_split.split_scans(fwd_closed)
-    split_closed, _ = depthwise.shifted_depthwise(split_closed)  # XLA CPU's slow grouped conv
+    split_closed, _ = convolutions.rewrite_convolutions(split_closed)  # XLA CPU's fast forms
     n_t = len(jax.tree_util.tree_leaves(t))
     forward_flat = functools.partial(_run_split, split_closed, fwd_tree,
                                      jax.tree_util.tree_leaves((frozen_parts, dyn)))

@@ -1,6 +1,6 @@
-"""`pockjax.transforms.depthwise`: depth-wise convolutions computed as shifted slices
-inside `sparse_grad`, against XLA's convolution and dense `jax.grad`, for every padding,
-stride, dilation and dimension order; other convolutions left alone."""
+"""`pockjax.transforms.convolutions`: depth-wise convolutions as shifted slices and 1x1
+ones as products inside `sparse_grad`, against XLA's convolution and dense `jax.grad`,
+for every padding, stride, dilation and dimension order; other convolutions left alone."""
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
@@ -9,7 +9,8 @@ import pytest
 from jax import lax
 
 import pockjax as pj
-from pockjax.transforms.depthwise import convolutions_kept, is_depthwise, shifted_depthwise
+from pockjax.transforms.convolutions import (convolutions_kept, is_depthwise, is_pointwise,
+                                            rewrite_convolutions)
 from tests.helpers import assert_matches_dense
 
 CASES = [  # (layout, kernel, stride, padding, dilation)
@@ -42,7 +43,7 @@ def _conv(layout, kernel, stride, padding, dilation, channels=6):
 def test_values_and_gradients_equal_xlas_convolution(case):
     f, x, w = _conv(*case)
     closed = jax.make_jaxpr(f)(x, w)
-    new, count = shifted_depthwise(closed)
+    new, count = rewrite_convolutions(closed)
     assert count == 1 and not any(e.primitive.name == "conv_general_dilated"
                                   for e in new.jaxpr.eqns)
     g = jnp.asarray(np.random.default_rng(1).normal(size=f(x, w).shape), jnp.float32)
@@ -56,10 +57,30 @@ def test_values_and_gradients_equal_xlas_convolution(case):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("stride", [1, 2])
+def test_a_1x1_convolution_is_a_product(stride):
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(2, 7, 6, 5)).astype(np.float32)
+    x[:, :, 0] = 0.0
+    w = rng.normal(size=(1, 1, 5, 9)).astype(np.float32)
+
+    def f(a, b):
+        return lax.conv_general_dilated(a, b, (stride, stride), "VALID",
+                                        dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    new, count = rewrite_convolutions(jax.make_jaxpr(f)(x, w))
+    assert count == 1 and "dot_general" in str(new) and "conv" not in str(new)
+    run = lambda a, b: jex.jaxpr_as_fun(new)(a, b)[0]  # noqa: E731
+    np.testing.assert_allclose(run(x, w), f(x, w), rtol=1e-5, atol=1e-5)
+    g = np.random.default_rng(6).normal(size=f(x, w).shape).astype(np.float32)
+    for got, want in zip(jax.grad(lambda a, b: jnp.sum(run(a, b) * g), (0, 1))(x, w),
+                         jax.grad(lambda a, b: jnp.sum(f(a, b) * g), (0, 1))(x, w)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
 def test_low_precision_sums_in_float32():
     f, x, w = _conv("NHWC", (3, 3), (1, 1), "SAME", (1, 1), channels=16)
     x, w = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    new, count = shifted_depthwise(jax.make_jaxpr(f)(x, w))
+    new, count = rewrite_convolutions(jax.make_jaxpr(f)(x, w))
     got = jex.jaxpr_as_fun(new)(x, w)[0]
     assert count == 1 and got.dtype == jnp.bfloat16
     want = f(x.astype(jnp.float32), w.astype(jnp.float32))
@@ -80,11 +101,16 @@ def test_other_convolutions_are_left_alone():
         (lambda a, b: lax.conv_general_dilated(a, b, (1, 1), ((1, 1), (1, 1)), lhs_dilation=(2, 2),
                                                dimension_numbers=dn, feature_group_count=4),
          (3, 3, 1, 4)),                                   # transposed
+        (lambda a, b: lax.conv_general_dilated(a, b, (1, 1), ((1, 0), (0, 0)),
+                                               dimension_numbers=dn), (1, 1, 4, 4)),  # 1x1 padded
     ]
     for f, ws in others:
         closed = jax.make_jaxpr(f)(x, rng.normal(size=ws).astype(np.float32))
-        assert not any(map(is_depthwise, closed.jaxpr.eqns))
-        assert shifted_depthwise(closed) == (closed, 0)
+        assert not any(is_depthwise(e) or is_pointwise(e) for e in closed.jaxpr.eqns)
+        assert rewrite_convolutions(closed) == (closed, 0)
+    nchw = lambda a, b: lax.conv_general_dilated(a, b, (1, 1), "VALID")  # noqa: E731
+    closed = jax.make_jaxpr(nchw)(x.transpose(0, 3, 1, 2), rng.normal(size=(4, 4, 1, 1)))
+    assert rewrite_convolutions(closed) == (closed, 0)   # a 1x1 in torch's layout
 
 
 def test_sparse_grad_uses_it_and_matches_jax_grad_or_keeps_the_convolution():
