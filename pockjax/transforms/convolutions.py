@@ -106,20 +106,34 @@ def is_depthwise(eqn) -> bool:
     return kernel[dn.rhs_spec[2]] * kernel[dn.rhs_spec[3]] <= MAX_TAPS and _float(eqn)
 
 
+def _as_out(eqn, y):
+    """An NHWC result `y` in the convolution's output order and type."""
+    out = eqn.params["dimension_numbers"].out_spec
+    place = {out[0]: 0, out[2]: 1, out[3]: 2, out[1]: 3}
+    return jnp.transpose(y, [place[d] for d in range(4)]).astype(eqn.outvars[0].aval.dtype)
+
+
 def _shifted(eqn, x, w):
     """The depth-wise convolution `eqn` of `x` by `w` as a sum of strided slices."""
     p = eqn.params
-    lhs, rhs, out = p["dimension_numbers"]
+    lhs, rhs, _ = p["dimension_numbers"]
     xs = jnp.transpose(x, (lhs[0], lhs[2], lhs[3], lhs[1]))          # N H W C
     ws = jnp.transpose(w, (rhs[2], rhs[3], rhs[1], rhs[0]))[:, :, 0]  # kh kw C
     low = x.dtype in (jnp.float16, jnp.bfloat16)
     if low:
         xs, ws = xs.astype(jnp.float32), ws.astype(jnp.float32)
     (ph0, ph1), (pw0, pw1) = p["padding"]
-    xp = lax.pad(xs, jnp.zeros((), xs.dtype), ((0, 0, 0), (ph0, ph1, 0), (pw0, pw1, 0),
-                                               (0, 0, 0)))
     (sh, sw), (dh, dw) = p["window_strides"], p["rhs_dilation"]
     kh, kw = ws.shape[:2]
+    if kh == kw and sh == sw and (dh, dw) == (1, 1) and (ph0, ph1, pw0, pw1) == (
+            (kh - 1) // 2,) * 4:
+        # pockjax's MobileNetV2 kernel: the same slices, with a hand-written backward
+        # whose weight gradient is about 2x autodiff's (benchmarks/results/depthwise.md)
+        from pockjax.models.mobilenetv2 import depthwise_conv
+
+        return _as_out(eqn, depthwise_conv(xs, ws, sh))
+    xp = lax.pad(xs, jnp.zeros((), xs.dtype), ((0, 0, 0), (ph0, ph1, 0), (pw0, pw1, 0),
+                                               (0, 0, 0)))
     n, hp, wp, c = xp.shape
     oh, ow = (hp - (kh - 1) * dh - 1) // sh + 1, (wp - (kw - 1) * dw - 1) // sw + 1
     y = None
@@ -130,15 +144,13 @@ def _shifted(eqn, x, w):
                                (1, sh, sw, 1))
             term = window * ws[i, j]
             y = term if y is None else y + term
-    place = {out[0]: 0, out[2]: 1, out[3]: 2, out[1]: 3}             # NHWC -> out's order
-    y = jnp.transpose(y, [place[d] for d in range(4)])
-    return y.astype(eqn.outvars[0].aval.dtype) if low else y
+    return _as_out(eqn, y)
 
 
 def _product(eqn, x, w):
     """The NHWC 1x1 convolution `eqn` of `x` by `w` as one matrix product."""
     p = eqn.params
-    _, rhs, out = p["dimension_numbers"]
+    rhs = p["dimension_numbers"].rhs_spec
     sh, sw = p["window_strides"]
     if (sh, sw) != (1, 1):
         n, h, wd, c = x.shape
@@ -148,10 +160,7 @@ def _product(eqn, x, w):
     low = x.dtype in (jnp.float16, jnp.bfloat16)
     y = jnp.dot(x.reshape(-1, x.shape[3]), w2,
                 preferred_element_type=jnp.float32 if low else None)
-    y = y.reshape(*x.shape[:3], w2.shape[1])
-    place = {out[0]: 0, out[2]: 1, out[3]: 2, out[1]: 3}             # NHWC -> out's order
-    y = jnp.transpose(y, [place[d] for d in range(4)])
-    return y.astype(eqn.outvars[0].aval.dtype) if low else y
+    return _as_out(eqn, y.reshape(*x.shape[:3], w2.shape[1]))
 
 
 def _override(eqn, ins, read):

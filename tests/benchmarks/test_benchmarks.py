@@ -228,3 +228,26 @@ def test_edge_speed_rows_start_alike_and_count_page_faults(tmp_path):
     assert data["meta"]["malloc"].startswith("`POCKJAX_MALLOC=system`")
     assert "GLIBC_TUNABLES" not in data["meta"]["malloc"] and len(data["meta"]["peaks_gflops"]) == 1
     assert "faults/step" in out.read_text()
+
+
+def test_tf_peer_freezes_the_schemes_layers_and_reports_each_row():
+    import argparse
+
+    import pockjax.keras  # noqa: F401  (Keras on its JAX backend)
+    import keras
+    from benchmarks import tf_peer
+
+    model = keras.applications.MobileNetV2(input_shape=(32, 32, 3), alpha=0.35, weights=None,
+                                           classes=4, classifier_activation=None)
+    frozen = tf_peer.frozen_layers(model)
+    assert {"Conv1", "bn_Conv1", "block_1_depthwise", "block_1_project", "Conv_1"} <= set(frozen)
+    assert not {"block_1_expand", "block_1_project_BN", "predictions"} & set(frozen)
+    row = {"losses": [2.0, 1.5], "times": [0.2, 0.4, 0.3], "trainable": 10, "rss_peak_mib": 900}
+    results = {name: [dict(row)] for name in tf_peer.ROWS}
+    results["pockjax full"] = [dict(row, losses=[2.0, 1.5004], times=[0.1, 0.1, 0.1])]
+    results["tensorflow full XLA"] = [{"error": "exit 1: no XLA"}]
+    page = tf_peer.report(results, tf_peer.sizes(True), argparse.Namespace(
+        quick=True, steps=3, warmup=1, rounds=1))
+    assert "| pockjax full | 10 | 0.100 | 3.00x | 900 | 2.00000 | 1.50040 |" in page
+    assert "| tensorflow full XLA | | exit 1: no XLA |" in page
+    assert "- tensorflow full, tensorflow full XLA, pockjax full: 4.00e-04" in page
