@@ -21,6 +21,9 @@ Rows:
   `pj.schemes.mobilenetv2(norms=True)` given to the trainer: the same variables train,
   but the frozen BatchNorm layers stay in training mode (batch statistics), so its loss
   differs from the two rows above by design.
+- `pockjax full, XLA's convolutions` and `pockjax sparse, XLA's convolutions`: the
+  same as `pockjax full` and `pockjax sparse` with `POCKJAX_CONVOLUTIONS=xla`, the
+  depth-wise and 1x1 convolutions left to XLA (`pockjax.transforms.convolutions`).
 
 The losses of every row's steps are printed, so speed is compared at equal results:
 `tensorflow full`, `tensorflow full XLA` and `pockjax full` compute the same steps,
@@ -48,9 +51,14 @@ from benchmarks.common import (ROOT, commit, report_result, run_row,  # noqa: E4
                                timed_steps, versions)
 
 ROWS = ["tensorflow full", "tensorflow full XLA", "tensorflow sparse", "pockjax full",
-        "pockjax sparse", "pockjax sparse (scheme)"]
-SAME = [("tensorflow full", "tensorflow full XLA", "pockjax full"),
-        ("tensorflow sparse", "pockjax sparse")]
+        "pockjax sparse", "pockjax sparse (scheme)", "pockjax full, XLA's convolutions",
+        "pockjax sparse, XLA's convolutions"]
+# Rows run with POCKJAX_CONVOLUTIONS=xla: the depth-wise and 1x1 convolutions left to XLA
+# (pockjax.transforms.convolutions off).
+XLA_CONVOLUTIONS = ", XLA's convolutions"
+SAME = [("tensorflow full", "tensorflow full XLA", "pockjax full",
+         "pockjax full, XLA's convolutions"),
+        ("tensorflow sparse", "pockjax sparse", "pockjax sparse, XLA's convolutions")]
 LR, EPS = 1e-4, 1e-7
 
 
@@ -90,6 +98,7 @@ def frozen_layers(model) -> list[str]:
 
 
 def row(name: str, path: str, frozen: list[str], s: dict, steps: int, warmup: int) -> None:
+    name = name.removesuffix(XLA_CONVOLUTIONS)
     if name.startswith("pockjax"):
         import pockjax  # noqa: F401  (before Keras starts JAX, as docs/keras.md says)
     import keras
@@ -161,6 +170,8 @@ def main(argv=None) -> None:
             for name in ROWS:
                 env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "KERAS_BACKEND":
                        "tensorflow" if name.startswith("tensorflow") else "jax"}
+                if name.endswith(XLA_CONVOLUTIONS):
+                    env["POCKJAX_CONVOLUTIONS"] = "xla"
                 cmd = [os.path.abspath(__file__), "--row", name, "--model", path, "--frozen", frozen,
                        "--steps", str(args.steps), "--warmup", str(args.warmup)]
                 got = run_row(cmd + (["--quick"] if args.quick else []), args.timeout, env)
