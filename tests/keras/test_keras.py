@@ -243,3 +243,35 @@ def test_the_paper_mobilenetv2_scheme_on_keras_applications_paths():
                                 for n in ("gamma", "beta")])
     halves = pj.schemes.mobilenetv2(params, last=1, ratio=0.5, classifier=False).resolve(params)
     assert halves["block_16_expand"]["kernel"] == pj.Channels(count=168, axis=3)  # HWIO "out"
+
+
+def test_files_saved_under_tensorflow_load_and_train(tmp_path):
+    """A `.keras` file and a legacy `.h5` written by Keras on TensorFlow come in through
+    `pockjax.keras` with TensorFlow's outputs, and train."""
+    pytest.importorskip("tensorflow")
+    code = (f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
+            "import keras, numpy as np\n"
+            "from tests.keras.tf_model import cnn\n"
+            "m = cnn(); x = np.random.default_rng(0).normal(size=(4, 8, 8, 3)).astype('float32')\n"
+            "m.save(sys.argv[1] + '/m.keras'); m.save(sys.argv[1] + '/m.h5')\n"
+            "np.save(sys.argv[1] + '/x.npy', x)\n"
+            "np.save(sys.argv[1] + '/y.npy', np.asarray(m(x, training=False)))\n"
+            "print(keras.config.backend())\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300,
+                          env={**os.environ, "KERAS_BACKEND": "tensorflow",
+                               "TF_CPP_MIN_LOG_LEVEL": "3"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("tensorflow"), done.stderr[-2000:]
+    x, want = np.load(tmp_path / "x.npy"), np.load(tmp_path / "y.npy")
+    for name in ("m.keras", "m.h5"):
+        model = keras.saving.load_model(tmp_path / name, compile=False)
+        params, apply = pk.functional(model)
+        np.testing.assert_allclose(np.asarray(apply(params, x)), want, rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+        trainer = pk.Trainer(model, XENT, optimizer=optax.sgd(0.1),
+                             scheme=pj.Scheme({"head/**": pj.Full()}))
+        labels = np.array([0, 1, 2, 3])
+        first = float(trainer((x, labels))["loss"])
+        for _ in range(5):
+            last = float(trainer((x, labels))["loss"])
+        assert last < first, name
