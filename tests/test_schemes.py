@@ -83,7 +83,7 @@ def test_bias_only_and_last_blocks_on_any_model(llama, mobilenet):
         pj.schemes.last_blocks(llama, 9)
     with pytest.raises(pj.SchemeError, match="no blocks named 'stages'"):
         pj.schemes.last_blocks(llama, 1, block_name="stages")
-    with pytest.raises(pj.SchemeError, match="pockjax.models.MobileNetV2's parameter paths"):
+    with pytest.raises(pj.SchemeError, match="the parameter paths of pockjax.models.MobileNetV2"):
         pj.schemes.mobilenetv2(llama)
 
 

@@ -21,7 +21,9 @@ gathered table (an embedding, `[vocabulary, width]`). A weight read inside a nes
 function (a SavedModel's restored layers) takes an int axis.
 
 Keras models are better served by `pockjax.keras`, which runs them on Keras's JAX
-backend and writes the trained values back. `pip install 'pockjax[tf]'` brings
+backend and writes the trained values back; importing this module chooses that backend
+(`KERAS_BACKEND=jax`) unless another one is set, as `pockjax.keras` does, since
+TensorFlow imports Keras. `pip install 'pockjax[tf]'` brings
 TensorFlow and tf2jax.
 
 Examples:
@@ -52,6 +54,9 @@ __all__ = ["load", "TfFunction", "TF_NOTE"]
 
 TF_NOTE = ("These parameters come from TensorFlow (pockjax.tf): paths are the variables' "
            "names split on '/' (e.g. 'dense/kernel')")
+
+
+os.environ.setdefault("KERAS_BACKEND", "jax")  # as pockjax.keras: TensorFlow imports Keras
 
 
 def _tf():
@@ -235,7 +240,10 @@ def _callable(model, tf, signature):
         return call, model
     if signature is not None:
         raise ValueError("signature= names a SavedModel's signature; give a path with it")
-    if hasattr(model, "concrete_functions") or callable(model):
+    call = getattr(model, "__call__", None)
+    if not hasattr(model, "get_concrete_function") and hasattr(call, "get_concrete_function"):
+        return call, model       # a module's tf.function itself (a wrapper would nest it)
+    if callable(model):
         return model, model
     raise TypeError(f"pockjax.tf.load takes a SavedModel directory, a tf.Module with a "
                     f"__call__, or a tf.function; got {type(model).__name__}")
@@ -273,10 +281,11 @@ def load(model, *example_inputs, signature: str | None = None) -> tuple[dict, Tf
                          "dtypes the function takes), e.g. load(model, np.zeros((8, 224, "
                          "224, 3), np.float32))")
     fn, owner = _callable(model, tf, signature)
+    if not hasattr(fn, "get_concrete_function"):
+        fn = tf.function(fn)
     try:
         converted, values = tf2jax.convert(fn, *example_inputs)
-        traced = fn if hasattr(fn, "get_concrete_function") else tf.function(fn)
-        concrete = traced.get_concrete_function(*[tf.TensorSpec(np.shape(x), tf.as_dtype(
+        concrete = fn.get_concrete_function(*[tf.TensorSpec(np.shape(x), tf.as_dtype(
             np.asarray(x).dtype)) for x in example_inputs])
     except (ValueError, TypeError, NotImplementedError, KeyError) as e:
         raise ValueError(f"tf2jax could not convert this TensorFlow function: {e}") from e

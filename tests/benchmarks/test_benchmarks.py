@@ -250,4 +250,5 @@ def test_tf_peer_freezes_the_schemes_layers_and_reports_each_row():
         quick=True, steps=3, warmup=1, rounds=1))
     assert "| pockjax full | 10 | 0.100 | 3.00x | 900 | 2.00000 | 1.50040 |" in page
     assert "| tensorflow full XLA | | exit 1: no XLA |" in page
-    assert "- tensorflow full, tensorflow full XLA, pockjax full: 4.00e-04" in page
+    assert ("- tensorflow full, tensorflow full XLA, pockjax full, pockjax full, XLA's "
+            "convolutions: 4.00e-04") in page

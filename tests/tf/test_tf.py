@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 
+import pockjax.tf  # noqa: E402,F401  (before TensorFlow: Keras's backend stays JAX)
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
 pytest.importorskip("tf2jax")

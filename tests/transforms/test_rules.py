@@ -10,7 +10,17 @@ from jax import lax
 import pockjax as pj
 from pockjax._src.jaxpr import is_var, var_shape
 from pockjax.transforms import _rules_elementwise, _rules_layout, pushdown
+from pockjax.transforms.convolutions import convolutions_kept
 from tests.helpers import assert_matches_dense, assert_trees_close, flops
+
+
+@pytest.fixture(autouse=True)
+def _xla_convolutions():
+    """The push-down rules are tested on the convolutions JAX writes: `sparse_grad`'s
+    rewrite of depth-wise and 1x1 ones (tests/transforms/test_convolutions.py) would
+    leave the convolution rule nothing to do here."""
+    with convolutions_kept():
+        yield
 
 K = jax.random.split(jax.random.PRNGKey(0), 8)
 X = jax.random.normal(K[0], (4, 8))
