@@ -346,7 +346,8 @@ def mobilenetv2(params, *, last: int | None = None, ratio: float | None = None,
     Paths follow `pockjax.models.MobileNetV2` (`blocks/{i}/expand/conv/kernel`),
     torchvision's `mobilenet_v2` through `pockjax.torch` (`features/{i}/conv/0/0/weight`)
     or Keras's `keras.applications.MobileNetV2` through `pockjax.keras`
-    (`{model}/block_{i}_expand/kernel`, the classifier `{model}/predictions/**`).
+    (`block_{i}_expand/kernel`, the classifier `predictions/**`; under an enclosing
+    model's name where it is nested in another).
 
     Args:
       params: the model's parameters (or a model `params_of` takes).
