@@ -6,6 +6,10 @@ EXTRAS ?= dev,export,torch,keras,onnx,tf,gguf,examples,docs
 # The aarch64 build of IREE's runtime tools, to run android-arm64 artifacts under QEMU.
 ARM64_RUNTIME ?= .cache/iree-aarch64
 SMOLLM2 ?= .cache/smollm2
+# llama.cpp for AVX2 and FMA, not -march=native: on a host with AMX its native build runs
+# AMX tile instructions, which a virtual machine that does not grant them kills
+# (SIGSEGV at `ldtilecfg` in ggml_backend_amx_mul_mat).
+LLAMACPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 # System packages the Vulkan and ARM64 tests use (Debian/Ubuntu): lavapipe, QEMU and the
 # aarch64 C/C++ libraries. `make system-deps` installs them (needs root).
 SYSTEM_DEPS = mesa-vulkan-drivers qemu-user libc6-arm64-cross libstdc++6-arm64-cross
@@ -49,7 +53,7 @@ $(SMOLLM2)/.done: $(VENV)/.installed-$(EXTRAS)
 # llama.cpp (llama-cpp-python, built from source) for the test that runs a written GGUF.
 $(VENV)/.installed-llamacpp: $(VENV)/.installed-$(EXTRAS)
 	@echo "== building llama-cpp-python (llama.cpp from source): about 5 minutes the first time"
-	$(PY) -m pip install --quiet -e ".[llamacpp]"
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(PY) -m pip install --quiet --no-cache-dir -e ".[llamacpp]"
 	touch $@
 
 test-deps: arm64-runtime $(SMOLLM2)/.done $(VENV)/.installed-llamacpp

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import gguf
 import jax
@@ -196,7 +198,6 @@ def test_llama_cpp_runs_the_written_file_and_predicts_as_final(real_run):
     """llama.cpp multiplies with quantized activations, so its next-token predictions
     are compared with final/'s (transformers), not its logits."""
     import transformers
-    from llama_cpp import Llama
 
     text = ("<|im_start|>user\nWhat does the function dumps in the json module do?<|im_end|>\n"
             "<|im_start|>assistant\nIt serializes a Python object to a JSON formatted string.")
@@ -204,10 +205,17 @@ def test_llama_cpp_runs_the_written_file_and_predicts_as_final(real_run):
     from transformers import AutoTokenizer
     ids = AutoTokenizer.from_pretrained(real_run / "final").encode(text)
     want = _logits(final, np.array([ids])).argmax(-1)[0]
-    llm = Llama(model_path=str(real_run / "final.gguf"), logits_all=True, verbose=False,
-                n_ctx=128, seed=0)
-    llm.eval(ids)
-    got = np.asarray(llm.scores[:len(ids)]).argmax(-1)
+    # In its own process: llama.cpp's native code beside what a test worker has loaded
+    # (TensorFlow's libraries, after tests/tf) crashed the worker once.
+    code = ("import json, sys, numpy as np; from llama_cpp import Llama; "
+            "ids = json.loads(sys.argv[2]); "
+            "llm = Llama(model_path=sys.argv[1], logits_all=True, verbose=False, n_ctx=128, "
+            "seed=0); llm.eval(ids); "
+            "print(json.dumps(np.asarray(llm.scores[:len(ids)]).argmax(-1).tolist()))")
+    done = subprocess.run([sys.executable, "-c", code, str(real_run / "final.gguf"),
+                           json.dumps(ids)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = np.asarray(json.loads(done.stdout.strip().splitlines()[-1]))
     assert (got == want).mean() >= 0.9, (got, want)
 
 
