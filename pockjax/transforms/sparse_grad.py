@@ -35,7 +35,7 @@ from pockjax import lowbit
 from pockjax.scheme import Channels, Frozen, Full, Scheme, SchemeError, leaves_with_paths
 from pockjax.view import (ResolvedScheme, apply_sparse_updates,  # noqa: F401
                           resolved_decisions, trainable_view)
-from pockjax.transforms import dot_layout
+from pockjax.transforms import convolutions, dot_layout
 from pockjax.transforms._kept_grad import kept_value_and_grad, make_jaxpr_with_aux, push_down
 
 __all__ = ["sparse_grad", "sparse_value_and_grad", "trainable_view", "apply_sparse_updates",
@@ -281,7 +281,7 @@ class SparseGradFn:
                           for x, m in zip(other_leaves, dyn_mask) if m)
         try:
             key = (diff_def, tuple(decisions), avals, other_def, tuple(dyn_mask), static, dyn_avals,
-                   dot_layout.enabled())
+                   dot_layout.enabled(), convolutions.enabled())
             hash(key)
         except TypeError:
             raise TypeError("non-array arguments of a sparse_grad function must be hashable "

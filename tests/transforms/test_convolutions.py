@@ -122,8 +122,26 @@ def test_sparse_grad_uses_it_and_matches_jax_grad_or_keeps_the_convolution():
         return jnp.mean((h @ p["head"]) ** 2)
     scheme = pj.Scheme({"dw": pj.Channels(count=2, axis=0), "head": pj.Full()})
     assert_matches_dense(loss, scheme, params, x, rtol=1e-5, atol=1e-6)
-    text = str(jax.make_jaxpr(pj.sparse_grad(loss, scheme))(params, x))
-    assert "conv_general_dilated" not in text
-    with convolutions_kept():
-        kept = str(jax.make_jaxpr(pj.sparse_grad(loss, scheme))(params, x))
+    grad = pj.sparse_grad(loss, scheme)
+    assert "conv_general_dilated" not in str(jax.make_jaxpr(lambda p, b: grad(p, b))(params, x))
+    with convolutions_kept():  # the same function traced again, not its cached program
+        kept = str(jax.make_jaxpr(lambda p, b: grad(p, b))(params, x))
     assert "conv_general_dilated" in kept
+
+
+def test_an_export_after_training_keeps_the_convolutions():
+    """The artifact's step is traced under `convolutions_kept()` even when the trainer
+    already ran (and cached) the rewritten step."""
+    import optax
+
+    from pockjax.export.lowering import lower_step
+
+    f, x, w = _conv("NHWC", (3, 3), (1, 1), "SAME", (1, 1))
+
+    def loss(p, b):
+        return jnp.mean(jax.nn.relu(f(b, p["dw"])) ** 2)
+    trainer = pj.sparse_train(loss, optimizer=optax.sgd(0.1), scheme=pj.Scheme({"dw": pj.Full()}))
+    state = trainer.init({"dw": w})
+    state, _ = trainer(state, x)
+    state, _ = trainer(state, x)
+    assert "convolution" in lower_step(trainer, state, x).mlir
