@@ -15,7 +15,7 @@ import pytest
 MODULES = ["pockjax.scheme", "pockjax.schemes", "pockjax.nnx", "pockjax.train",
            "pockjax.models.lora", "pockjax.models.llama", "pockjax.models.mobilenetv2",
            "pockjax.models.hf", "pockjax.sharding", "pockjax.schedule",
-           "pockjax.transforms.sparse_grad", "pockjax.keras", "pockjax.onnx", "pockjax.tf"]  # pockjax.flops, .torch, .tokenizer: in their own tests
+           "pockjax.transforms.sparse_grad", "pockjax.keras", "pockjax.onnx"]  # pockjax.flops, .torch, .tokenizer, .tf: in their own tests
 
 
 @pytest.mark.parametrize("name", MODULES)
