@@ -1,3 +1,14 @@
+import os
+import sys
+
+# TensorFlow exports the LLVM it is built with to every library loaded after it, and Mesa's
+# lavapipe (LLVM 15, the Vulkan tests' driver) then crashes in the same process; Keras
+# imports TensorFlow to save a file when it is installed. Test processes run without it:
+# pockjax.tf's cases run in a process of their own (tests/tf/test_tf.py), which sets
+# POCKJAX_TEST_TENSORFLOW=1.
+if not os.environ.get("POCKJAX_TEST_TENSORFLOW"):
+    sys.modules.setdefault("tensorflow", None)
+
 import jax
 from hypothesis import settings
 

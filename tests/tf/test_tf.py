@@ -19,6 +19,6 @@ def test_pockjax_tf_cases_in_their_own_process():
         [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider",
          str(HERE / "tf_cases.py")],
         cwd=HERE.parents[1], capture_output=True, text=True, timeout=900,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "POCKJAX_TEST_TENSORFLOW": "1"})
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0 and "6 passed" in summary, done.stdout[-6000:] + done.stderr[-2000:]
