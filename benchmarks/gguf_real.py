@@ -62,8 +62,12 @@ def make_data(folder: Path) -> tuple[Path, Path]:
 
 
 def float32_folder(folder: Path) -> Path:
-    """The float32 Hugging Face folder of the GGUF file, as transformers reads it."""
-    if (folder / "model.safetensors").is_file():
+    """The float32 Hugging Face folder of the GGUF file, as transformers reads it (its
+    config without the GGUF `quantization_config`, which would make transformers treat
+    the folder as quantized and refuse to save a model trained from it)."""
+    config = folder / "config.json"
+    if (folder / "model.safetensors").is_file() and \
+            "quantization_config" not in json.loads(config.read_text()):
         return folder
     import torch
     import transformers
@@ -71,7 +75,10 @@ def float32_folder(folder: Path) -> Path:
     path = Path(SMOLLM2)
     read = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    copy = transformers.AutoModelForCausalLM.from_config(read.config)
+    settings = read.config.to_dict()
+    settings.pop("quantization_config", None)
+    copy = transformers.AutoModelForCausalLM.from_config(
+        type(read.config).from_dict(settings))
     copy.load_state_dict(read.state_dict())
     copy.save_pretrained(folder)
     transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name) \

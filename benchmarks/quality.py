@@ -1,7 +1,8 @@
 """Quality of sparse fine-tuning: every method from the same pretrained model, on the
 same batches and token budget, on two tasks the pretraining never saw.
 
-    python -m benchmarks quality [--preset small|medium|quick|medium-quick] [--out FILE]
+    python -m benchmarks quality [--preset small|medium|real|quick|medium-quick|real-quick]
+        [--out FILE]
         [--work DIR] [--task-dir PATH] [--methods NAME,NAME]
 
 The model is `benchmarks/pretrain.py`'s LLaMA pretrained on the Python standard library;
@@ -10,6 +11,8 @@ the tasks (`benchmarks/quality_data.py`) are domain adaptation to numpy's source
 from sympy (held-out loss on the body, and exact match of the body's first line under
 greedy decoding). The methods (`METHODS`, one entry a row) are PyTorch full fine-tuning
 as the quality reference, peft LoRA, and pockjax's schemes through `pockjax.finetune`.
+The `real` preset starts from a published checkpoint instead, SmolLM2-135M-Instruct from
+its GGUF file, on task "instruct" (`benchmarks/quality_real.py`).
 
 Protocol, per method and task: the learning rate is chosen on the validation split
 from a sweep (`Method.rates`, one seed, `sweep_steps`), then `seeds` runs at that rate
@@ -49,12 +52,13 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import pretrain as pretraining  # noqa: E402
-from benchmarks import quality_data  # noqa: E402
+from benchmarks import quality_data, quality_real  # noqa: E402
 from benchmarks.common import (ROOT, add_malloc_option, commit, malloc_env,  # noqa: E402
                                report_result, run_row, versions)
 from benchmarks.quality_eval import Evaluator  # noqa: E402
 from benchmarks.quality_methods import (METHODS, PRESET_TITLES, PRESETS, RESULTS,  # noqa: E402
-                                        TASKS, method_named, preset_methods, slug)
+                                        TASKS, method_named, preset_methods, rates_of, slug, tasks_of,
+                                        timing_task)
 from benchmarks.quality_plot import plot  # noqa: E402
 from benchmarks.quality_report import (collect, markdown, notes, summarize,  # noqa: E402
                                        trained_on)
@@ -82,12 +86,12 @@ def row_main(name: str, config: str) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     log_to(log)
     finals = []
-    for task in TASKS:
+    for task in tasks_of(cfg):
         if method.kind == "pretrained":
             finals.append(one_run(cfg, method, task, 0.0, 0, 0, None))
             continue
         scheme = build_scheme(cfg, method.scheme, task) if method.kind == "pockjax" else None
-        rates = method.rates[-cfg["rates_in_sweep"]:]
+        rates = rates_of(cfg, method)
         sweep = {lr: one_run(cfg, method, task, lr, 0, cfg["sweep_steps"],
                              scheme)["final_valid_loss"] for lr in rates}
         finite = {lr: v for lr, v in sweep.items() if math.isfinite(v)}
@@ -124,7 +128,7 @@ def row_main(name: str, config: str) -> None:
 
 
 def timing_main(name: str, config: str, lr: float | None = None) -> None:
-    """One row's timing process: `time_steps` steps on the domain task at the rate the
+    """One row's timing process: `time_steps` steps on `timing_task`'s task at the rate the
     sweep chose, seed 0, with validation only before the first step and after the last.
     The table's speed columns come from these runs, made one after another on an
     otherwise idle machine once every training run is done, so the quality runs may
@@ -136,16 +140,17 @@ def timing_main(name: str, config: str, lr: float | None = None) -> None:
     log = Path(cfg["runs"]) / slug(method.name) / "log.txt"
     log.parent.mkdir(parents=True, exist_ok=True)
     log_to(log)
+    task = timing_task(cfg)
     if lr is None:
-        chosen = json.loads((Path(cfg["runs"]) / slug(method.name) / "domain" / "chosen.json")
+        chosen = json.loads((Path(cfg["runs"]) / slug(method.name) / task / "chosen.json")
                             .read_text())
     else:
-        chosen = {"lr": lr, "scheme": build_scheme(cfg, method.scheme, "domain")
+        chosen = {"lr": lr, "scheme": build_scheme(cfg, method.scheme, task)
                   if method.kind == "pockjax" else None}
-        shutil.rmtree(run_dir(cfg, method, "domain", lr, 0, cfg["time_steps"]),
+        shutil.rmtree(run_dir(cfg, method, task, lr, 0, cfg["time_steps"]),
                       ignore_errors=True)  # measured again, not read back
-    run = one_run(cfg, method, "domain", chosen["lr"], 0, cfg["time_steps"], chosen["scheme"])
-    shutil.rmtree(run_dir(cfg, method, "domain", chosen["lr"], 0, cfg["time_steps"]) / "final",
+    run = one_run(cfg, method, task, chosen["lr"], 0, cfg["time_steps"], chosen["scheme"])
+    shutil.rmtree(run_dir(cfg, method, task, chosen["lr"], 0, cfg["time_steps"]) / "final",
                   ignore_errors=True)
     report_result({"row": method.name, "s_per_step": run["s_per_step"]})
 
@@ -185,23 +190,31 @@ def prepare_runs(work: Path, preset: str, task_dir: str | None = None):
     quality`): the runs' folder is named by a hash of `cfg`, whose paths are under
     `work`, so the same `work` on both machines names the same folder."""
     settings = PRESETS[preset]
-    pre_settings = pretraining.PRESETS[settings["pretrain"]]
-    seq = pre_settings["seq"]
-    exclude = corpus_exclude(task_dir)
-    where = pretraining.folders(work, settings["pretrain"], exclude)
-    corpus = pretraining.build_corpus(work, settings["pretrain"], exclude)
-    task_key = [settings["caps"], settings["sample_pct"], seq, str(task_dir),
-                corpus["pretraining_files"]["content_sha256"]]
+    if settings["pretrain"] == "real":
+        seq = settings["seq"]
+        pre = quality_real.real_model(work, seq)
+        model, heldout = Path(pre["heldout"]).parent, Path(pre["heldout"])
+        tokenizer, source_key = model, pre["sha256"]
+    else:
+        seq = pretraining.PRESETS[settings["pretrain"]]["seq"]
+        exclude = corpus_exclude(task_dir)
+        where = pretraining.folders(work, settings["pretrain"], exclude)
+        corpus = pretraining.build_corpus(work, settings["pretrain"], exclude)
+        model, heldout = where["model"], where["corpus"] / "heldout.jsonl"
+        tokenizer = where["corpus"] / "tokenizer"
+        source_key = corpus["pretraining_files"]["content_sha256"]
+    task_key = [settings["caps"], settings["sample_pct"], seq, str(task_dir), source_key]
     task_folder = work / f"tasks-{pretraining.settings_hash(task_key)}"
-    tasks = quality_data.build_tasks(task_folder, where["corpus"] / "tokenizer", seq=seq,
+    tasks = quality_data.build_tasks(task_folder, tokenizer, seq=seq,
                                      caps=settings["caps"], task_dir=task_dir,
                                      sample_pct=settings["sample_pct"])
     cfg = {k: v for k, v in settings.items()
-           if k not in ("caps", "row_timeout", "sample_pct", "time_steps")}
-    cfg.update(seq=seq, pretrained=str(where["model"]),
-               corpus_heldout=str(where["corpus"] / "heldout.jsonl"),
+           if k not in ("caps", "row_timeout", "sample_pct", "time_steps", "tasks")}
+    cfg.update(seq=seq, pretrained=str(model), corpus_heldout=str(heldout),
                tasks={t: {s: str(task_folder / t / f"{s}.jsonl") for s in quality_data.SPLITS}
-                      for t in TASKS})
+                      for t in settings.get("tasks", TASKS)})
+    if settings["pretrain"] == "real":
+        cfg["gguf"] = str(quality_real.gguf_file())
     runs = work / f"runs-{pretraining.settings_hash([cfg, tasks['settings']])}"
     cfg["runs"] = str(runs)
     cfg["time_steps"] = settings["time_steps"]  # not in the hash: timing runs are separate
@@ -219,8 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", choices=[p for p in PRESETS if p != "full"], default="small",
                     help="small (the default: 8.9M parameters on the standard library), "
                          "medium (31.6M on every installed package's sources; its "
-                         "pretraining needs a GPU, see benchmarks/gpu.py), quick and "
-                         "medium-quick (tiny models: tests of the pipeline)")
+                         "pretraining needs a GPU, see benchmarks/gpu.py), real "
+                         "(SmolLM2-135M-Instruct from its GGUF file), quick, medium-quick and "
+                         "real-quick (tests of the pipeline, minutes)")
     ap.add_argument("--quick", action="store_true",
                     help="the same as --preset quick: a tiny model, 1 seed, 1 learning rate, "
                          f"{PRESETS['quick']['steps']} steps, the rows marked quick (minutes)")
@@ -327,7 +341,7 @@ def main(argv=None) -> int:
             "versions": f"Python {platform.python_version()}, " + versions(
                 ("jax", "jaxlib", "flax", "optax", "torch", "transformers", "peft", "tokenizers",
                  "numpy", "sympy")),
-            "config": cfg, "pretrain": pre, "tasks": {t: tasks[t] for t in TASKS},
+            "config": cfg, "pretrain": pre, "tasks": {t: tasks[t] for t in tasks_of(cfg)},
             "seconds": time.perf_counter() - t_start, "notes": notes(cfg, rows),
             "malloc": None if args.no_timing else malloc,
             "trained_on": trained_on(rows)}
@@ -341,6 +355,8 @@ def main(argv=None) -> int:
 def pretrained(work: Path, settings: dict, task_dir: str | None) -> dict:
     """The preset's pretrained model under `work`, made in its own process unless it is
     there (JAX stays out of this one): its `pretrain.json`."""
+    if settings["pretrain"] == "real":
+        return quality_real.real_model(work, settings["seq"])
     exclude = corpus_exclude(task_dir)
     made = subprocess.run([sys.executable, "-m", "benchmarks.pretrain", "--preset",
                            settings["pretrain"], "--work", str(work), "--exclude",
@@ -380,7 +396,7 @@ def retime(out: Path, work: Path, preset: str, task_dir: str | None,
     cfg, _, config = prepare_runs(work, preset, task_dir)
     rows = saved["rows"]
     wanted = {method_named(n.strip()).name for n in names.split(",")} if names else None
-    timed = [r for r in rows if r["task"] == "domain" and r["kind"] != "pretrained"
+    timed = [r for r in rows if r["task"] == timing_task(cfg) and r["kind"] != "pretrained"
              and "runs" in r and (wanted is None or r["method"] in wanted)]
     changed = []
     env, malloc = malloc_env(malloc_mode)
@@ -397,7 +413,8 @@ def retime(out: Path, work: Path, preset: str, task_dir: str | None,
             print(f"quality: timing {method.name}: {result['error']}; its columns stay the "
                   f"run's", file=sys.stderr, flush=True)
             continue
-        timing = json.loads((run_dir(cfg, method, "domain", row["lr"], 0, cfg["time_steps"])
+        timing = json.loads((run_dir(cfg, method, timing_task(cfg), row["lr"], 0,
+                                     cfg["time_steps"])
                              / "train.json").read_text())
         for r in rows:
             if r["method"] == method.name and "runs" in r:

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from benchmarks import quality_data
-from benchmarks.quality_methods import TASKS
+from benchmarks.quality_methods import tasks_of
 
 
 @dataclasses.dataclass
@@ -83,9 +83,10 @@ class Evaluator:
         self.graphdef, _, self.rest = pj.nnx.split(model)
         vocab, seq = model.config.vocab_size, cfg["seq"]
         self.sets = {task: read_jsonl(cfg["tasks"][task]["test"], self.tok, seq, vocab_size=vocab)
-                     for task in TASKS}
+                     for task in tasks_of(cfg)}
         self.sets["corpus"] = read_jsonl(cfg["corpus_heldout"], self.tok, seq, vocab_size=vocab)
-        self.checks = self._exact_match_checks(cfg["tasks"]["instruct"]["test"])
+        self.checks = (self._exact_match_checks(cfg["tasks"]["instruct"]["test"])
+                       if "instruct" in self.sets else [])
 
         def stats(params, tokens, mask):
             logits = pj.nnx.merge(self.graphdef, params, self.rest)(tokens)

@@ -56,6 +56,25 @@ PRESETS = {
                          caps={"train": 2000, "valid": 16, "test": 32}, eval_batch=16,
                          search=dict(steps=4, lr=1e-3, whole_model=True, ratios=(0.25,)),
                          time_steps=4, row_timeout=900),
+    # A published checkpoint (`benchmarks/quality_real.py`): SmolLM2-135M-Instruct from
+    # its GGUF file, task "instruct" only, the rows of `REAL_METHODS`, every grid's rates
+    # a tenth of the small models' (a pretrained model of this size wants smaller steps:
+    # the small models' rates diverge here). Sweep runs are the seeds' length, so seed 0
+    # at the chosen rate is its sweep run. A row takes 10-25 minutes on a 2-core Xeon.
+    "real": dict(pretrain="real", tasks=("instruct",), seq=256, steps=32, sweep_steps=32,
+                 seeds=2, rates_in_sweep=2, rate_scale=0.1, blockwise_every=4,
+                 eval_points=4, batch=4, warmup_frac=0.1, sample_pct=100,
+                 caps={"train": 2000, "valid": 32, "test": 64}, eval_batch=8,
+                 search=dict(steps=4, lr=1e-4, last_blocks=4, parts=("**",), ratios=()),
+                 time_steps=6, row_timeout=3 * 3600),
+    # The real preset's code path at a size that runs in minutes: a test of the pipeline.
+    "real-quick": dict(pretrain="real", tasks=("instruct",), seq=128, steps=4, sweep_steps=4,
+                       seeds=1, rates_in_sweep=1, rate_scale=0.1, blockwise_every=2,
+                       eval_points=2, batch=2, warmup_frac=0.1, sample_pct=10,
+                       caps={"train": 200, "valid": 8, "test": 8}, eval_batch=8,
+                       search=dict(steps=2, lr=1e-4, last_blocks=1, parts=("mlp/**",),
+                                   ratios=()),
+                       time_steps=3, row_timeout=1800),
 }
 PRESETS["full"] = PRESETS["small"]  # the small preset's former name
 
@@ -110,6 +129,10 @@ METHODS = [
            frozen="int8"),
     Method("pockjax last:2 int4", "pockjax", "last:2", rates=FEW_RATES, quick=False,
            frozen="int4"),
+    # The real preset: PockEngine's scheme from the GGUF file itself, its frozen weights
+    # kept in the file's blocks (`frozen="gguf"`: the model is the file, not the folder).
+    Method("pockjax paper (GGUF file)", "pockjax", "paper", rates=FEW_RATES, quick=False,
+           frozen="gguf"),
 ]
 REFERENCE = "torch full (AdamW)"
 # The medium preset's rows: the references, LoRA, and pockjax's whole-block, channel,
@@ -118,23 +141,49 @@ MEDIUM_METHODS = ("pretrained (no fine-tuning)", "torch full (AdamW)", "peft LoR
                   "peft LoRA r16", "pockjax full", "pockjax last:1", "pockjax last:2",
                   "pockjax paper", "pockjax paper+head", "pockjax search:LoRA-r8",
                   "pockjax channels in 1/4", "pockjax blockwise")
+# The real preset's rows: the references, LoRA, and pockjax's whole-model, block and
+# PockEngine schemes, the last also from the GGUF file as it is stored.
+REAL_METHODS = ("pretrained (no fine-tuning)", "torch full (AdamW)", "peft LoRA r8",
+                "pockjax full", "pockjax last:2", "pockjax paper", "pockjax paper (GGUF file)")
 
 
 PRESET_TITLES = {"quick": "quick preset", "small": "small preset, 8.9M parameters",
                  "full": "small preset, 8.9M parameters",
                  "medium": "medium preset, 31.6M parameters",
-                 "medium-quick": "medium-quick preset"}
+                 "medium-quick": "medium-quick preset",
+                 "real": "real preset, SmolLM2-135M-Instruct from its GGUF file",
+                 "real-quick": "real-quick preset"}
 # Each preset's results page (the .json and .png beside it).
 RESULTS = {"quick": "quality_quick.md", "small": "quality.md", "medium": "quality_medium.md",
-           "medium-quick": "quality_medium-quick.md"}
+           "medium-quick": "quality_medium-quick.md", "real": "quality_real.md",
+           "real-quick": "quality_real-quick.md"}
 
 
 def preset_methods(preset: str) -> list[Method]:
     """The rows a preset runs: the quick preset's marked ones, the small preset's all,
-    the medium presets' `MEDIUM_METHODS`."""
+    the medium presets' `MEDIUM_METHODS`, the real presets' `REAL_METHODS`."""
+    if preset.startswith("real"):
+        return [m for m in METHODS if m.name in REAL_METHODS]
     if preset.startswith("medium"):
         return [m for m in METHODS if m.name in MEDIUM_METHODS]
     return [m for m in METHODS if m.quick or preset in ("small", "full")]
+
+
+def tasks_of(cfg: dict) -> tuple[str, ...]:
+    """The tasks a run's configuration trains on, in `TASKS`'s order."""
+    return tuple(t for t in TASKS if t in cfg.get("tasks", TASKS))
+
+
+def timing_task(cfg: dict) -> str:
+    """The task the timing runs train on: "domain" where the preset has it."""
+    return "domain" if "domain" in tasks_of(cfg) else tasks_of(cfg)[0]
+
+
+def rates_of(cfg: dict, method: Method) -> list[float]:
+    """The method's sweep grid in this preset: the last `rates_in_sweep` of its rates,
+    scaled by the preset's `rate_scale`."""
+    scale = cfg.get("rate_scale", 1.0)
+    return [float(f"{r * scale:.3g}") for r in method.rates[-cfg["rates_in_sweep"]:]]
 
 
 def slug(name: str) -> str:

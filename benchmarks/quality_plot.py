@@ -70,9 +70,10 @@ def plot(rows, path: Path, title: str = "") -> None:
     from matplotlib.lines import Line2D
 
     style = styles(rows)
-    fig, axes = plt.subplots(2, len(TASKS), figsize=(6.2 * len(TASKS) + 3.2, 10),
+    tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
+    fig, axes = plt.subplots(2, len(tasks), figsize=(6.2 * len(tasks) + 3.2, 10),
                              squeeze=False)
-    for col, task in enumerate(TASKS):
+    for col, task in enumerate(tasks):
         plane, curves = axes[0][col], axes[1][col]
         points, target = [], None
         for r in rows:
@@ -118,7 +119,7 @@ def plot(rows, path: Path, title: str = "") -> None:
     fig.legend(handles=handles, loc="center right", fontsize=8, frameon=False)
     if title:
         fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0, 1 - 3.0 / (6.2 * len(TASKS) + 3.2), 1))
+    fig.tight_layout(rect=(0, 0, 1 - 3.0 / (6.2 * len(tasks) + 3.2), 1))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 

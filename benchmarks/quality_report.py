@@ -9,7 +9,8 @@ import statistics
 from pathlib import Path
 
 from benchmarks.quality_methods import (LINEARS, PRESET_TITLES, QUALITY_MARGIN, REFERENCE,
-                                        TASKS, Method, slug)
+                                        Method, slug, tasks_of, timing_task)
+from benchmarks.quality_real import model_paragraph
 from benchmarks.quality_runs import run_dir
 
 
@@ -37,7 +38,7 @@ def collect(cfg: dict, methods) -> list[dict]:
     the sweep, the seeds' train and eval records and their summary."""
     rows = []
     for method in methods:
-        for task in TASKS:
+        for task in tasks_of(cfg):
             folder = Path(cfg["runs"]) / slug(method.name) / task
             row = {"method": method.name, "task": task, "kind": method.kind,
                    "scheme": method.scheme}
@@ -67,9 +68,10 @@ def collect(cfg: dict, methods) -> list[dict]:
                 continue
             row.update(lr=lr, sweep=sweep, runs=runs)
             if method.kind != "pretrained" and cfg.get("time_steps"):
-                # Speed is measured once a method, on the domain task (both tasks' batches
-                # are padded to the same shape).
-                timing = run_dir(cfg, method, "domain", chosen_lr(cfg, method, "domain"), 0,
+                # Speed is measured once a method, on one task (both tasks' batches are
+                # padded to the same shape).
+                task_t = timing_task(cfg)
+                timing = run_dir(cfg, method, task_t, chosen_lr(cfg, method, task_t), 0,
                                  cfg["time_steps"]) / "train.json"
                 if timing.is_file():
                     row["timing"] = json.loads(timing.read_text())
@@ -157,45 +159,63 @@ def retimed_lines(meta) -> list[str]:
             f"every other column is the run above's.{differ}", ""]
 
 
-def markdown(rows, meta) -> str:
-    p, cfg = meta["preset"], meta["config"]
-    pre = meta["pretrain"]
+def _model_paragraph(pre: dict) -> str:
+    """The **Model** paragraph: the real preset's checkpoint, or the model pretrained here."""
+    if pre.get("source") == "gguf":
+        return model_paragraph(pre)
     packages = pre["corpus"]["settings"].get("source") == "packages"
     corpus = (f"the standard library and every installed package's sources except "
               f"{', '.join(pre['corpus']['settings']['exclude'])} under "
               if packages else "the standard library of ")
     head = pre["settings"]["hidden"] * pre["corpus"]["vocab_size"]
+    return (f"**Model**: pockjax's LLaMA, {pre['settings']['layers']} blocks, width "
+            f"{pre['settings']['hidden']}, vocabulary {pre['corpus']['vocab_size']} "
+            f"({pre['parameters']:,} parameters, the output head {head / pre['parameters']:.1%} of "
+            f"them), pretrained by `python -m benchmarks pretrain --preset "
+            f"{ {'full': 'small'}.get(pre['preset'], pre['preset'])}` for "
+            f"{pre['steps']:,} steps of "
+            f"{pre['settings']['batch']} x {pre['settings']['seq']} tokens "
+            + (f"({pre['tokens_per_parameter']:.1f} tokens a parameter, {pre['passes']:.2f} passes) "
+               if "tokens_per_parameter" in pre else "")
+            + f"on {corpus}{pre['corpus']['interpreter']} "
+            f"({pre['corpus']['pretraining_files']['files']:,} files, "
+            f"{pre['corpus']['tokens']['train_files']:,} tokens, file list sha256 "
+            f"`{pre['corpus']['pretraining_files']['list_sha256'][:16]}`)"
+            + (f", on {pre['trained_on']['device']} (JAX {pre['trained_on']['jax']}"
+               + (f", {pre['settings']['matmul']} matmuls" if pre["settings"].get("matmul") else "")
+               + ")" if "trained_on" in pre else "")
+            + f"; its held-out loss {pre['heldout_loss']:.4f}"
+            + (f" (weights rounded to bfloat16 after training; {pre['heldout_loss_unrounded']:.4f} "
+               f"before)" if pre.get("heldout_loss_unrounded") else "") + ".")
+
+
+def _tasks_paragraph(meta: dict, cfg: dict) -> str:
+    """The **Tasks** paragraph, for the tasks the preset has."""
+    t = meta["tasks"]
+    said = []
+    if "domain" in t:
+        said.append(f"*domain*, the sources of {t['domain']['source']} "
+                    f"{t['domain']['version']} (test: {t['domain']['records']['test']} records "
+                    f"of up to {cfg['seq']} tokens)")
+    if "instruct" in t:
+        said.append(f"*instruct*, signature + docstring -> body of {t['instruct']['source']} "
+                    f"{t['instruct']['version']}'s functions (loss on the body only; test: "
+                    f"{t['instruct']['records']['test']} functions)")
+    where = ("held out from pretraining, split by file" if meta["pretrain"].get("source") != "gguf"
+             else "split by file")
+    return f"**Tasks** ({where}): " + "; ".join(said) + "."
+
+
+def markdown(rows, meta) -> str:
+    p, cfg = meta["preset"], meta["config"]
+    pre = meta["pretrain"]
     lines = [
         f"# Fine-tuning quality: pockjax's schemes against PyTorch and peft "
         f"({PRESET_TITLES.get(p, p + ' preset')})", "",
         f"Run {meta['date']}, commit {meta['commit']}. {meta['cpu']}, {meta['cores']} cores; "
         f"{meta['versions']}.", ""] + retimed_lines(meta) + [
-        f"**Model**: pockjax's LLaMA, {pre['settings']['layers']} blocks, width "
-        f"{pre['settings']['hidden']}, vocabulary {pre['corpus']['vocab_size']} "
-        f"({pre['parameters']:,} parameters, the output head {head / pre['parameters']:.1%} of "
-        f"them), pretrained by `python -m benchmarks pretrain --preset "
-        f"{ {'full': 'small'}.get(pre['preset'], pre['preset'])}` for "
-        f"{pre['steps']:,} steps of "
-        f"{pre['settings']['batch']} x {pre['settings']['seq']} tokens "
-        + (f"({pre['tokens_per_parameter']:.1f} tokens a parameter, {pre['passes']:.2f} passes) "
-           if "tokens_per_parameter" in pre else "")
-        + f"on {corpus}{pre['corpus']['interpreter']} "
-        f"({pre['corpus']['pretraining_files']['files']:,} files, "
-        f"{pre['corpus']['tokens']['train_files']:,} tokens, file list sha256 "
-        f"`{pre['corpus']['pretraining_files']['list_sha256'][:16]}`)"
-        + (f", on {pre['trained_on']['device']} (JAX {pre['trained_on']['jax']}"
-           + (f", {pre['settings']['matmul']} matmuls" if pre["settings"].get("matmul") else "")
-           + ")" if "trained_on" in pre else "")
-        + f"; its held-out loss {pre['heldout_loss']:.4f}"
-        + (f" (weights rounded to bfloat16 after training; {pre['heldout_loss_unrounded']:.4f} "
-           f"before)" if pre.get("heldout_loss_unrounded") else "") + ".",
-        f"**Tasks** (held out from pretraining, split by file): *domain*, the sources of "
-        f"{meta['tasks']['domain']['source']} {meta['tasks']['domain']['version']} "
-        f"(test: {meta['tasks']['domain']['records']['test']} records of up to {cfg['seq']} "
-        f"tokens); *instruct*, signature + docstring -> body of "
-        f"{meta['tasks']['instruct']['source']} {meta['tasks']['instruct']['version']}'s "
-        f"functions (loss on the body only; test: {meta['tasks']['instruct']['records']['test']} "
-        f"functions).",
+        _model_paragraph(pre),
+        _tasks_paragraph(meta, cfg),
         f"**Protocol**: each method and task: learning rate chosen on the validation split "
         f"({cfg['rates_in_sweep']} rates, seed 0, {cfg['sweep_steps']} steps), then "
         f"{cfg['seeds']} seed(s) x {cfg['steps']} steps of {cfg['batch']} x {cfg['seq']} "
@@ -211,7 +231,8 @@ def markdown(rows, meta) -> str:
         "pretrained model's (forgetting); *exact match*: the body's first line under greedy "
         "decoding; *s/step*: the median of the steps after the first (pockjax's first step "
         "compiles) in the row's timing run"
-        + (f" ({cfg['time_steps']} steps on the domain task at the chosen rate, seed 0, one "
+        + (f" ({cfg['time_steps']} steps on the {timing_task(cfg)} task at the chosen rate, "
+           "seed 0, one "
            "process per row, after all training, on an otherwise idle machine"
            + (f"; allocator {meta['malloc']}" if meta.get("malloc") else "") + ")"
            if cfg.get("time_steps") else "s (the training runs themselves)")
@@ -223,7 +244,7 @@ def markdown(rows, meta) -> str:
         "one, counted as the timing run's first step (compilation included) plus its "
         "median step time for every further step (validation not counted), \"never\" "
         "otherwise; \"at start\" where the pretrained model is already within it.", ""]
-    for task in TASKS:
+    for task in tasks_of(cfg):
         em = task == "instruct"
         lines += [f"## Task: {task}", "",
                   "| method | lr | test loss | share of full FT's gain | "

@@ -133,12 +133,16 @@ def train_pockjax(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict
 
     data = cfg["tasks"][task]
     try:
-        result = pj.finetune(cfg["pretrained"], data["train"], out, valid=data["valid"],
+        # frozen "gguf": the model is the GGUF file the pretrained folder was made from,
+        # its frozen weights kept in the file's blocks.
+        model = cfg["gguf"] if method.frozen == "gguf" else cfg["pretrained"]
+        result = pj.finetune(model, data["train"], out, valid=data["valid"],
                              scheme=scheme, steps=steps, batch=cfg["batch"], seq=cfg["seq"],
                              lr=lr, warmup=warmup_steps(steps, cfg), schedule="cosine",
                              eval_every=eval_every(steps, cfg), keep=1, seed=seed,
                              overwrite=True, plot=False, progress=False,
-                             frontend=method.frontend, frozen_dtype=method.frozen)
+                             frontend=method.frontend,
+                             frozen_dtype="float32" if method.frozen == "gguf" else method.frozen)
     except NonFiniteLoss as e:
         raise FloatingPointError(str(e)) from None
     import jax

@@ -592,3 +592,34 @@ def test_medium_pipeline_through_a_device_run(tmp_path):
     assert "share of full FT's gain" in text and "medium-quick preset" in text
     assert "every installed package's sources except numpy, sympy" in text
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_real_preset_rows_rates_and_page():
+    """The real preset (a published checkpoint, one task): its rows, its grids scaled
+    to a pretrained model's rates, the task its timing runs use, and a results page that
+    describes the checkpoint and has no table for a task it did not run."""
+    from benchmarks import quality_methods, quality_report
+
+    names = [m.name for m in quality.preset_methods("real")]
+    assert names == list(quality_methods.REAL_METHODS)
+    cfg = {k: v for k, v in quality.PRESETS["real"].items() if k != "tasks"}
+    cfg["tasks"] = {"instruct": {}}
+    assert quality_methods.tasks_of(cfg) == ("instruct",)
+    assert quality_methods.timing_task(cfg) == "instruct"
+    assert quality_methods.timing_task({"tasks": {"domain": {}, "instruct": {}}}) == "domain"
+    full, paper = (quality.method_named(n) for n in ("torch full (AdamW)", "pockjax paper"))
+    assert quality_methods.rates_of(cfg, full) == [3e-5, 1e-4]
+    assert quality_methods.rates_of(cfg, paper) == [1e-4, 3e-4]
+    assert quality_methods.rates_of({"rates_in_sweep": 1}, paper) == [3e-3]
+    assert quality.group_of("pockjax paper (GGUF file)") == "pockjax low-bit frozen"
+    pre = {"preset": "real", "source": "gguf", "file": "m.gguf", "sha256": "ab" * 32,
+           "seq": 256, "parameters": 134_515_008, "heldout_records": 64,
+           "settings": {"layers": 30, "hidden": 576, "vocab": 49152, "tied": True}}
+    meta = {"preset": "real", "config": {**cfg, "time_steps": 6}, "pretrain": pre,
+            "date": "d", "commit": "c", "cpu": "cpu", "cores": 2, "versions": "v",
+            "tasks": {"instruct": {"source": "sympy", "version": "1", "records": {"test": 64}}}}
+    page = quality_report.markdown([], meta)
+    assert "SmolLM2-135M-Instruct (134,515,008 parameters, 30 blocks" in page
+    assert "head tied to the embedding" in page and "`m.gguf`" in page
+    assert "## Task: instruct" in page and "## Task: domain" not in page
+    assert "*domain*" not in page and "6 steps on the instruct task" in page
