@@ -153,7 +153,7 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
                                 f"({', '.join(hf.SUPPORTED_FAMILIES)}, with --frontend auto or "
                                 f"flax); convert other families to a model folder")
         from pockjax.finetuning._gguf import gguf_model
-        return gguf_model(folder, frozen_dtype, lora, scheme_of, flax_loaded)
+        return gguf_model(folder, frozen_dtype, lora, scheme_of, flax_loaded, seed)
     if kind == "flax":
         if scheme_of is not None and frozen_dtype != "float32" and lora is None:
             return _flax_model_stored(folder, frozen_dtype, scheme_of)

@@ -92,10 +92,12 @@ def stored_leaf(t, decision, *, transposed: bool, rows=None):
                      channels=(ch_axis, start, count))
 
 
-def load_llama_gguf(folder, decide):
+def load_llama_gguf(folder, decide, abstract=None):
     """`(graphdef, params, rest, config)` of the LLaMA-family model of a GGUF model
     folder (`model_folder`), each tensor stored by `stored_leaf` under `decide(path)`
     (the scheme's decision for the parameter path, or None for every leaf trained).
+    `abstract`: the model's structure (`nnx.eval_shape` of it, e.g. with LoRA adapters,
+    which stay abstract here); default the plain `Llama` of the folder's config.
 
     Raises:
       GgufError: the file lacks a tensor the config needs, or one has another shape.
@@ -115,7 +117,8 @@ def load_llama_gguf(folder, decide):
     tensors = read_tensors(source, reader)
     mapped = hf_to_gguf_names(source, read_config(folder), names.values(), reader)
     del reader
-    abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+    if abstract is None:
+        abstract = nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
     graphdef, params, rest = pj_nnx.split(abstract)
     for path, name in names.items():
         gname = mapped[name]

@@ -154,6 +154,49 @@ def test_a_run_from_the_file_equals_the_run_from_its_float32_folder(tiny_runs, t
                                    atol=max(1e-6, 1e-3 * float(moved)), err_msg=name)
 
 
+def test_lora_on_the_file_equals_lora_on_its_float32_folder(tiny_runs, tiny_gguf):
+    """QLoRA on the file as stored: LoRA adapters over the file's blocks train as they do
+    over the float32 folder (same draws, same losses); final/ and final.gguf hold the
+    merged kernels, and every tensor without an adapter keeps the file's bytes."""
+    tmp = tiny_runs[0]
+    train, valid = tmp / "train.jsonl", tmp / "valid.jsonl"
+    kw = dict(scheme="lora:4", steps=3, batch=2, seq=64, lr=1e-2, progress=False, plot=False,
+              compile_cache=False, valid=str(valid), seed=3)
+    a = finetune(str(tiny_gguf), str(train), str(tmp / "lora-gguf"), gguf_type="F32", **kw)
+    b = finetune(str(tmp / "float32"), str(train), str(tmp / "lora-folder"), **kw)
+    la = [r["loss"] for r in _metrics(tmp / "lora-gguf") if "loss" in r]
+    lb = [r["loss"] for r in _metrics(tmp / "lora-folder") if "loss" in r]
+    assert len(la) == 3 and la == pytest.approx(lb, rel=1e-5, abs=1e-5)
+    assert la[-1] < la[0] and a.valid_loss == pytest.approx(b.valid_loss, rel=1e-5)
+    assert a.trainable_params == b.trainable_params
+    from safetensors.numpy import load_file
+    fa = load_file(tmp / "lora-gguf" / "final" / "model.safetensors")
+    fb = load_file(tmp / "lora-folder" / "final" / "model.safetensors")
+    base = load_file(tmp / "float32" / "model.safetensors")
+    assert fa.keys() == fb.keys() == base.keys()
+    for name in fa:
+        moved = float(np.abs(fb[name] - base[name]).max())
+        if name.endswith("proj.weight"):
+            assert moved > 0, name   # merged: the adapters moved it
+        np.testing.assert_allclose(fa[name], fb[name], rtol=0,
+                                   atol=max(1e-6, 1e-3 * moved), err_msg=name)
+    report = json.loads((tmp / "lora-gguf" / "final.gguf.json").read_text())
+    trained = {n for n, r in report.items() if "trained" in r}
+    assert trained and all(n.startswith("blk.") and n.endswith(".weight") and "norm" not in n
+                           for n in trained)
+    src = {t.name: t for t in gguf.GGUFReader(str(tiny_gguf)).tensors}
+    for t in gguf.GGUFReader(str(tmp / "lora-gguf" / "final.gguf")).tensors:
+        if t.name not in trained:
+            np.testing.assert_array_equal(np.asarray(t.data).view(np.uint8),
+                                          np.asarray(src[t.name].data).view(np.uint8))
+    tokens = np.array([[1, 504, 3458, 0, 49151, 2, 17]], np.int32)
+    import transformers
+    want = _logits(transformers.AutoModelForCausalLM.from_pretrained(
+        tmp / "lora-gguf" / "final").eval(), tokens)
+    np.testing.assert_allclose(_logits(_hf(tmp / "lora-gguf" / "final.gguf"), tokens), want,
+                               rtol=0, atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
 def test_final_gguf_keeps_the_frozen_bytes_and_metadata(tiny_runs, tiny_gguf):
     tmp, _, _ = tiny_runs
     written = tmp / "from-gguf" / "final.gguf"
@@ -259,9 +302,6 @@ def test_bad_input_names_the_file_and_the_fix(tmp_path, smollm2):
     with pytest.raises(FinetuneError, match="keeps its frozen weights in the file's own "
                                             "blocks; leave --frozen-dtype at float32"):
         finetune(str(smollm2), str(train), str(tmp_path / "a"), steps=1, frozen_dtype="int4",
-                 progress=False)
-    with pytest.raises(FinetuneError, match="lora:4 on a GGUF file is not implemented"):
-        finetune(str(smollm2), str(train), str(tmp_path / "b"), steps=1, scheme="lora:4",
                  progress=False)
     assert not os.path.exists(tmp_path / "a" / "run.json")
     with pytest.raises(FinetuneError, match="reads GGUF files of the families its Flax LLaMA"):
