@@ -88,6 +88,38 @@ def _trained_tensors(loaded, chosen, params) -> tuple[dict, dict]:
     return out, lora
 
 
+def _gguf_layout(loaded, folder: Path, source: Path, gguf_type: str) -> dict:
+    """What `pockjax run` needs to write `final/` and `final.gguf` from a GGUF base
+    without JAX: the file's name, each checkpoint name's tensor in the file, the q and k
+    projections' row order (llama.cpp interleaves each head's rotary halves), the type
+    the trained tensors are written in, and the architecture's settings."""
+    from pockjax.gguf._read import hf_to_gguf_names, unpermute_rows
+    from pockjax.models.hf import read_config
+
+    import jax
+
+    from pockjax import lowbit
+    from pockjax.scheme import path_str
+
+    config = read_config(folder)
+    shapes = {}   # checkpoint name -> its shape in the file's layout ([out, in])
+    for key, leaf in jax.tree_util.tree_flatten_with_path(loaded.params,
+                                                          is_leaf=lowbit.is_quantized)[0]:
+        path = path_str(key)
+        name = loaded.checkpoint_name(path)
+        if name is not None:
+            shape = tuple(leaf.shape)
+            shapes[name] = shape[::-1] if path in loaded.checkpoint_transposed else shape
+    mapped = hf_to_gguf_names(source, config, list(shapes))
+    rows = {}
+    for name, shape in shapes.items():
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config["num_attention_heads"] if "q_proj" in name else \
+                config.get("num_key_value_heads", config["num_attention_heads"])
+            rows[name] = unpermute_rows(shape[0], heads).tolist()
+    return {"file": source.name, "names": mapped, "rows": rows, "type": gguf_type}
+
+
 def export_job(model, target: str, out, *, options: FinetuneOptions | None = None,
                gpu: str | None = None, extra_flags=(), base: bool = True,
                progress: bool = True, **keywords):
@@ -107,7 +139,7 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
     from pockjax.export import export
     from pockjax.finetuning._job import check_positions, options_from
     from pockjax.finetuning._step import make_trainer, trainer_params
-    from pockjax.finetuning._model import load_model
+    from pockjax.finetuning._model import load_model, model_folder
     from pockjax.finetuning._spec import choose_scheme
     from pockjax.tokenizer import Tokenizer, TokenizerError
 
@@ -129,12 +161,8 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
     if scheme.kind == "blockwise":
         raise FinetuneError(f"--scheme {scheme}: a schedule changes which weights train as it "
                             f"goes, and an artifact compiles one step; export one scheme")
-    if Path(model).is_file():
-        raise FinetuneError(f"--model '{model}': the device job of a GGUF file (its frozen "
-                            f"blocks in the artifact, final.gguf written on the device) is not "
-                            f"implemented; fine-tune it with `pockjax finetune --model "
-                            f"{model}`, or export a model folder")
-    model = Path(model)
+    source = Path(model) if Path(model).is_file() else None   # a GGUF file
+    model = model_folder(model)
     try:
         tokenizer = Tokenizer.from_folder(model)
     except TokenizerError as e:
@@ -164,17 +192,22 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
     folder = tmp / MODEL
     folder.mkdir()
     copied = [name for name in _FOLDER_FILES if (model / name).is_file()]
-    if base:
+    origin = {name: model / name for name in copied}
+    if base and source is not None:
+        origin[source.name] = source
+        copied.append(source.name)
+    elif base:
         from pockjax.models.hf import INDEX, weight_files
 
         copied += [f.name for f in weight_files(model)]
         if (model / INDEX).is_file():
             copied.append(INDEX)
+        origin.update({name: model / name for name in copied})
     for name in copied:
         try:  # a hard link where the file system allows: no second copy of the weights
-            os.link(model / name, folder / name)
+            os.link(origin[name], folder / name)
         except OSError:
-            shutil.copyfile(model / name, folder / name)
+            shutil.copyfile(origin[name], folder / name)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else (tokenizer.eos_id or 0)
     job = {"format": FORMAT, "version": VERSION, "base": str(model.resolve()),
            "model_type": json.loads((model / "config.json").read_text()).get("model_type"),
@@ -187,6 +220,9 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
            "total_params": info.total_params, "with_base": base, "trained": trained,
            "lora": adapters,
            "files": {f"{MODEL}/{name}": sha256(folder / name) for name in sorted(copied)}}
+    if source is not None:
+        job["gguf"] = _gguf_layout(loaded, model, source, o.gguf_type)
+        job["base"] = str(source.resolve())
     from pockjax.checkpoint import write_atomic
 
     write_atomic(tmp / JOB, (json.dumps(job, indent=1) + "\n").encode())

@@ -95,7 +95,8 @@ def merge_final(artifact, values: dict[str, np.ndarray], final) -> None:
     `params/...` tensors) in the base tensor's dtype and layout; a weight trained in
     part gets its trained channels over the base's values; LoRA kernels are merged with
     their adapters; every other tensor is the base's bytes. Written beside `final` and
-    renamed into place.
+    renamed into place. A job of a GGUF file writes `final.gguf` beside it too
+    (`pockjax.finetuning._job_gguf`).
 
     Raises:
       FinetuneError: the artifact was exported without the base weights (`--no-base`).
@@ -109,6 +110,38 @@ def merge_final(artifact, values: dict[str, np.ndarray], final) -> None:
         raise FinetuneError(f"'{artifact}' was exported without the base model's weights "
                             f"(--no-base), so no fine-tuned folder can be written from it; "
                             f"the trained tensors are in the checkpoints")
+
+    def trained(name, base):
+        """A trained tensor in the folder's layout; `base(name)`: the base's values."""
+        spec = job["trained"][name]
+        value = np.asarray(values[spec["path"]], np.float32)
+        if spec["channels"] is not None:  # the base's values, the trained channels over them
+            axis, begin, count = spec["channels"]
+            full = np.asarray(base(name), np.float32)
+            full = np.array(full.T if spec["transposed"] else full)
+            index = [slice(None)] * full.ndim
+            index[axis] = slice(begin, begin + count)
+            full[tuple(index)] = value
+            value = full
+        return value.T if spec["transposed"] else value
+
+    def merged(name, base):
+        """A LoRA kernel merged with its adapters, in the folder's layout."""
+        spec = job["lora"][name]
+        if spec["kernel"] in values:
+            kernel = np.asarray(values[spec["kernel"]], np.float32)
+        else:  # a state without the frozen weights: the base's kernel
+            kernel = np.asarray(base(name), np.float32)
+            kernel = kernel.T if spec["transposed"] else kernel
+        a, b = (np.asarray(values[spec[k]], np.float32) for k in ("a", "b"))
+        value = kernel + spec["scale"] * (a @ b)
+        return value.T if spec["transposed"] else value
+
+    if job.get("gguf"):
+        from pockjax.finetuning._job_gguf import merge_final_gguf
+
+        merge_final_gguf(artifact, job, values, final, trained, merged)
+        return
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -123,42 +156,18 @@ def merge_final(artifact, values: dict[str, np.ndarray], final) -> None:
             fh.seek(start + a)
             return np.frombuffer(fh.read(b - a), numpy_dtype(t["dtype"])).reshape(t["shape"])
 
-    def trained(name, file, t, start):
-        spec = job["trained"][name]
-        value = np.asarray(values[spec["path"]], np.float32)
-        if spec["channels"] is not None:  # the base's values, the trained channels over them
-            axis, begin, count = spec["channels"]
-            full = base_array(file, t, start).astype(np.float32)
-            full = full.T if spec["transposed"] else full
-            full = np.array(full)
-            index = [slice(None)] * full.ndim
-            index[axis] = slice(begin, begin + count)
-            full[tuple(index)] = value
-            value = full
-        return value.T if spec["transposed"] else value
-
-    def merged(name, file, t, start):
-        spec = job["lora"][name]
-        if spec["kernel"] in values:
-            kernel = np.asarray(values[spec["kernel"]], np.float32)
-        else:  # a state without the frozen weights: the base's kernel
-            kernel = base_array(file, t, start).astype(np.float32)
-            kernel = kernel.T if spec["transposed"] else kernel
-        a, b = (np.asarray(values[spec[k]], np.float32) for k in ("a", "b"))
-        value = kernel + spec["scale"] * (a @ b)
-        return value.T if spec["transposed"] else value
-
     for file in weights:
         header, start = safetensors_header(file)
         entries = []
         for name, t in header.items():
             dtype = numpy_dtype(t["dtype"])
+            base = lambda _, t=t: base_array(file, t, start)  # noqa: E731
             if name in job["trained"]:
-                get = (lambda n=name, t=t, d=dtype:
-                       np.ascontiguousarray(trained(n, file, t, start).astype(d)))
+                get = (lambda n=name, b=base, d=dtype:
+                       np.ascontiguousarray(trained(n, b).astype(d)))
             elif name in job["lora"]:
-                get = (lambda n=name, t=t, d=dtype:
-                       np.ascontiguousarray(merged(n, file, t, start).astype(d)))
+                get = (lambda n=name, b=base, d=dtype:
+                       np.ascontiguousarray(merged(n, b).astype(d)))
             else:
                 get = lambda t=t: base_array(file, t, start)  # noqa: E731
             entries.append((name, tuple(t["shape"]), dtype, get))
@@ -201,6 +210,12 @@ def run_job(artifact, data, out, *, valid=None, steps: int | None = None,
     if resume and overwrite:
         raise FinetuneError("give --resume or --overwrite, not both")
     job = read_job(artifact)
+    if job.get("gguf") and job["with_base"]:
+        import importlib.util
+        if importlib.util.find_spec("gguf") is None:
+            raise FinetuneError(f"'{artifact}' was exported from the GGUF file "
+                                f"{job['gguf']['file']}, and its final.gguf is written with "
+                                f"the gguf package: pip install gguf")
     RunFolder.check(out, resume=resume, overwrite=overwrite)
     try:
         tokenizer = Tokenizer.from_folder(artifact / MODEL)

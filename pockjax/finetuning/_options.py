@@ -125,7 +125,7 @@ class FinetuneOptions:
                              "final/: the file's own bytes for every frozen tensor, the trained "
                              "ones in this type (default F16; BF16, F32, or a block type gguf "
                              "quantizes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)", choices=GGUF_TYPES,
-                             metavar="TYPE")
+                             metavar="TYPE", job=True)
     logits: str = _option("targets", "where the output head runs: targets (default: only at "
                           "the positions the loss counts, when prompts and padding leave at "
                           "most half of a batch's; with the prefix cache on, everywhere) or all",

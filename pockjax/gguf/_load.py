@@ -17,37 +17,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pockjax.gguf._read import (GgufError, hf_to_gguf_names, read_tensors, source_of,
-                                unpermute_rows)
+from pockjax.gguf._read import (GgufError, float_values, hf_to_gguf_names, plain_values,
+                                read_tensors, source_of, unpermute_rows)
 from pockjax.lowbit import Cast, Quantized
 from pockjax.lowbit._blocks import BLOCK_TYPES, Blocks, split_blocks
 from pockjax.scheme import Channels, Frozen
-
-
-def float_values(t, rows=None) -> np.ndarray:
-    """A GGUF tensor's values in float32 (`[out, in]` for a weight), rows reordered by
-    `rows` where given: `gguf.quants.dequantize`'s (which the step's decoding of the
-    stored blocks equals bit for bit)."""
-    raw = t.raw if rows is None else t.raw[rows]
-    if t.type in BLOCK_TYPES:
-        import gguf
-
-        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.type]).reshape(
-            raw.shape[:-1] + (t.shape[-1],))
-    values = _plain(t)
-    return values if rows is None else values[rows]
-
-
-def _plain(t) -> np.ndarray:
-    """An F32, F16 or BF16 tensor's values in float32."""
-    if t.type == "F32":
-        return np.array(t.raw.view(np.float32).reshape(t.shape))
-    if t.type == "F16":
-        return t.raw.view(np.float16).reshape(t.shape).astype(np.float32)
-    if t.type == "BF16":
-        return t.raw.view(ml_dtypes.bfloat16).reshape(t.shape).astype(np.float32)
-    raise GgufError(f"tensor '{t.name}' is {t.type}: pockjax reads F32, F16, BF16 and the "
-                    f"block types {', '.join(BLOCK_TYPES)}")
 
 
 def stored_leaf(t, decision, *, transposed: bool, rows=None):

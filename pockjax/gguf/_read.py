@@ -134,6 +134,35 @@ class GgufTensor:
     offset: int
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def float_values(t: GgufTensor, rows=None) -> np.ndarray:
+    """A GGUF tensor's values in float32 (`[out, in]` for a weight), rows reordered by
+    `rows` where given: `gguf.quants.dequantize`'s (which the step's decoding of the
+    stored blocks equals bit for bit). numpy only."""
+    raw = t.raw if rows is None else t.raw[rows]
+    if t.type not in FLOAT_TYPES:
+        import gguf
+
+        return gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[t.type]).reshape(
+            raw.shape[:-1] + (t.shape[-1],))
+    values = plain_values(t)
+    return values if rows is None else values[rows]
+
+
+def plain_values(t: GgufTensor) -> np.ndarray:
+    """An F32, F16 or BF16 tensor's values in float32."""
+    if t.type == "F32":
+        return np.array(t.raw.view(np.float32).reshape(t.shape))
+    if t.type == "F16":
+        return t.raw.view(np.float16).reshape(t.shape).astype(np.float32)
+    if t.type == "BF16":   # a bfloat16 is a float32's upper half
+        return (t.raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(t.shape)
+    raise GgufError(f"tensor '{t.name}' is {t.type}: pockjax reads F32, F16, BF16 and the "
+                    f"block types")
+
+
 def read_tensors(path, reader=None) -> dict[str, GgufTensor]:
     """The tensors of GGUF file `path` (or of its open `gguf.GGUFReader`) by their GGUF
     names, memory-mapped."""

@@ -47,7 +47,7 @@ def test_the_command_line_and_the_keywords_give_the_same_options():
 def test_export_takes_the_options_that_shape_the_step():
     job = FinetuneOptions.names(job=True)
     assert set(job) == {"scheme", "steps", "batch", "seq", "lr", "warmup", "schedule",
-                        "weight_decay", "seed", "frozen_dtype", "moments", "frontend"}
+                        "weight_decay", "seed", "frozen_dtype", "moments", "frontend", "gguf_type"}
     assert _parsed("--steps", "10", "--lr", "1e-3", job=True) == FinetuneOptions(steps=10, lr=1e-3)
     p = argparse.ArgumentParser()
     FinetuneOptions.add_arguments(p, job=True)
