@@ -169,6 +169,11 @@ def export_job(model, target: str, out, *, options: FinetuneOptions | None = Non
         raise FinetuneError(str(e)) from None
     loaded = load_model(model, frozen_dtype=frozen_dtype, frontend=o.frontend,
                         lora=scheme.lora_rank, seed=o.seed, scheme_of=scheme.build)
+    if loaded.lora and loaded.lora.get("peft"):
+        raise FinetuneError(f"--scheme {scheme}: the device job of a model that runs through "
+                            f"pockjax.torch ({loaded.description}) trains whole tensors or "
+                            f"channels; LoRA's device job is implemented for pockjax's Flax "
+                            f"models (choose paper, last:N, full or a scheme file)")
     seq = check_positions(model, o.seq)
     say(f"model {model}: {loaded.description}" + (f" ({loaded.note})" if loaded.note else ""))
     chosen = choose_scheme(loaded, scheme, frozen_dtype, say=say)

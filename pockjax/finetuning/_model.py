@@ -88,8 +88,10 @@ def frozen_names(loaded: LoadedModel, scheme, params) -> set[str]:
     params = shapes_of(params)
     schemes = getattr(scheme, "schemes", None) or (scheme,)
     paths = [p for p, _ in leaves_with_paths(params)[0]]
-    # LoRA: a kernel with adapters is written merged, so not as the base holds it.
-    adapted = {p.rsplit("/", 1)[0] for p in paths if p.endswith("/lora_a")}
+    # LoRA: a kernel with adapters is written merged, so not as the base holds it (peft's
+    # layers keep the base's tensors under `base_layer`).
+    adapted = {p.rsplit("/", 1)[0] for p in paths if p.endswith("/lora_a")} | \
+        {p.split("/lora_A/")[0] + "/base_layer" for p in paths if "/lora_A/" in p}
     frozen = {p for p in paths if p.rsplit("/", 1)[0] not in adapted}
     for one in schemes:
         decisions = jax.tree_util.tree_leaves(one.resolve(params, allow_empty=True),
@@ -158,11 +160,7 @@ def load_model(folder, *, frozen_dtype: str = "float32", frontend: str = "auto",
         if scheme_of is not None and frozen_dtype != "float32" and lora is None:
             return _flax_model_stored(folder, frozen_dtype, scheme_of)
         return _flax_model(folder, frozen_dtype, lora, seed)
-    if lora is not None:
-        raise FinetuneError(f"--scheme lora:{lora} is implemented for pockjax's Flax models "
-                            f"({', '.join(families)}); this model runs through pockjax.torch"
-                            + (f" ({note})" if note else ""))
-    loaded = _torch_model(folder, model_type, families, frozen_dtype)
+    loaded = _torch_model(folder, model_type, families, frozen_dtype, lora, seed)
     loaded.note = note
     return loaded
 
@@ -385,7 +383,41 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     return flax_loaded(graphdef, params, rest, config, save, scheme)
 
 
-def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> LoadedModel:
+def _peft_lora(module, rank: int, seed: int):
+    """`module` with peft's LoRA adapters (rank `rank`, alpha 2 x rank, no dropout) on
+    every linear layer (`torch.nn.Linear`, and GPT-2's `Conv1D`) but the output head,
+    `A` drawn from torch's generator seeded with `seed`. A mixture of experts' router
+    and stacked experts are parameters, not linear layers: they stay frozen."""
+    import peft
+    import torch
+    from transformers.pytorch_utils import Conv1D   # GPT-2's linear layers, [in, out]
+
+    head = module.get_output_embeddings()
+    linear = {name: isinstance(m, Conv1D) for name, m in module.named_modules()
+              if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head}
+    if not linear:
+        raise FinetuneError(f"--scheme lora:{rank}: this model has no linear layer besides "
+                            f"its output head to put adapters on")
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+                             target_modules=sorted(linear), fan_in_fan_out=any(linear.values()))
+    try:
+        return peft.get_peft_model(module, config)
+    except ValueError as e:
+        raise FinetuneError(f"--scheme lora:{rank}: peft cannot put LoRA on this model "
+                            f"({str(e).splitlines()[0][:200]})") from None
+
+
+def _peft_checkpoint_name(path: str) -> str | None:
+    """The base folder's name of a peft-wrapped model's parameter path; None for an
+    adapter."""
+    if "/lora_A/" in path or "/lora_B/" in path:
+        return None
+    return path.removeprefix("base_model/model/").replace("/base_layer/", "/").replace("/", ".")
+
+
+def _torch_model(folder: Path, model_type, families, frozen_dtype: str,
+                 lora: int | None = None, seed: int = 0) -> LoadedModel:
     supported = ", ".join(families)
     try:
         import torch
@@ -406,6 +438,8 @@ def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> Loade
                             f"{supported} itself and other causal LMs that transformers "
                             f"knows through pockjax.torch") from None
     module.eval()  # no dropout: steps are reproducible
+    if lora is not None:
+        module = _peft_lora(module, lora, seed)
     params, fn = pj_torch.functional(module, output=lambda out: out.logits)
 
     def apply(p, tokens):
@@ -414,16 +448,25 @@ def _torch_model(folder: Path, model_type, families, frozen_dtype: str) -> Loade
     def save(p, out):
         pj_torch.load_state(module, p)
         out = Path(out)
-        module.save_pretrained(out)
+        if lora is not None:  # the adapters merged into a copy of the base's layers
+            import copy
+            copy.deepcopy(module).merge_and_unload().save_pretrained(out)
+        else:
+            module.save_pretrained(out)
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, out / name)
 
     cfg = module.config
     layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 0)
-    return LoadedModel("torch", params, apply, int(cfg.vocab_size), int(layers), save,
-                       f"{model_type} (pockjax.torch), {layers} layers",
-                       checkpoint_name=lambda path: path.replace("/", "."))
+    loaded = LoadedModel("torch", params, apply, int(cfg.vocab_size), int(layers), save,
+                         f"{model_type} (pockjax.torch), {layers} layers"
+                         + (f", peft LoRA r{lora} on every linear layer" if lora else ""),
+                         checkpoint_name=_peft_checkpoint_name if lora is not None
+                         else lambda path: path.replace("/", "."))
+    if lora is not None:
+        loaded.lora = {"rank": lora, "scale": 2.0, "peft": True}
+    return loaded
 
 
 SAVE_DTYPES = ("auto", "float32", "bfloat16", "float16")

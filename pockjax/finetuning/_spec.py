@@ -140,8 +140,12 @@ class SchemeSpec:
             elif self.kind == "last":
                 scheme = schemes.last_blocks(params, self.count)
             elif self.kind == "lora":
-                # The adapters are the model's (load_model(lora=R)); the scheme trains them.
-                scheme = schemes.lora()
+                # The adapters are the model's (load_model(lora=R)); the scheme trains them:
+                # pockjax's (`lora_a`, `lora_b`) or peft's on a pockjax.torch model.
+                from pockjax.scheme import leaves_with_paths
+                peft = any("/lora_A/" in p for p, _ in leaves_with_paths(params)[0])
+                scheme = schemes.lora(("lora_A/**", "lora_B/**") if peft else
+                                      ("lora_a", "lora_b"))
             elif self.kind == "blockwise":
                 return schemes.blockwise(params, every=self.count, group=self.group)
             elif self.kind == "search":

@@ -367,8 +367,6 @@ def test_bad_inputs_get_messages(folders, data, tmp_path, capsys):
     gpt2 = ["--model", folders["gpt2"], *base[2:]]
     fails("use --frontend torch", *gpt2, "--frontend", "flax", "--out", tmp_path / "m")
     fails("takes at most 128 positions", *gpt2[:-1], "129", "--out", tmp_path / "m2")
-    fails("implemented for pockjax's Flax models", *gpt2, "--scheme", "lora:4",
-          "--out", tmp_path / "n")
 
 
 def test_chat_data_with_bfloat16_frozen_weights_and_the_paper_scheme(folders, data, tmp_path):
@@ -473,6 +471,86 @@ def test_lora_scheme_trains_adapters_and_saves_them_merged(folders, data, tmp_pa
     # The merged folder scores what the adapted model scored at the end of the run.
     np.testing.assert_allclose(_valid_loss(result.final, data["valid"]), result.valid_loss,
                                rtol=1e-5)
+
+
+def test_lora_through_pockjax_torch_equals_peft_with_torch_adamw(folders, data, tmp_path):
+    """`--scheme lora:R` on a family outside pockjax's own (GPT-2's Conv1D layers) puts
+    peft's adapters on every linear layer and trains them through pockjax.torch: the
+    losses and the merged folder of peft + torch.optim.AdamW on the same batches."""
+    import peft
+
+    from pockjax.data import batch_examples, pad_batch, read_jsonl
+    from pockjax.tokenizer import Tokenizer
+
+    kw = dict(steps=4, batch=4, seq=24, lr=1e-2, warmup=0, schedule="constant",
+              weight_decay=0.0, seed=2)
+    result = pj.finetune(folders["gpt2"], data["completion"], tmp_path / "run", scheme="lora:4",
+                         progress=False, plot=False, **kw)
+    losses = [json.loads(line)["loss"] for line in
+              (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    torch.manual_seed(kw["seed"])
+    model = peft.get_peft_model(
+        transformers.AutoModelForCausalLM.from_pretrained(folders["gpt2"]).eval(),
+        peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert result.trainable_params == sum(p.numel() for p in params) > 0
+    opt = torch.optim.AdamW(params, lr=kw["lr"], weight_decay=0.0, eps=1e-8)
+    tok = Tokenizer.from_folder(folders["gpt2"])
+    train = read_jsonl(data["completion"], tok, kw["seq"], vocab_size=model.config.vocab_size)
+    want = []
+    for i in range(kw["steps"]):
+        b = pad_batch(batch_examples(train, i, kw["batch"], seed=kw["seed"]), kw["batch"],
+                      kw["seq"], tok.pad_id)
+        tokens, mask = torch.from_numpy(b["tokens"]).long(), torch.from_numpy(b["mask"])[:, 1:]
+        nll = torch.nn.functional.cross_entropy(
+            model(input_ids=tokens).logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(),
+            reduction="none").view(mask.shape)
+        loss = (nll * mask).sum() / mask.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    saved, base = _params(Path(result.final)), _params(folders["gpt2"])
+    merged = {k: v.detach().numpy() for k, v in model.merge_and_unload().state_dict().items()}
+    assert saved.keys() == base.keys()
+    for k in saved:
+        if "attn.c_" in k or "mlp.c_" in k:  # adapted: merged as peft merges
+            if k.endswith(".weight"):
+                assert not np.array_equal(saved[k], base[k]), k
+            np.testing.assert_allclose(saved[k], merged[k], rtol=1e-4, atol=1e-5, err_msg=k)
+        else:
+            np.testing.assert_array_equal(saved[k], base[k], err_msg=k)
+
+
+def test_lora_on_a_mixture_of_experts_leaves_router_and_experts_frozen(data, tmp_path):
+    """Mixtral through pockjax.torch with `lora:4`: adapters on the attention's linear
+    layers only (the router and the stacked experts are parameters, which peft would
+    wrap in ops torchax lacks), the loss falls, and every tensor but the adapted ones is
+    the base's."""
+    from tests.torch.test_torch import MOE
+
+    fast = _tokenizer()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(MOE["mixtral"](
+        vocab_size=len(fast), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id))
+    model.save_pretrained(tmp_path / "mixtral")
+    fast.save_pretrained(tmp_path / "mixtral")
+    result = pj.finetune(tmp_path / "mixtral", data["completion"], tmp_path / "run",
+                         scheme="lora:4", steps=8, batch=4, seq=24, lr=3e-2, progress=False,
+                         plot=False, valid=data["valid"])
+    # q, o: 32 -> 32; k, v: 32 -> 16 (2 key/value heads of 8); rank 4; 2 blocks.
+    assert result.trainable_params == 2 * 4 * (2 * (32 + 32) + 2 * (32 + 16))
+    assert result.valid_loss < result.valid_loss_before
+    saved, base = _params(Path(result.final)), _params(tmp_path / "mixtral")
+    assert saved.keys() == base.keys()
+    for k in saved:
+        if "self_attn" in k and k.endswith("proj.weight"):
+            assert not np.array_equal(saved[k], base[k]), k
+        else:
+            np.testing.assert_array_equal(saved[k], base[k], err_msg=k)
 
 
 def test_torch_frontend_trains_the_same_llama_as_the_flax_one(folders, data, tmp_path):
