@@ -95,6 +95,7 @@ class Method:
     quick: bool = True
     frontend: str = "auto"
     frozen: str = "float32"
+    auto: bool = False   # finetune's `lr="auto"` chooses the rate in each run: no sweep
 
 
 METHODS = [
@@ -133,6 +134,10 @@ METHODS = [
     # kept in the file's blocks (`frozen="gguf"`: the model is the file, not the folder).
     Method("pockjax paper (GGUF file)", "pockjax", "paper", rates=FEW_RATES, quick=False,
            frozen="gguf"),
+    # `--lr auto` against the benchmark's own sweep: finetune's short run at each rate of
+    # its grid on the validation split, in every seed's run.
+    Method("pockjax paper (--lr auto)", "pockjax", "paper", rates=(0.0,), quick=False,
+           auto=True),
 ]
 REFERENCE = "torch full (AdamW)"
 # The medium preset's rows: the references, LoRA, and pockjax's whole-block, channel,
@@ -144,7 +149,8 @@ MEDIUM_METHODS = ("pretrained (no fine-tuning)", "torch full (AdamW)", "peft LoR
 # The real preset's rows: the references, LoRA, and pockjax's whole-model, block and
 # PockEngine schemes, the last also from the GGUF file as it is stored.
 REAL_METHODS = ("pretrained (no fine-tuning)", "torch full (AdamW)", "peft LoRA r8",
-                "pockjax full", "pockjax last:2", "pockjax paper", "pockjax paper (GGUF file)")
+                "pockjax full", "pockjax last:2", "pockjax paper", "pockjax paper (GGUF file)",
+                "pockjax paper (--lr auto)")
 
 
 PRESET_TITLES = {"quick": "quick preset", "small": "small preset, 8.9M parameters",
@@ -181,7 +187,10 @@ def timing_task(cfg: dict) -> str:
 
 def rates_of(cfg: dict, method: Method) -> list[float]:
     """The method's sweep grid in this preset: the last `rates_in_sweep` of its rates,
-    scaled by the preset's `rate_scale`."""
+    scaled by the preset's `rate_scale`; [0.0] for a method whose runs choose their own
+    (`auto`)."""
+    if method.auto:
+        return [0.0]   # a placeholder: each run's finetune chooses
     scale = cfg.get("rate_scale", 1.0)
     return [float(f"{r * scale:.3g}") for r in method.rates[-cfg["rates_in_sweep"]:]]
 

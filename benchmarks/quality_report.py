@@ -260,7 +260,10 @@ def markdown(rows, meta) -> str:
             forget = (f" ({s['forgetting']:+.4f})" if "forgetting" in s else "")
             share = ("-" if r["kind"] == "pretrained" or "gain_share" not in s else
                      _fmt(100 * s["gain_share"], 100 * s["gain_share_sd"], 0, n) + "%")
-            cells = [r["method"], f"{r['lr']:g}" if r["lr"] else "-",
+            rate = f"{r['lr']:g}" if r["lr"] else "-"
+            if r["runs"][0].get("lr_auto"):
+                rate = "auto: " + ", ".join(f"{x['lr_auto']['chosen']:g}" for x in r["runs"])
+            cells = [r["method"], rate,
                      _fmt(s["test_loss"], s["test_loss_sd"], 4, n), share,
                      _fmt(s["corpus_loss"], s["corpus_loss_sd"], 4, n) + forget]
             if em:
@@ -314,6 +317,13 @@ def notes(cfg: dict, rows) -> list[str]:
         out.append(f"PyTorch rows: torch.optim {', '.join(sorted(impl - {None}))}; peft LoRA "
                    f"with alpha = 2 x rank on {', '.join(LINEARS)} (lm_head frozen), merged "
                    f"into the weights before scoring.")
+    for r in rows:
+        if "runs" in r and r["runs"][0].get("lr_auto"):
+            auto = r["runs"][0]["lr_auto"]
+            out.append(f"{r['method']} on task {r['task']}: each seed's run chose its rate "
+                       f"itself (`finetune --lr auto`: {auto['steps']} steps at each of "
+                       f"{', '.join(auto['losses'])} on the validation split before the run; "
+                       f"that sweep's time is not in s/step or the time to quality).")
     for info in sorted(Path(cfg["runs"]).glob("search/*/*.info.json")):
         i = json.loads(info.read_text())
         if i.get("admits_full"):

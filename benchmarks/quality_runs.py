@@ -138,7 +138,7 @@ def train_pockjax(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict
         model = cfg["gguf"] if method.frozen == "gguf" else cfg["pretrained"]
         result = pj.finetune(model, data["train"], out, valid=data["valid"],
                              scheme=scheme, steps=steps, batch=cfg["batch"], seq=cfg["seq"],
-                             lr=lr, warmup=warmup_steps(steps, cfg), schedule="cosine",
+                             lr="auto" if method.auto else lr, warmup=warmup_steps(steps, cfg), schedule="cosine",
                              eval_every=eval_every(steps, cfg), keep=1, seed=seed,
                              overwrite=True, plot=False, progress=False,
                              frontend=method.frontend,
@@ -147,8 +147,12 @@ def train_pockjax(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict
         raise FloatingPointError(str(e)) from None
     import jax
 
-    return {"trained_params": result.trainable_params, "total_params": result.total_params,
-            "final": result.final, "device": jax.devices()[0].device_kind}
+    out_info = {"trained_params": result.trainable_params,
+                "total_params": result.total_params, "final": result.final,
+                "device": jax.devices()[0].device_kind}
+    if method.auto:  # the rate finetune chose, and its sweep
+        out_info["lr_auto"] = json.loads((out / "run.json").read_text())["lr_auto"]
+    return out_info
 
 
 def train_torch(cfg, method, task, lr, seed, steps, out: Path, scheme) -> dict:

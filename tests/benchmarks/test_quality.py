@@ -611,6 +611,8 @@ def test_real_preset_rows_rates_and_page():
     assert quality_methods.rates_of(cfg, full) == [3e-5, 1e-4]
     assert quality_methods.rates_of(cfg, paper) == [1e-4, 3e-4]
     assert quality_methods.rates_of({"rates_in_sweep": 1}, paper) == [3e-3]
+    assert quality_methods.rates_of(cfg, quality.method_named("pockjax paper (--lr auto)")) \
+        == [0.0]   # its runs choose
     assert quality.group_of("pockjax paper (GGUF file)") == "pockjax low-bit frozen"
     pre = {"preset": "real", "source": "gguf", "file": "m.gguf", "sha256": "ab" * 32,
            "seq": 256, "parameters": 134_515_008, "heldout_records": 64,
