@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from pockjax.gguf._read import (GgufError, float_values, hf_to_gguf_names, plain_values,
-                                read_tensors, source_of, unpermute_rows)
+from pockjax.gguf._read import (GgufError, float_values, hf_to_gguf_names, read_tensors,
+                                source_of, unpermute_rows)
 from pockjax.lowbit import Cast, Quantized
 from pockjax.lowbit._blocks import BLOCK_TYPES, Blocks, split_blocks
 from pockjax.scheme import Channels, Frozen

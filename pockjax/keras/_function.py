@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pockjax._src.trees import leaves_at, nest
+
 KERAS_NOTE = ("These parameters come from a Keras model (pockjax.keras): paths are the "
               "variables' Keras paths, layer name / variable name ('dense_1/kernel', "
               "'bn1/gamma'; in a Sequential model its name comes first, "
@@ -135,28 +137,13 @@ def layouts(model) -> dict[str, Any]:
 
 
 def _nest(paths: list[str], values: list) -> dict:
-    out: dict = {}
-    for path, value in zip(paths, values):
-        *parents, leaf = path.split("/")
-        node = out
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = value
-    return out
+    return nest((p.split("/"), v) for p, v in zip(paths, values))
 
 
 def _flat(tree, paths: list[str], what: str) -> list:
     """The leaves of `tree` (a nested dict, or a flat dict of "/"-joined paths) in the
     order of `paths`."""
-    from pockjax.scheme import leaves_with_paths
-
-    named = dict(leaves_with_paths(tree)[0]) if tree else {}
-    missing = [p for p in paths if p not in named]
-    extra = [p for p in named if p not in set(paths)]
-    if missing or extra:
-        raise KeyError(f"the {what} do not fit the Keras model: missing {missing[:5]}, "
-                       f"not in the model {extra[:5]}")
-    return [named[p] for p in paths]
+    return list(leaves_at(tree, paths, what, "Keras model").values())
 
 
 class KerasFunction:

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pockjax._src.trees import keep_if
+
 from pockjax.keras._function import functional, load_state
 from pockjax.scheme import Full, Scheme
 from pockjax.train import History, TrainState, fit, sparse_train
@@ -20,11 +22,6 @@ def _unpack(batch):
     raise TypeError(f"a pockjax.keras.Trainer batch is (x, y) or (x, y, sample_weight), as "
                     f"Keras's fit takes it; got {type(batch).__name__}"
                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
-
-
-@jax.jit
-def _keep_if(skipped, old, new):
-    return jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
 
 
 class Trainer:
@@ -132,7 +129,7 @@ class Trainer:
         self.state, metrics = self.sparse(self.state, self.step_batch(batch))
         if self.has_state:
             new = metrics.pop("aux")["model_state"]
-            self.model_state = (_keep_if(metrics["skipped"], self.model_state, new)
+            self.model_state = (keep_if(metrics["skipped"], self.model_state, new)
                                 if "skipped" in metrics else new)
         return metrics
 

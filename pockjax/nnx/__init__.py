@@ -34,12 +34,11 @@ import itertools
 import warnings
 from typing import Any, Callable, Iterable, Sequence
 
-import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from pockjax._src.home import claim
+from pockjax._src.trees import keep_if
 from pockjax import scheme_search, schemes
 from pockjax.nnx._remat import checkpoint_blocks, remat_blocks
 from pockjax.nnx._state import Filter, merge, module_at, param_paths, scheme, split
@@ -252,7 +251,7 @@ class Trainer:
         if self.rest:
             inner = metrics.pop("aux")
             # A skipped step keeps the module's other state too (batch statistics).
-            self.rest = (_keep_if(metrics["skipped"], self.rest, inner["model_state"])
+            self.rest = (keep_if(metrics["skipped"], self.rest, inner["model_state"])
                          if "skipped" in metrics else inner["model_state"])
             if self.has_aux:
                 metrics["aux"] = inner["aux"]
@@ -425,11 +424,6 @@ class Trainer:
         """
         return self.sparse.export(self.state, self.step_batch(batch), target=target,
                                   out_dir=out_dir, **kwargs)
-
-
-@jax.jit
-def _keep_if(skipped, old, new):
-    return jax.tree.map(lambda o, n: jnp.where(skipped, o, n), old, new)
 
 
 def search_scheme(model: nnx.Module, loss_fn: Callable, *, optimizer, data, budget="40%",

@@ -50,6 +50,8 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from pockjax._src.trees import leaves_at, nest
+
 __all__ = ["load", "TfFunction", "TF_NOTE"]
 
 TF_NOTE = ("These parameters come from TensorFlow (pockjax.tf): paths are the variables' "
@@ -159,26 +161,12 @@ def _paths(names: list[str]) -> dict[str, tuple[str, ...]]:
 
 
 def _nest(paths: dict[str, tuple[str, ...]], values: dict[str, Any]) -> dict:
-    tree: dict = {}
-    for name, value in values.items():
-        *parents, leaf = paths[name]
-        node = tree
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = value
-    return tree
+    return nest((paths[name], value) for name, value in values.items())
 
 
 def _flat(tree, paths: dict[str, tuple[str, ...]], what: str) -> dict[str, Any]:
-    from pockjax.scheme import leaves_with_paths
-
-    named = dict(leaves_with_paths(tree)[0]) if tree else {}
     want = {"/".join(p): n for n, p in paths.items()}
-    missing = [p for p in want if p not in named]
-    extra = [p for p in named if p not in want]
-    if missing or extra:
-        raise KeyError(f"the {what} do not fit the TensorFlow function: missing "
-                       f"{missing[:5]}, not in the function {extra[:5]}")
+    named = leaves_at(tree, want, what, "TensorFlow function")
     return {want[p]: named[p] for p in want}
 
 

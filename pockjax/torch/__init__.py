@@ -41,6 +41,8 @@ from typing import Any, Callable, Mapping
 import jax
 import numpy as np
 
+from pockjax._src.trees import nest
+
 from pockjax.torch._env import environment, import_torchax
 # Re-exported for the tests of the torchax import workaround.
 from pockjax.torch._env import MissingOverload as _MissingOverload  # noqa: F401
@@ -114,14 +116,7 @@ def layouts(module) -> dict[str, Any]:
 
 
 def _nest(flat: Mapping[str, Any]) -> dict:
-    out: dict = {}
-    for name, value in flat.items():
-        *parents, leaf = name.split(".")
-        node = out
-        for k in parents:
-            node = node.setdefault(k, {})
-        node[leaf] = value
-    return out
+    return nest((name.split("."), value) for name, value in flat.items())
 
 
 def _flatten(tree, sep: str = ".") -> dict:
