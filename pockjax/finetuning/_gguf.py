@@ -40,7 +40,7 @@ def _lora_values(config, rank: int, seed: int) -> dict:
     from flax import nnx
 
     from pockjax import nnx as pj_nnx
-    from pockjax.finetuning._model import LORA_TARGETS
+    from pockjax.finetuning._base import LORA_TARGETS
     from pockjax.models.llama import Llama
     from pockjax.models.lora import apply_lora
     from pockjax.scheme import leaves_with_paths
@@ -69,7 +69,7 @@ def gguf_model(folder: Path, frozen_dtype: str, lora, scheme_of, loaded_model,
     from pockjax import lowbit
     from pockjax import nnx as pj_nnx
     from pockjax.finetuning._formats import decisions_by_path
-    from pockjax.finetuning._model import LORA_TARGETS
+    from pockjax.finetuning._base import LORA_TARGETS
     from pockjax.gguf import GgufError
     from pockjax.gguf._load import load_llama_gguf
     from pockjax.models.hf import read_config, save_llama_params
