@@ -4,6 +4,7 @@ lora:R` (`peft_lora`)."""
 from __future__ import annotations
 
 import shutil
+import warnings
 from pathlib import Path
 
 from pockjax.finetuning._base import FinetuneError
@@ -28,7 +29,9 @@ def peft_lora(module, rank: int, seed: int):
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
                              target_modules=sorted(linear), fan_in_fan_out=any(linear.values()))
     try:
-        return peft.get_peft_model(module, config)
+        with warnings.catch_warnings():  # peft calls a transformers API deprecated in v5
+            warnings.filterwarnings("ignore", category=FutureWarning)
+            return peft.get_peft_model(module, config)
     except ValueError as e:
         raise FinetuneError(f"--scheme lora:{rank}: peft cannot put LoRA on this model "
                             f"({str(e).splitlines()[0][:200]})") from None
