@@ -1,7 +1,8 @@
 """`pockjax run`'s end for a job exported from a GGUF file (`pockjax export --model
 FILE.gguf`), without JAX: `RUN/final/` (the model folder: every tensor the file's values
 in float32, as `finetune` writes it from a GGUF file) and `RUN/final.gguf` (every tensor
-the job never trained the file's own bytes, the trained ones in the job's GGUF type).
+the job never trained the file's own bytes, the trained ones in the job's GGUF type);
+`pockjax merge --out MID` writes `MID/` and `MID.gguf` alike.
 The job's `gguf` entry (`_job_export._gguf_layout`) says where each checkpoint tensor is
 in the file and the q and k projections' row order."""
 from __future__ import annotations
@@ -78,11 +79,11 @@ def merge_final_gguf(artifact: Path, job: dict, values: dict, final: Path,
         v = value(name)
         rows = layout["rows"].get(name)
         changed[layout["names"][name]] = v if rows is None else v[np.argsort(rows)]
-    written = final.with_name("final.gguf")
+    written = final.with_name(final.name + ".gguf")   # RUN/final.gguf beside RUN/final
     report = write_gguf(source, written, changed, save_type=layout["type"], metadata={
         "general.pockjax.tool": "pockjax run", "general.pockjax.scheme": job["scheme"],
         "general.pockjax.steps": int(job["steps"]), "general.pockjax.base_file": layout["file"]})
-    write_atomic(final.with_name("final.gguf.json"), (json.dumps(
+    write_atomic(final.with_name(final.name + ".gguf.json"), (json.dumps(
         {name: {how: detail} for name, (how, detail) in report.items()}, indent=1)
         + "\n").encode())
     return report
