@@ -128,3 +128,19 @@ def run_example(script: str, *args: str, timeout: int = 900) -> str:
                       "running it again")
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+def assert_artifact_follows(apply, params, x, out_dir, scheme, steps: int = 2):
+    """A host-cpu artifact of `sparse_train` on `mean(apply(params, x) ** 2)` (Adam
+    1e-2, `scheme`) gives the JAX trainer's loss at each of `steps` steps (1e-5)."""
+    import optax
+
+    trainer = pj.sparse_train(lambda p, b: jax.numpy.mean(apply(p, b) ** 2),
+                              optimizer=optax.adam(1e-2), scheme=scheme)
+    state = trainer.init(params)
+    trainer.export(state, x, target="host-cpu", out_dir=str(out_dir))
+    session = pj.runtime.load(str(out_dir))
+    for _ in range(steps):
+        state, metrics = trainer(state, x)
+        np.testing.assert_allclose(np.asarray(session.step(x)["loss"]),
+                                   np.asarray(metrics["loss"]), rtol=1e-5)
