@@ -521,6 +521,12 @@ def test_lora_through_pockjax_torch_equals_peft_with_torch_adamw(folders, data, 
             np.testing.assert_allclose(saved[k], merged[k], rtol=1e-4, atol=1e-5, err_msg=k)
         else:
             np.testing.assert_array_equal(saved[k], base[k], err_msg=k)
+    from pockjax.finetuning._job_export import export_job
+    with pytest.raises(pj.finetuning.FinetuneError, match="LoRA's device job is implemented "
+                                                          "for pockjax's Flax models"):
+        export_job(folders["gpt2"], "host-cpu", tmp_path / "job", steps=2, scheme="lora:4",
+                   progress=False)
+    assert not (tmp_path / "job").exists()
 
 
 def test_lora_on_a_mixture_of_experts_leaves_router_and_experts_frozen(data, tmp_path):
