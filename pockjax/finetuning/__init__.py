@@ -31,7 +31,7 @@ Their public names are handed on here.
 """
 from pockjax._src.home import claim
 from pockjax.finetuning._base import (FRONTENDS, SCHEDULES, FinetuneError,  # noqa: F401
-                                      Interrupted, NonFiniteLoss)
+                                      Interrupted, NonFiniteLoss, ProcessLost)
 # The command lines' pieces, which `pockjax.cli` builds its subcommands from.
 from pockjax.finetuning._cli import (add_arguments, add_generate_arguments,  # noqa: F401
                                      generate_main, generate_text, main)
@@ -47,7 +47,7 @@ from pockjax.finetuning._step import (Placement, choose_devices, make_trainer,  
                                       trainer_params)
 
 __all__ = ["finetune", "FinetuneOptions", "SchemeSpec", "FinetuneError", "NonFiniteLoss",
-           "Interrupted", "FinetuneResult", "load_model", "lm_loss", "scheme_from_spec",
+           "Interrupted", "ProcessLost", "FinetuneResult", "load_model", "lm_loss", "scheme_from_spec",
            "SCHEMES", "SCHEDULES"]
 
 claim(globals())  # public names defined in the package's modules live here

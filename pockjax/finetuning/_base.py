@@ -34,6 +34,14 @@ class NonFiniteLoss(FinetuneError, errors.NonFiniteLoss):
         return type(self), (self.step, self.loss, str(self))
 
 
+class ProcessLost(FinetuneError):
+    """Raised on the other processes of a run over several when one of them stops (killed,
+    preempted, its host down): the collective it no longer answers failed. The message
+    names the last complete checkpoint; every process starts again with `--resume`.
+    `pockjax finetune` exits at once after saying so, without JAX's shutdown barrier
+    (which waits for the lost process and then aborts with the runtime's own log)."""
+
+
 class Interrupted(FinetuneError):
     """Raised when Ctrl-C or SIGTERM (a scheduler stopping the job) stops the run; a
     checkpoint of the last completed step was written (where a step completed).

@@ -7,11 +7,12 @@ functions that run them from parsed arguments.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
 
-from pockjax.finetuning._base import FRONTENDS, FinetuneError, Interrupted
+from pockjax.finetuning._base import FRONTENDS, FinetuneError, Interrupted, ProcessLost
 from pockjax.finetuning._options import FinetuneOptions
 
 
@@ -37,6 +38,9 @@ def main(args) -> int:
     except Interrupted as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
         return e.exit_status
+    except ProcessLost as e:  # out at once: JAX's shutdown barrier would wait, then abort
+        print(f"pockjax finetune: {e}", file=sys.stderr, flush=True)
+        os._exit(1)
     except FinetuneError as e:
         print(f"pockjax finetune: {e}", file=sys.stderr)
         return 1

@@ -7,7 +7,14 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from pockjax.finetuning._base import FinetuneError
+import re
+
+from pockjax.finetuning._base import FinetuneError, ProcessLost
+
+# What the runtime's errors say when another process is gone: gloo's (CPU) and NCCL's
+# collectives, the coordination service's heartbeat and its unavailable peer.
+_LOST = re.compile(r"gloo|nccl|connection (closed|reset)|heartbeat|unhealthy|unavailable|"
+                   r"socket closed|task died", re.IGNORECASE)
 
 HEARTBEAT_SECONDS = 30
 """How long JAX's coordination service waits for a silent process before it stops the
@@ -65,6 +72,19 @@ class Hosts:
         from jax.experimental import multihost_utils
 
         return multihost_utils.process_allgather(tree, tiled=True)
+
+    def lost(self, error: Exception, checkpoints) -> ProcessLost | None:
+        """`error` as the loss of another process of the run, or None where it is not
+        one: the message names the last complete checkpoint of `checkpoints` (`(step,
+        path)` pairs) and what to run."""
+        if not _LOST.search(str(error)):
+            return None
+        said = str(error).strip().splitlines()[0][:300]
+        kept = (f"the last complete checkpoint is {checkpoints[-1][1].name} (step "
+                f"{checkpoints[-1][0]})" if checkpoints else "no checkpoint was written yet")
+        return ProcessLost(f"process {self.index} of {self.count}: another process of the run "
+                           f"stopped (the step's collective failed: {said}); {kept}. Start "
+                           f"every process again with the same command and --resume")
 
     def barrier(self, name: str) -> None:
         """Wait until every process reaches `name`."""

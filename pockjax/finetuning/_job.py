@@ -504,6 +504,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                                  eval_every=eval_every, save=save, save_every=save_every,
                                  on_record=record, stop_nonfinite=True, tokens=tokens_of,
                                  compile_cache=o.compile_cache)
+    except jax.errors.JaxRuntimeError as e:  # another process stopped, or not ours
+        raise (hosts and hosts.lost(e, run.checkpoints())) or e from None
     except StepNotFinite as e:
         close_prefix_cache(cached, out)
         kept = run.checkpoints()
