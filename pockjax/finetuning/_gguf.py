@@ -162,3 +162,57 @@ def write_final_gguf(loaded, params, out: Path, *, base, frozen, gguf_type: str,
             values = values[np.argsort(unpermute_rows(values.shape[0], heads))]
         trained[mapped[name]] = values
     return write_gguf(source, out, trained, save_type=gguf_type, metadata=metadata)
+
+
+def check_save_gguf(folder: Path, source, save_gguf: str | None) -> None:
+    """Before training: `--save-gguf` only for a model folder, and one `folder_gguf` can
+    write (family, settings, tokenizer)."""
+    if save_gguf is None:
+        return
+    if source is not None:
+        raise FinetuneError(f"--save-gguf {save_gguf}: the model is the GGUF file "
+                            f"'{source}', so final.gguf is written anyway, its frozen tensors "
+                            f"the file's own bytes; leave --save-gguf out")
+    from pockjax.gguf._convert import check_folder
+    from pockjax.gguf._read import GgufError
+
+    try:
+        check_folder(folder)
+    except GgufError as e:
+        raise FinetuneError(f"--save-gguf {save_gguf}: {e}") from None
+
+
+def final_gguf(loaded, params, out: Path, *, base, final: Path, frozen, gguf_type: str,
+               save_gguf: str | None, metadata: dict, say: Callable) -> None:
+    """`out/final.gguf` and its report `final.gguf.json` (each tensor's digest or
+    rounding): from the GGUF file the model was read from (`write_final_gguf`), or from
+    `final/` (`--save-gguf`: the frozen tensors quantized once to `save_gguf`)."""
+    import json
+
+    from pockjax.checkpoint import write_atomic
+
+    written = out / "final.gguf"
+    source = gguf_file(base)
+    if source is not None:
+        report = write_final_gguf(loaded, params, written, base=base, frozen=frozen,
+                                  gguf_type=gguf_type,
+                                  metadata={**metadata, "general.pockjax.base_file": source.name})
+        kept = [n for n, (how, _) in report.items() if how == "kept"]
+        said = f"{len(kept)} tensors the base file's own bytes"
+    else:
+        from pockjax.checkpoint import safetensors_header
+        from pockjax.gguf._convert import folder_gguf
+
+        names = [n for f in sorted(final.glob("*.safetensors"))
+                 for n in safetensors_header(f)[0]]
+        report = folder_gguf(final, written, frozen_type=save_gguf,
+                             trained=[n for n in names if n not in frozen],
+                             trained_type=gguf_type,
+                             metadata={**metadata, "general.pockjax.base_folder": Path(base).name})
+        kept = [n for n, (how, _) in report.items() if how == "frozen"]
+        said = f"{len(kept)} frozen tensors in {save_gguf}"
+    say(f"{written}: {said}, {len(report) - len(kept)} trained in {gguf_type} (each "
+        f"tensor's digest or rounding in final.gguf.json)")
+    write_atomic(out / "final.gguf.json", (json.dumps(
+        {name: {how: detail} for name, (how, detail) in report.items()}, indent=1)
+        + "\n").encode())

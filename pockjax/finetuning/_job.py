@@ -20,7 +20,7 @@ from pockjax.finetuning._formats import stored_formats
 from pockjax.finetuning._model import (frozen_names, gguf_file, lm_loss, load_model,
                                        model_folder, nll_sum, partial_names, target_positions,
                                        write_final)
-from pockjax.finetuning._gguf import write_final_gguf
+from pockjax.finetuning._gguf import check_save_gguf, final_gguf
 from pockjax.finetuning._hosts import join
 from pockjax.finetuning._lr import previous_lr, sweep_lr
 from pockjax.finetuning._options import FinetuneOptions
@@ -191,9 +191,13 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         The tensors the scheme never trains are the base's own bytes, and `config.json`
         keeps every field of the base's. From a GGUF file, "auto" is float32: the file's
         values exactly as the step decodes them.
-      gguf_type: the type of `final.gguf`'s trained tensors, with a GGUF `model`: "F16"
-        (the default), "BF16", "F32", or a block type gguf quantizes ("Q8_0", "Q4_0",
-        "Q4_1", "Q5_0", "Q5_1"); vectors stay F32.
+      gguf_type: the type of `final.gguf`'s trained tensors, with a GGUF `model` or
+        `save_gguf`: "F16" (the default), "BF16", "F32", or a block type gguf quantizes
+        ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"); vectors stay F32.
+      save_gguf: with a model folder of the LLaMA family (and a byte-level BPE
+        tokenizer), also write `out/final.gguf` from `final/` (`pockjax.gguf.folder_gguf`):
+        the frozen tensors quantized once to this type, the trained ones in `gguf_type`,
+        the tokenizer and chat template carried. Checked before the first step.
       compile_cache: use JAX's persistent compilation cache (a folder under the user's
         cache directory, `pockjax.train.compile_cache_dir`), so a second run of the same
         shapes starts without compiling; default True. The first step's compilation
@@ -243,6 +247,7 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                 f"memorised, not held-out data")
         _say(progress, text) if progress else warnings.warn(text, stacklevel=2)
     source = gguf_file(model)
+    check_save_gguf(model, source, o.save_gguf)
 
     def load():
         # A scheme known from the names and shapes: the frozen weights are stored in
@@ -533,23 +538,14 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
     if hosts is None or hosts.writer:
         write_final(loaded, params, final, base=model, frozen=frozen, partial=partial,
                     save_dtype=o.save_dtype)
-    if source is not None and (hosts is None or hosts.writer):
-        written = Path(out) / "final.gguf"
-        report = write_final_gguf(loaded, params, written, base=model, frozen=frozen,
-                                  gguf_type=o.gguf_type, metadata={
-                                      "general.pockjax.tool": "pockjax finetune",
-                                      "general.pockjax.scheme": str(scheme),
-                                      "general.pockjax.steps": int(total),
-                                      "general.pockjax.data_sha256": recorded["data"],
-                                      "general.pockjax.base_file": source.name})
-        kept = [n for n, (how, _) in report.items() if how == "kept"]
-        _say(progress, f"{written}: {len(kept)} tensors the base file's own bytes, "
-                       f"{len(report) - len(kept)} trained in {o.gguf_type} (each tensor's "
-                       f"digest or rounding in final.gguf.json)")
-        from pockjax.checkpoint import write_atomic
-        write_atomic(Path(out) / "final.gguf.json", (json.dumps(
-            {name: {how: detail} for name, (how, detail) in report.items()}, indent=1)
-            + "\n").encode())
+    if (source is not None or o.save_gguf) and (hosts is None or hosts.writer):
+        final_gguf(loaded, params, Path(out), base=model, final=final, frozen=frozen,
+                   gguf_type=o.gguf_type, save_gguf=o.save_gguf,
+                   say=lambda text: _say(progress, text), metadata={
+                       "general.pockjax.tool": "pockjax finetune",
+                       "general.pockjax.scheme": str(scheme),
+                       "general.pockjax.steps": int(total),
+                       "general.pockjax.data_sha256": recorded["data"]})
     if o.plot and (hosts is None or hosts.writer):
         plot_losses(Path(out))
     if hosts is not None:

@@ -27,6 +27,7 @@ GGUF_TYPES = ("F16", "BF16", "F32", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 """The types of final.gguf's trained tensors (`pockjax.gguf.SAVE_TYPES`, which needs JAX
 to import; a test checks the two agree)."""
 from pockjax.finetuning._spec import SchemeSpec
+from pockjax.gguf._convert import FROZEN_TYPES
 
 
 def _option(default, help: str, *, result: bool = False, job: bool = False, flag: str | None = None,
@@ -123,9 +124,14 @@ class FinetuneOptions:
                               "base's own bytes", choices=SAVE_DTYPES)
     gguf_type: str = _option("F16", "with a .gguf --model, final.gguf is written beside "
                              "final/: the file's own bytes for every frozen tensor, the trained "
-                             "ones in this type (default F16; BF16, F32, or a block type gguf "
+                             "ones (with --save-gguf too) in this type (default F16; BF16, F32, or a block type gguf "
                              "quantizes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)", choices=GGUF_TYPES,
                              metavar="TYPE", job=True)
+    save_gguf: str | None = _option(None, "with a model folder of the LLaMA family, also "
+                                    "write final.gguf beside final/: the frozen tensors "
+                                    "quantized once to TYPE (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                    "F16, BF16, F32), the trained ones in --gguf-type",
+                                    choices=FROZEN_TYPES, metavar="TYPE")
     logits: str = _option("targets", "where the output head runs: targets (default: only at "
                           "the positions the loss counts, when prompts and padding leave at "
                           "most half of a batch's; with the prefix cache on, everywhere) or all",
@@ -190,7 +196,8 @@ class FinetuneOptions:
         for field in dataclasses.fields(self):
             choices = field.metadata["choices"]
             value = getattr(self, field.name)
-            if choices is not None and value not in choices:
+            if choices is not None and value not in choices and not (
+                    value is None and field.default is None):  # an option left out
                 raise FinetuneError(f"{_flag(field.name)} must be one of {', '.join(choices)}, "
                                     f"got {value!r}")
         devices = self.devices

@@ -26,6 +26,20 @@ def tensor_digest(raw) -> str:
     return hashlib.sha256(np.ascontiguousarray(raw).view(np.uint8).tobytes()).hexdigest()[:16]
 
 
+def add_metadata(writer, metadata: dict) -> None:
+    """`metadata`'s keys on `writer` (a `gguf.GGUFWriter`): booleans, integers (uint64),
+    floats (float64), anything else as a string."""
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            writer.add_bool(key, value)
+        elif isinstance(value, int):
+            writer.add_uint64(key, value)
+        elif isinstance(value, float):
+            writer.add_float64(key, value)
+        else:
+            writer.add_string(key, str(value))
+
+
 def write_gguf(source, out, trained: dict, *, save_type: str = "F16",
                metadata: dict | None = None) -> dict:
     """Write GGUF file `out`: `source` with the tensors in `trained` replaced.
@@ -64,15 +78,7 @@ def write_gguf(source, out, trained: dict, *, save_type: str = "F16",
         writer.add_key_value(key, field.contents(), vtype, sub)
         if key == "general.alignment":
             writer.data_alignment = int(field.contents())
-    for key, value in (metadata or {}).items():
-        if isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint64(key, value)
-        elif isinstance(value, float):
-            writer.add_float64(key, value)
-        else:
-            writer.add_string(key, str(value))
+    add_metadata(writer, metadata or {})
     report = {}
     for t in reader.tensors:
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))

@@ -46,8 +46,9 @@ def test_the_loss_at_the_counted_positions_equals_the_loss_over_every_logit(tie)
     def every(p):
         return lm_loss(loaded.apply(p, batch["tokens"]), batch["tokens"], batch["mask"])
 
-    want, want_grad = jax.value_and_grad(every)(loaded.params)
-    got, got_grad = jax.value_and_grad(lambda p: lm_loss_at(loaded, p, batch))(loaded.params)
+    want, want_grad = jax.jit(jax.value_and_grad(every))(loaded.params)
+    got, got_grad = jax.jit(jax.value_and_grad(lambda p: lm_loss_at(loaded, p, batch)))(
+        loaded.params)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_grad),
                             jax.tree_util.tree_leaves(want_grad)):
@@ -55,7 +56,8 @@ def test_the_loss_at_the_counted_positions_equals_the_loss_over_every_logit(tie)
                                    err_msg=jax.tree_util.keystr(path))
     # pockjax's gradient program of the last block and the head against jax.grad.
     scheme = scheme_from_spec("last:1+head", loaded.params, 2)
-    grads = pj.sparse_grad(lambda p, b: lm_loss_at(loaded, p, b), scheme)(loaded.params, batch)
+    grads = jax.jit(pj.sparse_grad(lambda p, b: lm_loss_at(loaded, p, b), scheme))(loaded.params,
+                                                                                 batch)
     checked = 0
     for a, b in zip(jax.tree_util.tree_leaves(grads, is_leaf=lambda x: x is None),
                     jax.tree_util.tree_leaves(want_grad)):

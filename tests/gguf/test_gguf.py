@@ -112,7 +112,8 @@ def test_every_tensor_type_loads_as_transformers_reads_it(tiny_gguf):
 @pytest.fixture(scope="module")
 def tiny_runs(tiny_gguf, tmp_path_factory):
     """The same run from the GGUF file and from the float32 folder transformers makes of
-    it: the last block trains, AdamW at 1e-3, three steps."""
+    it: the last block trains, AdamW at 1e-3, three steps; the folder's run writes
+    final.gguf too (`save_gguf`, frozen tensors in Q8_0)."""
     tmp = tmp_path_factory.mktemp("tiny-runs")
     train, valid = _data(tmp)
     folder = tmp / "float32"
@@ -127,7 +128,7 @@ def tiny_runs(tiny_gguf, tmp_path_factory):
     kw = dict(scheme="last:1", steps=3, batch=2, seq=64, lr=1e-3, progress=False, plot=False,
               compile_cache=False, gguf_type="F32", valid=str(valid))
     from_file = finetune(str(tiny_gguf), str(train), str(tmp / "from-gguf"), **kw)
-    from_folder = finetune(str(folder), str(train), str(tmp / "from-folder"),
+    from_folder = finetune(str(folder), str(train), str(tmp / "from-folder"), save_gguf="Q8_0",
                            **{k: v for k, v in kw.items() if k != "gguf_type"})
     return tmp, from_file, from_folder
 
@@ -285,6 +286,95 @@ def test_final_gguf_keeps_the_frozen_bytes_and_metadata(tiny_runs, tiny_gguf):
     want = _logits(final, tokens)
     np.testing.assert_allclose(_logits(_hf(written), tokens), want, rtol=0,
                                atol=1e-4 * max(1.0, np.abs(want).max()))
+
+
+def test_a_model_folder_written_as_gguf_is_the_file_it_came_from(tiny_runs, tiny_gguf,
+                                                                  tmp_path):
+    """`folder_gguf` on the float32 folder transformers made of the two-block file, every
+    tensor in F32: each tensor the file's own decoded values bit for bit (the q and k
+    rows back in llama.cpp's order), every key of the file's (hyperparameters, tokens and
+    their types, merges, special ids, chat template) but the pre-tokenizer's name: the
+    folder's tokenizer.json splits as GPT-2's does."""
+    from pockjax.gguf import folder_gguf
+
+    tmp, _, _ = tiny_runs
+    written = tmp_path / "f32.gguf"
+    report = folder_gguf(tmp / "float32", written, frozen_type="F32")
+    src, got = gguf.GGUFReader(str(tiny_gguf)), gguf.GGUFReader(str(written))
+    mine = {t.name: t for t in got.tensors}
+    assert sorted(mine) == sorted(report) == sorted(t.name for t in src.tensors)
+    for t in src.tensors:
+        assert mine[t.name].tensor_type.name == "F32", t.name
+        want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        np.testing.assert_array_equal(np.asarray(mine[t.name].data).reshape(want.shape), want,
+                                      err_msg=t.name)
+    for key, field in src.fields.items():
+        if not key.startswith(("GGUF.", "general.")) and key != "tokenizer.ggml.pre":
+            assert got.fields[key].contents() == field.contents(), key
+    assert got.fields["tokenizer.ggml.pre"].contents() == "gpt-2"
+    assert src.fields["tokenizer.ggml.pre"].contents() == "smollm"
+
+
+def test_save_gguf_writes_a_folders_run_as_gguf(tiny_runs):
+    """`finetune(..., save_gguf="Q8_0")` from a model folder: final.gguf beside final/,
+    the trained block in F16 and every frozen weight in Q8_0 (norms F32), which
+    transformers reads back as final/'s values within each type's rounding."""
+    import torch
+    import transformers
+    from safetensors.numpy import load_file
+
+    tmp, _, _ = tiny_runs
+    run = tmp / "from-folder"
+    written = run / "final.gguf"
+    report = json.loads((run / "final.gguf.json").read_text())
+    out = gguf.GGUFReader(str(written))
+    trained = {n for n, r in report.items() if "trained" in r}
+    assert trained == {t.name for t in out.tensors if t.name.startswith("blk.1.")}
+    for t in out.tensors:
+        want = "F32" if len(t.shape) < 2 else "F16" if t.name in trained else "Q8_0"
+        assert t.tensor_type.name == want, (t.name, t.tensor_type.name)
+    assert out.fields["general.pockjax.steps"].contents() == 3
+    assert out.fields["general.pockjax.base_folder"].contents() == "float32"
+    read = transformers.AutoModelForCausalLM.from_pretrained(
+        str(run), gguf_file="final.gguf", dtype=torch.float32).state_dict()
+    final = load_file(run / "final" / "model.safetensors")
+    for name, value in final.items():
+        got = read[name].numpy()
+        scale = np.abs(value).max()
+        # F16: 2^-11 of each value. Q8_0: half a step (a block's largest / 127), plus the
+        # F16 step's own rounding times the 127 steps of the largest code.
+        bound = scale / 127 * (0.5 + 127 * 2.0 ** -11) if value.ndim == 2 and \
+            ".layers.1." not in name else 2.0 ** -11 * scale
+        np.testing.assert_allclose(got, value, rtol=0, atol=bound, err_msg=name)
+
+
+def test_save_gguf_refuses_what_it_cannot_write_before_training(tiny_runs, smollm2, tmp_path):
+    import shutil
+
+    tmp, _, _ = tiny_runs
+    train, _ = _data(tmp_path, 4)
+    run = dict(steps=1, batch=2, seq=32, progress=False, plot=False)
+    with pytest.raises(FinetuneError, match="final.gguf is written anyway, its frozen tensors "
+                                            "the file's own bytes; leave --save-gguf out"):
+        finetune(str(smollm2), str(train), str(tmp_path / "a"), save_gguf="Q8_0", **run)
+    for change, said in (
+            (lambda c, t: c.update(model_type="qwen2"), "model_type 'qwen2'; pockjax writes "
+                                                         "GGUF files of llama, mistral models"),
+            (lambda c, t: c.update(rope_scaling={"rope_type": "linear", "factor": 2.0}),
+             "rope_scaling"),
+            (lambda c, t: t["model"].update(byte_fallback=True), "byte-level BPE tokenizers"),
+            (lambda c, t: t.update(pre_tokenizer={"type": "Metaspace"}), "pre-tokenizer")):
+        folder = tmp_path / "folder"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(tmp / "float32", folder)
+        config = json.loads((folder / "config.json").read_text())
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+        change(config, tokenizer)
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+        with pytest.raises(FinetuneError, match="--save-gguf Q4_0: .*" + said):
+            finetune(str(folder), str(train), str(tmp_path / "b"), save_gguf="Q4_0", **run)
+        assert not (tmp_path / "b" / "run.json").exists()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,236 @@
+"""A Hugging Face model folder written as a GGUF file: for a model that did not come as
+one (a safetensors base), so that its fine-tuned version runs in llama.cpp, Ollama and
+LM Studio.
+
+`folder_gguf(folder, out)` writes the LLaMA family (`model_type` llama or mistral: the
+architecture llama.cpp calls `llama`) with a byte-level BPE tokenizer (GPT-2's, SmolLM's):
+the hyperparameters from `config.json`, the tokenizer's tokens, types and merges, its
+special tokens and chat template (gguf's `SpecialVocab`), and every tensor under gguf's
+own name for it, the q and k projections' rows in llama.cpp's order. The frozen tensors
+are quantized once to one type, the trained ones written in another. Anything else is
+refused by name.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from pockjax.gguf._read import GgufError, unpermute_rows
+
+ARCHITECTURES = {"llama": "llama", "mistral": "llama"}
+"""`config.json`'s `model_type` -> the GGUF architecture it is written as."""
+
+FROZEN_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16", "F32")
+"""The types the frozen tensors of a model folder can be quantized to once."""
+
+
+def _pre_tokenizer(tokenizer: dict, path: Path) -> str:
+    """llama.cpp's name (`tokenizer.ggml.pre`) for the tokenizer's pre-tokenizer: the
+    splitting rules llama.cpp must apply to tokenize as the tokenizer does."""
+    pre = tokenizer.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [(p.get("type"), p.get("individual_digits"), p.get("use_regex"),
+              p.get("add_prefix_space")) for p in parts]
+    if kinds == [("ByteLevel", None, True, False)]:
+        return "gpt-2"
+    if kinds == [("Digits", True, None, None), ("ByteLevel", None, True, False)]:
+        return "smollm"
+    raise GgufError(f"'{path}': its pre-tokenizer ({json.dumps(pre)[:200]}) is not one pockjax "
+                    f"can name for llama.cpp (GPT-2's ByteLevel, or SmolLM's Digits + "
+                    f"ByteLevel); write the GGUF file with llama.cpp's convert_hf_to_gguf.py")
+
+
+def _tokenizer(writer, folder: Path, vocab_size: int) -> None:
+    """The tokenizer's keys: model and pre-tokenizer, tokens (padded to `vocab_size`),
+    their types (added special tokens CONTROL, other added ones USER_DEFINED), merges,
+    special token ids, the BOS flag and the chat template."""
+    import gguf
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise GgufError(f"'{folder}' has no tokenizer.json: a GGUF file carries its tokenizer")
+    tokenizer = json.loads(path.read_text(encoding="utf-8"))
+    model = tokenizer.get("model", {})
+    decoder = (tokenizer.get("decoder") or {}).get("type")
+    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder != "ByteLevel":
+        raise GgufError(f"'{path}': a {model.get('type')} tokenizer with decoder {decoder}; "
+                        f"pockjax writes byte-level BPE tokenizers (GPT-2's, SmolLM's, "
+                        f"Llama 3's) only. Write the GGUF file with llama.cpp's "
+                        f"convert_hf_to_gguf.py")
+    pre = _pre_tokenizer(tokenizer, path)
+    tokens = {i: t for t, i in model["vocab"].items()}
+    types = {i: gguf.TokenType.NORMAL for i in tokens}
+    for added in tokenizer.get("added_tokens", []):
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = (gguf.TokenType.CONTROL if added.get("special")
+                              else gguf.TokenType.USER_DEFINED)
+    n = max(vocab_size, max(tokens) + 1)
+    if n != vocab_size:
+        raise GgufError(f"'{path}' holds token id {max(tokens)}; config.json's vocab_size is "
+                        f"{vocab_size}")
+    listed = [tokens.get(i, f"[PAD{i}]") for i in range(n)]
+    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n)
+    if "bos" not in special.add_special_token:  # as the tokenizer's post-processor does
+        template = (tokenizer.get("post_processor") or {}).get("single") or [{}]
+        writer.add_add_bos_token("SpecialToken" in template[0])
+    writer.add_tokenizer_model("gpt2")
+    writer.add_add_space_prefix(False)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(listed)
+    writer.add_token_types([int(types.get(i, gguf.TokenType.UNUSED)) for i in range(n)])
+    special.add_to_gguf(writer, quiet=True)
+
+
+def _hyperparameters(writer, config: dict, path: Path) -> None:
+    """The architecture's keys from `config.json`; settings GGUF's llama cannot hold are
+    refused."""
+    # transformers 5 keeps the RoPE settings in `rope_parameters`; older configs in
+    # `rope_theta` and `rope_scaling` (read first where set, as transformers does).
+    field = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    rope = config.get(field) or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    for key, value, plain in ((field, kind, "default"),
+                              ("attention_bias", config.get("attention_bias", False), False),
+                              ("mlp_bias", config.get("mlp_bias", False), False)):
+        if value != plain:
+            raise GgufError(f"'{path}': {key} {json.dumps(config[key])}; pockjax writes "
+                            f"LLaMA models without it. Write the GGUF file with llama.cpp's "
+                            f"convert_hf_to_gguf.py")
+    heads = int(config["num_attention_heads"])
+    width = int(config["hidden_size"])
+    writer.add_context_length(int(config.get("max_position_embeddings", 2048)))
+    writer.add_embedding_length(width)
+    writer.add_block_count(int(config["num_hidden_layers"]))
+    writer.add_feed_forward_length(int(config["intermediate_size"]))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
+    writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 1e4))))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
+    writer.add_rope_dimension_count(int(config.get("head_dim") or width // heads))
+    writer.add_vocab_size(int(config["vocab_size"]))
+
+
+def _tensor(values: np.ndarray, kind: str):
+    """`values` in GGUF type `kind` (a vector, or a row length no block divides, in F32 /
+    F16): the data, its type and the largest error of the rounding."""
+    import gguf
+
+    if values.ndim < 2:
+        kind = "F32"
+    qtype = gguf.GGMLQuantizationType[kind]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if values.shape[-1] % block:
+        qtype = gguf.GGMLQuantizationType.F16
+    data = gguf.quants.quantize(values, qtype)
+    back = gguf.quants.dequantize(data, qtype).reshape(values.shape)
+    error = float(np.max(np.abs(back - values))) if values.size else 0.0
+    return data, qtype, error
+
+
+def _tensors(folder: Path) -> dict:
+    """The folder's tensors by name (every `*.safetensors` file), mapped, not read."""
+    from pockjax.checkpoint import numpy_dtype, safetensors_header
+
+    out = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        header, start = safetensors_header(path)
+        data = np.memmap(path, np.uint8, mode="r", offset=start)
+        for name, t in header.items():
+            a, b = t["data_offsets"]
+            out[name] = data[a:b].view(numpy_dtype(t["dtype"])).reshape(t["shape"])
+    if not out:
+        raise GgufError(f"'{folder}' holds no .safetensors file")
+    return out
+
+
+def check_folder(folder) -> dict:
+    """`folder`'s config where `folder_gguf` can write it (its family, settings and
+    tokenizer checked, no tensor read: a run checks before it trains).
+
+    Raises:
+      GgufError: what the writer does not hold, named.
+    """
+    import gguf
+
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    family = config.get("model_type")
+    if family not in ARCHITECTURES:
+        raise GgufError(f"'{folder}': model_type {family!r}; pockjax writes GGUF files of "
+                        f"{', '.join(ARCHITECTURES)} models. Write the GGUF file with "
+                        f"llama.cpp's convert_hf_to_gguf.py")
+    probe = gguf.GGUFWriter(None, ARCHITECTURES[family])  # keys only: nothing is written
+    _hyperparameters(probe, config, folder / "config.json")
+    _tokenizer(probe, folder, int(config["vocab_size"]))
+    return config
+
+
+def folder_gguf(folder, out, *, frozen_type: str = "Q8_0", trained=(),
+                trained_type: str = "F16", metadata: dict | None = None) -> dict:
+    """Write Hugging Face model folder `folder` as GGUF file `out`.
+
+    Args:
+      folder: a LLaMA-family folder (config.json, model.safetensors, tokenizer.json).
+      out: the file to write (replaced atomically).
+      frozen_type: the type of every tensor not in `trained` (quantized once): one of
+        `FROZEN_TYPES`. Vectors (norms) stay F32; a tensor whose rows no block of the type
+        divides is written in F16.
+      trained: the Hugging Face names of the tensors written in `trained_type`.
+      trained_type: their type (F16 by default, or any of `FROZEN_TYPES`).
+      metadata: more keys (strings or numbers), e.g. the training in `general.*` keys.
+
+    Returns:
+      `{gguf name: ("frozen" | "trained", "TYPE, largest rounding E")}`.
+
+    Raises:
+      GgufError: a family, tokenizer or setting the writer does not hold (named), or an
+        unknown type.
+    """
+    import gguf
+
+    from pockjax.gguf._write import add_metadata
+
+    folder, out = Path(folder), Path(out)
+    for kind in (frozen_type, trained_type):
+        if kind not in FROZEN_TYPES:
+            raise GgufError(f"GGUF type {kind!r}: choose one of {', '.join(FROZEN_TYPES)}")
+    config = check_folder(folder)
+    arch = ARCHITECTURES[config["model_type"]]
+    blocks = int(config["num_hidden_layers"])
+    table = gguf.get_tensor_name_map(
+        {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch], blocks)
+    tmp = out.with_name(out.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    writer.add_name(folder.resolve().name)
+    _hyperparameters(writer, config, folder / "config.json")
+    _tokenizer(writer, folder, int(config["vocab_size"]))
+    add_metadata(writer, metadata or {})
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    tensors = _tensors(folder)
+    if config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    trained = set(trained)
+    report = {}
+    for name, value in tensors.items():
+        mapped = table.get_name(name, try_suffixes=(".weight", ".bias"))
+        if mapped is None:
+            raise GgufError(f"'{folder}': gguf has no name for tensor '{name}' of a {arch} model")
+        values = np.asarray(value, np.float32)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's row order
+            n = heads if "q_proj" in name else kv_heads
+            values = values[np.argsort(unpermute_rows(values.shape[0], n))]
+        how = "trained" if name in trained else "frozen"
+        data, qtype, error = _tensor(np.ascontiguousarray(values),
+                                     trained_type if how == "trained" else frozen_type)
+        writer.add_tensor(mapped, data, raw_shape=data.shape, raw_dtype=qtype)
+        report[mapped] = (how, f"{qtype.name}, largest rounding {error:.3g}")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
+    return report
