@@ -387,29 +387,41 @@ def real_run(smollm2, tmp_path_factory):
     return tmp / "run"
 
 
-def test_llama_cpp_runs_the_written_file_and_predicts_as_final(real_run):
-    """llama.cpp multiplies with quantized activations, so its next-token predictions
-    are compared with final/'s (transformers), not its logits."""
+def test_llama_cpp_runs_the_written_file_and_predicts_as_final(real_run, tmp_path):
+    """final.gguf, and final/ written as GGUF by `folder_gguf` (frozen tensors in Q8_0),
+    in llama.cpp: its tokens of a chat text (special tokens included) are the tokenizer's,
+    and its next-token predictions final/'s (transformers). llama.cpp multiplies with
+    quantized activations, so predictions are compared, not logits."""
     import transformers
+    from transformers import AutoTokenizer
+
+    from pockjax.gguf import folder_gguf
 
     text = ("<|im_start|>user\nWhat does the function dumps in the json module do?<|im_end|>\n"
-            "<|im_start|>assistant\nIt serializes a Python object to a JSON formatted string.")
+            "<|im_start|>assistant\nIt serializes a Python object to a JSON formatted string "
+            "(1234567 bytes, 3.14 s).")
     final = transformers.AutoModelForCausalLM.from_pretrained(real_run / "final").eval()
-    from transformers import AutoTokenizer
     ids = AutoTokenizer.from_pretrained(real_run / "final").encode(text)
     want = _logits(final, np.array([ids])).argmax(-1)[0]
+    folder_gguf(real_run / "final", tmp_path / "folder.gguf", frozen_type="Q8_0")
     # In its own process: llama.cpp's native code beside what a test worker has loaded
     # (TensorFlow's libraries, after tests/tf) crashed the worker once.
     code = ("import json, sys, numpy as np; from llama_cpp import Llama; "
-            "ids = json.loads(sys.argv[2]); "
-            "llm = Llama(model_path=sys.argv[1], logits_all=True, verbose=False, n_ctx=128, "
-            "seed=0); llm.eval(ids); "
-            "print(json.dumps(np.asarray(llm.scores[:len(ids)]).argmax(-1).tolist()))")
-    done = subprocess.run([sys.executable, "-c", code, str(real_run / "final.gguf"),
-                           json.dumps(ids)], capture_output=True, text=True, timeout=600)
+            "text, ids = sys.argv[1], json.loads(sys.argv[2]); out = []\n"
+            "for path in sys.argv[3:]:\n"
+            "    llm = Llama(model_path=path, logits_all=True, verbose=False, n_ctx=128, seed=0)\n"
+            "    tokens = llm.tokenize(text.encode(), add_bos=False, special=True)\n"
+            "    llm.eval(ids)\n"
+            "    out.append([tokens, np.asarray(llm.scores[:len(ids)]).argmax(-1).tolist()])\n"
+            "print(json.dumps(out))")
+    done = subprocess.run([sys.executable, "-c", code, text, json.dumps(ids),
+                           str(real_run / "final.gguf"), str(tmp_path / "folder.gguf")],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    got = np.asarray(json.loads(done.stdout.strip().splitlines()[-1]))
-    assert (got == want).mean() >= 0.9, (got, want)
+    for name, (tokens, got) in zip(("final.gguf", "folder.gguf"),
+                                   json.loads(done.stdout.strip().splitlines()[-1])):
+        assert tokens == ids, name
+        assert (np.asarray(got) == want).mean() >= 0.9, (name, got, want)
 
 
 def test_the_log_says_what_the_frozen_weights_are_stored_as(smollm2):
