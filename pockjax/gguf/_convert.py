@@ -3,8 +3,9 @@ one (a safetensors base), so that its fine-tuned version runs in llama.cpp, Olla
 LM Studio.
 
 `folder_gguf(folder, out)` writes the LLaMA family (`model_type` llama or mistral: the
-architecture llama.cpp calls `llama`) with a byte-level BPE tokenizer (GPT-2's, SmolLM's):
-the hyperparameters from `config.json`, the tokenizer's tokens, types and merges, its
+architecture llama.cpp calls `llama`) with a byte-level BPE tokenizer (GPT-2's, SmolLM's,
+Llama 3's): the hyperparameters from `config.json` (Llama 3.1's RoPE scaling as the
+`rope_freqs.weight` llama.cpp reads), the tokenizer's tokens, types and merges, its
 special tokens and chat template (gguf's `SpecialVocab`), and every tensor under gguf's
 own name for it, the q and k projections' rows in llama.cpp's order. The frozen tensors
 are quantized once to one type, the trained ones written in another. Anything else is
@@ -23,6 +24,11 @@ from pockjax.gguf._read import GgufError, unpermute_rows
 ARCHITECTURES = {"llama": "llama", "mistral": "llama"}
 """`config.json`'s `model_type` -> the GGUF architecture it is written as."""
 
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""Llama 3's pre-tokenizer: the regular expression of its `Split` (llama.cpp's
+`llama-bpe`)."""
+
 FROZEN_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "F16", "BF16", "F32")
 """The types the frozen tensors of a model folder can be quantized to once."""
 
@@ -38,9 +44,13 @@ def _pre_tokenizer(tokenizer: dict, path: Path) -> str:
         return "gpt-2"
     if kinds == [("Digits", True, None, None), ("ByteLevel", None, True, False)]:
         return "smollm"
+    if kinds == [("Split", None, None, None), ("ByteLevel", None, False, False)] and \
+            parts[0].get("pattern", {}).get("Regex") == LLAMA3_SPLIT:
+        return "llama-bpe"
     raise GgufError(f"'{path}': its pre-tokenizer ({json.dumps(pre)[:200]}) is not one pockjax "
-                    f"can name for llama.cpp (GPT-2's ByteLevel, or SmolLM's Digits + "
-                    f"ByteLevel); write the GGUF file with llama.cpp's convert_hf_to_gguf.py")
+                    f"can name for llama.cpp (GPT-2's ByteLevel, SmolLM's Digits + ByteLevel, "
+                    f"Llama 3's Split + ByteLevel); write the GGUF file with llama.cpp's "
+                    f"convert_hf_to_gguf.py")
 
 
 def _tokenizer(writer, folder: Path, vocab_size: int) -> None:
@@ -84,15 +94,41 @@ def _tokenizer(writer, folder: Path, vocab_size: int) -> None:
     special.add_to_gguf(writer, quiet=True)
 
 
+def _rope(config: dict) -> tuple[str, dict]:
+    """The RoPE settings' field and value: transformers 5 keeps them in
+    `rope_parameters`, older configs in `rope_theta` and `rope_scaling` (read first where
+    set, as transformers does)."""
+    field = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    return field, config.get(field) or {}
+
+
+def _llama3_factors(config: dict) -> np.ndarray | None:
+    """Llama 3.1's RoPE scaling as llama.cpp holds it (`rope_freqs.weight`): each
+    frequency's divisor, transformers' scaled inverse frequencies against the plain ones;
+    None for a model without it."""
+    _, rope = _rope(config)
+    if rope.get("rope_type", rope.get("type")) != "llama3":
+        return None
+    heads = int(config["num_attention_heads"])
+    dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 1e4)))
+    factor, old = float(rope["factor"]), float(rope["original_max_position_embeddings"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    inv = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > old / low, inv / factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    scaled = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    return (inv / scaled).astype(np.float32)
+
+
 def _hyperparameters(writer, config: dict, path: Path) -> None:
     """The architecture's keys from `config.json`; settings GGUF's llama cannot hold are
     refused."""
-    # transformers 5 keeps the RoPE settings in `rope_parameters`; older configs in
-    # `rope_theta` and `rope_scaling` (read first where set, as transformers does).
-    field = "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
-    rope = config.get(field) or {}
+    field, rope = _rope(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    for key, value, plain in ((field, kind, "default"),
+    for key, value, plain in ((field, kind if kind != "llama3" else "default", "default"),
                               ("attention_bias", config.get("attention_bias", False), False),
                               ("mlp_bias", config.get("mlp_bias", False), False)):
         if value != plain:
@@ -228,6 +264,10 @@ def folder_gguf(folder, out, *, frozen_type: str = "Q8_0", trained=(),
                                      trained_type if how == "trained" else frozen_type)
         writer.add_tensor(mapped, data, raw_shape=data.shape, raw_dtype=qtype)
         report[mapped] = (how, f"{qtype.name}, largest rounding {error:.3g}")
+    factors = _llama3_factors(config)
+    if factors is not None:  # llama.cpp divides each RoPE frequency by these
+        writer.add_tensor("rope_freqs.weight", factors)
+        report["rope_freqs.weight"] = ("frozen", "F32, Llama 3's RoPE scaling")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -475,3 +475,71 @@ def test_the_options_gguf_types_are_the_writers():
     from pockjax.gguf import SAVE_TYPES
 
     assert GGUF_TYPES == SAVE_TYPES
+
+
+def test_a_llama3_folder_runs_in_llama_cpp_as_in_transformers(tiny_gguf, tmp_path):
+    """A Llama 3 shaped folder (its Split pre-tokenizer over SmolLM2's vocabulary, RoPE
+    scaled as Llama 3.1's with a short original context, random weights) written by
+    `folder_gguf` in F32: llama.cpp's tokens of an adversarial text are the tokenizer's,
+    and its logits transformers', which they are not without the scaling's factors."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from pockjax.gguf import folder_gguf
+    from pockjax.gguf._convert import LLAMA3_SPLIT
+
+    folder = tmp_path / "llama3"
+    smol = model_folder(tiny_gguf)
+    tokenizer = json.loads((smol / "tokenizer.json").read_text())
+    tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated",
+         "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+         "use_regex": False}]}
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32}
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rope_parameters=rope, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # larger weights: logits far from uniform
+        for p in model.parameters():
+            p.mul_(20.0) if p.ndim == 2 else None
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    for name in ("tokenizer_config.json", "chat_template.jinja"):
+        if (smol / name).exists():
+            (folder / name).write_text((smol / name).read_text())
+    report = folder_gguf(folder, tmp_path / "llama3.gguf", frozen_type="F32")
+    assert report["rope_freqs.weight"][0] == "frozen"
+    text = ("DON'T stop: it's 12345 ünïcode\n\n\n  spaces\tand\r\n tabs!!! "
+            "<|im_start|>user\nhi<|im_end|>" + " the quick brown fox" * 8)
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
+    assert len(ids) > 64  # well past the original context of 32
+    with torch.no_grad():
+        want = model(torch.tensor([ids])).logits[0].numpy()
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+        plain = transformers.LlamaForCausalLM(config).eval()
+        plain.load_state_dict(model.state_dict())
+        unscaled = plain(torch.tensor([ids])).logits[0].numpy()
+    # llama.cpp's cache of keys and values in F32 (type 0; its default F16 rounds them)
+    code = ("import json, sys, numpy as np; from llama_cpp import Llama; "
+            "text, ids = sys.argv[1], json.loads(sys.argv[2]); "
+            "llm = Llama(model_path=sys.argv[3], logits_all=True, verbose=False, n_ctx=256, "
+            "type_k=0, type_v=0, "
+            "seed=0); tokens = llm.tokenize(text.encode(), add_bos=False, special=True); "
+            "llm.eval(ids); np.save(sys.argv[4], np.asarray(llm.scores[:len(ids)])); "
+            "print(json.dumps(tokens))")
+    done = subprocess.run([sys.executable, "-c", code, text, json.dumps(ids),
+                           str(tmp_path / "llama3.gguf"), str(tmp_path / "scores.npy")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == ids
+    got = np.load(tmp_path / "scores.npy")
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-3 * scale, np.abs(got - want).max() / scale
+    assert np.abs(unscaled - want).max() > 1e-2 * scale  # the factors matter here
