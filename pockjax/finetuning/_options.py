@@ -127,7 +127,8 @@ class FinetuneOptions:
                              "ones (with --save-gguf too) in this type (default F16; BF16, F32, or a block type gguf "
                              "quantizes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)", choices=GGUF_TYPES,
                              metavar="TYPE", job=True)
-    save_gguf: str | None = _option(None, "with a model folder of the LLaMA family, also "
+    save_gguf: str | None = _option(None, "with a model folder (llama, mistral, qwen2, "
+                                    "qwen3), also "
                                     "write final.gguf beside final/: the frozen tensors "
                                     "quantized once to TYPE (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
                                     "F16, BF16, F32), the trained ones in --gguf-type",

@@ -2,9 +2,9 @@
 one (a safetensors base), so that its fine-tuned version runs in llama.cpp, Ollama and
 LM Studio.
 
-`folder_gguf(folder, out)` writes the LLaMA family (`model_type` llama or mistral: the
-architecture llama.cpp calls `llama`) with a byte-level BPE tokenizer (GPT-2's, SmolLM's,
-Llama 3's): the hyperparameters from `config.json` (Llama 3.1's RoPE scaling as the
+`folder_gguf(folder, out)` writes the LLaMA family (`model_type` llama or mistral, which
+llama.cpp calls `llama`; qwen2, qwen3) with a byte-level BPE tokenizer (GPT-2's,
+SmolLM's, Llama 3's, Qwen's): the hyperparameters from `config.json` (Llama 3.1's RoPE scaling as the
 `rope_freqs.weight` llama.cpp reads), the tokenizer's tokens, types and merges, its
 special tokens and chat template (gguf's `SpecialVocab`), and every tensor under gguf's
 own name for it, the q and k projections' rows in llama.cpp's order. The frozen tensors
@@ -21,8 +21,13 @@ import numpy as np
 
 from pockjax.gguf._read import GgufError, unpermute_rows
 
-ARCHITECTURES = {"llama": "llama", "mistral": "llama"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 """`config.json`'s `model_type` -> the GGUF architecture it is written as."""
+
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+               r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""Qwen2's and Qwen3's pre-tokenizer (llama.cpp's `qwen2`): Llama 3's with single
+digits."""
 
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                 r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -44,12 +49,13 @@ def _pre_tokenizer(tokenizer: dict, path: Path) -> str:
         return "gpt-2"
     if kinds == [("Digits", True, None, None), ("ByteLevel", None, True, False)]:
         return "smollm"
-    if kinds == [("Split", None, None, None), ("ByteLevel", None, False, False)] and \
-            parts[0].get("pattern", {}).get("Regex") == LLAMA3_SPLIT:
-        return "llama-bpe"
+    if kinds == [("Split", None, None, None), ("ByteLevel", None, False, False)]:
+        split = parts[0].get("pattern", {}).get("Regex")
+        if split in (LLAMA3_SPLIT, QWEN2_SPLIT):
+            return "llama-bpe" if split == LLAMA3_SPLIT else "qwen2"
     raise GgufError(f"'{path}': its pre-tokenizer ({json.dumps(pre)[:200]}) is not one pockjax "
                     f"can name for llama.cpp (GPT-2's ByteLevel, SmolLM's Digits + ByteLevel, "
-                    f"Llama 3's Split + ByteLevel); write the GGUF file with llama.cpp's "
+                    f"Llama 3's or Qwen2's Split + ByteLevel); write the GGUF file with llama.cpp's "
                     f"convert_hf_to_gguf.py")
 
 
@@ -130,7 +136,9 @@ def _hyperparameters(writer, config: dict, path: Path) -> None:
     kind = rope.get("rope_type", rope.get("type", "default"))
     for key, value, plain in ((field, kind if kind != "llama3" else "default", "default"),
                               ("attention_bias", config.get("attention_bias", False), False),
-                              ("mlp_bias", config.get("mlp_bias", False), False)):
+                              ("mlp_bias", config.get("mlp_bias", False), False),
+                              ("use_sliding_window", config.get("use_sliding_window", False),
+                               False)):
         if value != plain:
             raise GgufError(f"'{path}': {key} {json.dumps(config[key])}; pockjax writes "
                             f"LLaMA models without it. Write the GGUF file with llama.cpp's "
@@ -145,7 +153,11 @@ def _hyperparameters(writer, config: dict, path: Path) -> None:
     writer.add_head_count_kv(int(config.get("num_key_value_heads") or heads))
     writer.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 1e4))))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-6)))
-    writer.add_rope_dimension_count(int(config.get("head_dim") or width // heads))
+    head_dim = int(config.get("head_dim") or width // heads)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim * heads != width:  # Qwen3's heads are not the width split
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
     writer.add_vocab_size(int(config["vocab_size"]))
 
 
@@ -256,7 +268,9 @@ def folder_gguf(folder, out, *, frozen_type: str = "Q8_0", trained=(),
         if mapped is None:
             raise GgufError(f"'{folder}': gguf has no name for tensor '{name}' of a {arch} model")
         values = np.asarray(value, np.float32)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):  # llama.cpp's row order
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # llama.cpp's llama interleaves each head's rotary halves (Qwen's rotate halves
+            # as transformers does)
             n = heads if "q_proj" in name else kv_heads
             values = values[np.argsort(unpermute_rows(values.shape[0], n))]
         how = "trained" if name in trained else "frozen"

@@ -358,8 +358,9 @@ def test_save_gguf_refuses_what_it_cannot_write_before_training(tiny_runs, smoll
                                             "the file's own bytes; leave --save-gguf out"):
         finetune(str(smollm2), str(train), str(tmp_path / "a"), save_gguf="Q8_0", **run)
     for change, said in (
-            (lambda c, t: c.update(model_type="qwen2"), "model_type 'qwen2'; pockjax writes "
-                                                         "GGUF files of llama, mistral models"),
+            (lambda c, t: c.update(model_type="gemma"), "model_type 'gemma'; pockjax writes "
+                                                         "GGUF files of llama, mistral, qwen2, "
+                                                         "qwen3 models"),
             (lambda c, t: c.update(rope_scaling={"rope_type": "linear", "factor": 2.0}),
              "rope_scaling"),
             (lambda c, t: t["model"].update(byte_fallback=True), "byte-level BPE tokenizers"),
@@ -477,69 +478,98 @@ def test_the_options_gguf_types_are_the_writers():
     assert GGUF_TYPES == SAVE_TYPES
 
 
-def test_a_llama3_folder_runs_in_llama_cpp_as_in_transformers(tiny_gguf, tmp_path):
-    """A Llama 3 shaped folder (its Split pre-tokenizer over SmolLM2's vocabulary, RoPE
-    scaled as Llama 3.1's with a short original context, random weights) written by
-    `folder_gguf` in F32: llama.cpp's tokens of an adversarial text are the tokenizer's,
-    and its logits transformers', which they are not without the scaling's factors."""
+def _random_folder(folder, family: str, tokenizer_of) -> "torch.nn.Module":
+    """A two-block model of `family` with random weights (large enough that the logits
+    are far from uniform; biases and norms random too) saved in `folder` with SmolLM2's
+    vocabulary under the family's pre-tokenizer; returns the model."""
     import torch
     import transformers
-    from tokenizers import Tokenizer
 
-    from pockjax.gguf import folder_gguf
-    from pockjax.gguf._convert import LLAMA3_SPLIT
+    from pockjax.gguf._convert import LLAMA3_SPLIT, QWEN2_SPLIT
 
-    folder = tmp_path / "llama3"
-    smol = model_folder(tiny_gguf)
-    tokenizer = json.loads((smol / "tokenizer.json").read_text())
+    shape = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                 tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    if family == "llama3":  # Llama 3.1's RoPE scaling, a short original context
+        config = transformers.LlamaConfig(**shape, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+    elif family == "qwen2":  # q, k and v biases
+        config = transformers.Qwen2Config(**shape)
+    else:  # qwen3: q and k norms, heads wider than the width split
+        config = transformers.Qwen3Config(**shape, head_dim=32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.mul_(20.0)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 1.0)
+            else:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
+    tokenizer = tokenizer_of()
     tokenizer["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT}, "behavior": "Isolated",
+        {"type": "Split", "pattern": {"Regex": LLAMA3_SPLIT if family == "llama3"
+                                      else QWEN2_SPLIT}, "behavior": "Isolated",
          "invert": False},
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
          "use_regex": False}]}
-    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 32}
-    config = transformers.LlamaConfig(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        rope_parameters=rope, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # larger weights: logits far from uniform
-        for p in model.parameters():
-            p.mul_(20.0) if p.ndim == 2 else None
-    model.save_pretrained(folder)
     (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
-    for name in ("tokenizer_config.json", "chat_template.jinja"):
-        if (smol / name).exists():
-            (folder / name).write_text((smol / name).read_text())
-    report = folder_gguf(folder, tmp_path / "llama3.gguf", frozen_type="F32")
-    assert report["rope_freqs.weight"][0] == "frozen"
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "qwen3"])
+def test_a_folder_of_each_family_runs_in_llama_cpp_as_in_transformers(family, tiny_gguf,
+                                                                      tmp_path):
+    """A two-block folder of each family `folder_gguf` writes besides SmolLM's (Llama 3
+    with its Split pre-tokenizer and RoPE scaling; Qwen2 with its biases; Qwen3 with its
+    q/k norms and wide heads; SmolLM2's vocabulary, random weights) in F32: llama.cpp's
+    tokens of an adversarial text are the tokenizer's, and its logits transformers' (for
+    Llama 3, which they are not without the scaling's factors)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from pockjax.gguf import folder_gguf
+
+    folder = tmp_path / family
+    smol = model_folder(tiny_gguf)
+    model = _random_folder(folder, family,
+                           lambda: json.loads((smol / "tokenizer.json").read_text()))
+    (folder / "tokenizer_config.json").write_text((smol / "tokenizer_config.json").read_text())
+    report = folder_gguf(folder, tmp_path / "m.gguf", frozen_type="F32")
+    assert ("rope_freqs.weight" in report) == (family == "llama3")
     text = ("DON'T stop: it's 12345 ünïcode\n\n\n  spaces\tand\r\n tabs!!! "
             "<|im_start|>user\nhi<|im_end|>" + " the quick brown fox" * 8)
     ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids
-    assert len(ids) > 64  # well past the original context of 32
+    assert len(ids) > 64  # well past Llama 3's original context of 32
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-        config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
-        plain = transformers.LlamaForCausalLM(config).eval()
-        plain.load_state_dict(model.state_dict())
-        unscaled = plain(torch.tensor([ids])).logits[0].numpy()
     # llama.cpp's cache of keys and values in F32 (type 0; its default F16 rounds them)
     code = ("import json, sys, numpy as np; from llama_cpp import Llama; "
             "text, ids = sys.argv[1], json.loads(sys.argv[2]); "
             "llm = Llama(model_path=sys.argv[3], logits_all=True, verbose=False, n_ctx=256, "
-            "type_k=0, type_v=0, "
-            "seed=0); tokens = llm.tokenize(text.encode(), add_bos=False, special=True); "
+            "type_k=0, type_v=0, seed=0); "
+            "tokens = llm.tokenize(text.encode(), add_bos=False, special=True); "
             "llm.eval(ids); np.save(sys.argv[4], np.asarray(llm.scores[:len(ids)])); "
             "print(json.dumps(tokens))")
     done = subprocess.run([sys.executable, "-c", code, text, json.dumps(ids),
-                           str(tmp_path / "llama3.gguf"), str(tmp_path / "scores.npy")],
+                           str(tmp_path / "m.gguf"), str(tmp_path / "scores.npy")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.strip().splitlines()[-1]) == ids
     got = np.load(tmp_path / "scores.npy")
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 1e-3 * scale, np.abs(got - want).max() / scale
-    assert np.abs(unscaled - want).max() > 1e-2 * scale  # the factors matter here
+    if family == "llama3":  # the factors matter here
+        import transformers
+
+        config = model.config
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+        plain = transformers.LlamaForCausalLM(config).eval()
+        plain.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            unscaled = plain(torch.tensor([ids])).logits[0].numpy()
+        assert np.abs(unscaled - want).max() > 1e-2 * scale
