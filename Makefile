@@ -75,7 +75,7 @@ RUN_ENV = mkdir -p $${XDG_RUNTIME_DIR:=/tmp/pockjax-xdg} && export XDG_RUNTIME_D
 test: venv test-deps
 	$(RUN_ENV) cache=$$(mktemp -d /tmp/pockjax-test-jax-cache.XXXXXX) && \
 	  JAX_COMPILATION_CACHE_DIR=$$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 \
-	  $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder tests; \
+	  $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=40 tests; \
 	  status=$$?; rm -rf $$cache; exit $$status
 
 # The tiny LLaMA shipped in examples/checkpoints (pretrained on generated text), sparse instruction

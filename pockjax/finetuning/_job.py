@@ -195,9 +195,10 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         `save_gguf`: "F16" (the default), "BF16", "F32", or a block type gguf quantizes
         ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"); vectors stay F32.
       save_gguf: with a model folder of model_type llama, mistral, qwen2 or qwen3 (and
-        a byte-level BPE tokenizer), also write `out/final.gguf` from `final/` (`pockjax.gguf.folder_gguf`):
-        the frozen tensors quantized once to this type, the trained ones in `gguf_type`,
-        the tokenizer and chat template carried. Checked before the first step.
+        a byte-level BPE tokenizer), also write `out/final.gguf` from `final/`
+        (`pockjax.gguf.folder_gguf`): the frozen tensors quantized once to this type, the
+        trained ones in `gguf_type`, the tokenizer and chat template carried. Checked
+        before the first step.
       compile_cache: use JAX's persistent compilation cache (a folder under the user's
         cache directory, `pockjax.train.compile_cache_dir`), so a second run of the same
         shapes starts without compiling; default True. The first step's compilation

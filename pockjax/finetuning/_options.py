@@ -124,14 +124,13 @@ class FinetuneOptions:
                               "base's own bytes", choices=SAVE_DTYPES)
     gguf_type: str = _option("F16", "with a .gguf --model, final.gguf is written beside "
                              "final/: the file's own bytes for every frozen tensor, the trained "
-                             "ones (with --save-gguf too) in this type (default F16; BF16, F32, or a block type gguf "
-                             "quantizes: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)", choices=GGUF_TYPES,
-                             metavar="TYPE", job=True)
+                             "ones (with --save-gguf too) in this type (default F16; BF16, "
+                             "F32, or a block type gguf quantizes: Q8_0, Q4_0, Q4_1, Q5_0, "
+                             "Q5_1)", choices=GGUF_TYPES, metavar="TYPE", job=True)
     save_gguf: str | None = _option(None, "with a model folder (llama, mistral, qwen2, "
-                                    "qwen3), also "
-                                    "write final.gguf beside final/: the frozen tensors "
-                                    "quantized once to TYPE (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-                                    "F16, BF16, F32), the trained ones in --gguf-type",
+                                    "qwen3), also write final.gguf beside final/: the frozen "
+                                    "tensors quantized once to TYPE (Q8_0, Q4_0, Q4_1, Q5_0, "
+                                    "Q5_1, F16, BF16, F32), the trained ones in --gguf-type",
                                     choices=FROZEN_TYPES, metavar="TYPE")
     logits: str = _option("targets", "where the output head runs: targets (default: only at "
                           "the positions the loss counts, when prompts and padding leave at "

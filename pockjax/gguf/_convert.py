@@ -4,10 +4,10 @@ LM Studio.
 
 `folder_gguf(folder, out)` writes the LLaMA family (`model_type` llama or mistral, which
 llama.cpp calls `llama`; qwen2, qwen3) with a byte-level BPE tokenizer (GPT-2's,
-SmolLM's, Llama 3's, Qwen's): the hyperparameters from `config.json` (Llama 3.1's RoPE scaling as the
-`rope_freqs.weight` llama.cpp reads), the tokenizer's tokens, types and merges, its
-special tokens and chat template (gguf's `SpecialVocab`), and every tensor under gguf's
-own name for it, the q and k projections' rows in llama.cpp's order. The frozen tensors
+SmolLM's, Llama 3's, Qwen's): the hyperparameters from `config.json` (Llama 3.1's RoPE
+scaling as the `rope_freqs.weight` llama.cpp reads), the tokenizer's tokens, types and
+merges, its special tokens and chat template (gguf's `SpecialVocab`), and every tensor
+under gguf's own name for it, a llama's q and k rows in llama.cpp's order. The frozen tensors
 are quantized once to one type, the trained ones written in another. Anything else is
 refused by name.
 """
@@ -55,8 +55,8 @@ def _pre_tokenizer(tokenizer: dict, path: Path) -> str:
             return "llama-bpe" if split == LLAMA3_SPLIT else "qwen2"
     raise GgufError(f"'{path}': its pre-tokenizer ({json.dumps(pre)[:200]}) is not one pockjax "
                     f"can name for llama.cpp (GPT-2's ByteLevel, SmolLM's Digits + ByteLevel, "
-                    f"Llama 3's or Qwen2's Split + ByteLevel); write the GGUF file with llama.cpp's "
-                    f"convert_hf_to_gguf.py")
+                    f"Llama 3's or Qwen2's Split + ByteLevel); write the GGUF file with "
+                    f"llama.cpp's convert_hf_to_gguf.py")
 
 
 def _tokenizer(writer, folder: Path, vocab_size: int) -> None:

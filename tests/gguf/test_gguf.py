@@ -198,7 +198,8 @@ def test_lora_on_the_file_equals_lora_on_its_float32_folder(tiny_runs, tiny_gguf
                                rtol=0, atol=1e-4 * max(1.0, np.abs(want).max()))
 
 
-def test_the_device_job_of_a_gguf_file_ends_where_finetune_ends(tiny_runs, tiny_gguf):
+def test_the_device_job_of_a_gguf_file_ends_where_finetune_ends(tiny_runs, tiny_gguf,
+                                                                 monkeypatch, capsys):
     """`pockjax export --model FILE.gguf` and `pockjax run` (no JAX in the run's end):
     the same losses as finetune's from the file, final/ with finetune's values (AdamW
     turns summation-order rounding in near-zero gradients into a few learning-rate-sized
@@ -256,6 +257,17 @@ def test_the_device_job_of_a_gguf_file_ends_where_finetune_ends(tiny_runs, tiny_
     assert {n for n, r in report.items() if "trained" in r} == \
         {layout["names"][n] for n in job["trained"]}
     assert written.fields["general.pockjax.tool"].contents() == "pockjax run"
+    # A device without the gguf package hears so before the first step.
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gguf" else find(name, *a))
+    capsys.readouterr()
+    assert main(["run", str(tmp / "job-art"), "--data", str(train), "--out",
+                 str(tmp / "job-bare")]) != 0
+    assert "its final.gguf is written with the gguf package: pip install gguf" in \
+        capsys.readouterr().err
+    assert not (tmp / "job-bare" / "checkpoints").exists()
 
 
 def test_final_gguf_keeps_the_frozen_bytes_and_metadata(tiny_runs, tiny_gguf):
