@@ -14,7 +14,6 @@ refused by name.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -161,23 +160,6 @@ def _hyperparameters(writer, config: dict, path: Path) -> None:
     writer.add_vocab_size(int(config["vocab_size"]))
 
 
-def _tensor(values: np.ndarray, kind: str):
-    """`values` in GGUF type `kind` (a vector, or a row length no block divides, in F32 /
-    F16): the data, its type and the largest error of the rounding."""
-    import gguf
-
-    if values.ndim < 2:
-        kind = "F32"
-    qtype = gguf.GGMLQuantizationType[kind]
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if values.shape[-1] % block:
-        qtype = gguf.GGMLQuantizationType.F16
-    data = gguf.quants.quantize(values, qtype)
-    back = gguf.quants.dequantize(data, qtype).reshape(values.shape)
-    error = float(np.max(np.abs(back - values))) if values.size else 0.0
-    return data, qtype, error
-
-
 def _tensors(folder: Path) -> dict:
     """The folder's tensors by name (every `*.safetensors` file), mapped, not read."""
     from pockjax.checkpoint import numpy_dtype, safetensors_header
@@ -239,7 +221,7 @@ def folder_gguf(folder, out, *, frozen_type: str = "Q8_0", trained=(),
     """
     import gguf
 
-    from pockjax.gguf._write import add_metadata
+    from pockjax.gguf._write import add_metadata, encoded, finish
 
     folder, out = Path(folder), Path(out)
     for kind in (frozen_type, trained_type):
@@ -274,7 +256,7 @@ def folder_gguf(folder, out, *, frozen_type: str = "Q8_0", trained=(),
             n = heads if "q_proj" in name else kv_heads
             values = values[np.argsort(unpermute_rows(values.shape[0], n))]
         how = "trained" if name in trained else "frozen"
-        data, qtype, error = _tensor(np.ascontiguousarray(values),
+        data, qtype, error = encoded(np.ascontiguousarray(values),
                                      trained_type if how == "trained" else frozen_type)
         writer.add_tensor(mapped, data, raw_shape=data.shape, raw_dtype=qtype)
         report[mapped] = (how, f"{qtype.name}, largest rounding {error:.3g}")
@@ -282,9 +264,5 @@ def folder_gguf(folder, out, *, frozen_type: str = "Q8_0", trained=(),
     if factors is not None:  # llama.cpp divides each RoPE frequency by these
         writer.add_tensor("rope_freqs.weight", factors)
         report["rope_freqs.weight"] = ("frozen", "F32, Llama 3's RoPE scaling")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
+    finish(writer, tmp, out)
     return report

@@ -50,7 +50,8 @@ def write_gguf(source, out, trained: dict, *, save_type: str = "F16",
       trained: GGUF tensor name -> float32 values in the file's numpy layout (`[out,
         in]` for a weight, rows in the file's order).
       save_type: the trained tensors' type: "F16" (default), "BF16", "F32", or a block
-        type `gguf` quantizes ("Q8_0", "Q4_0", ...). Vectors (norms) stay F32.
+        type `gguf` quantizes ("Q8_0", "Q4_0", ...). Vectors (norms) stay F32; a
+        tensor whose rows no block of the type divides is written in F16.
       metadata: more keys (strings or numbers), e.g. the training in `general.*` keys.
 
     Returns:
@@ -91,16 +92,33 @@ def write_gguf(source, out, trained: dict, *, save_type: str = "F16",
         if values.shape != shape:
             raise GgufError(f"trained tensor '{t.name}' has shape {list(values.shape)}; "
                             f"'{source}' holds {list(shape)}")
-        kind = save_type if values.ndim >= 2 else "F32"
-        qtype = gguf.GGMLQuantizationType[kind]
-        data = gguf.quants.quantize(values, qtype)
-        back = gguf.quants.dequantize(data, qtype).reshape(values.shape)
-        error = float(np.max(np.abs(back - values))) if values.size else 0.0
+        data, qtype, error = encoded(values, save_type)
         writer.add_tensor(t.name, data, raw_shape=data.shape, raw_dtype=qtype)
-        report[t.name] = ("trained", f"{kind}, largest rounding {error:.3g}")
+        report[t.name] = ("trained", f"{qtype.name}, largest rounding {error:.3g}")
+    finish(writer, tmp, out)
+    return report
+
+
+def encoded(values: np.ndarray, kind: str):
+    """`values` in GGUF type `kind` (a vector in F32; a row length no block of `kind`
+    divides in F16): the data, its type and the largest error of the rounding."""
+    import gguf
+
+    if values.ndim < 2:
+        kind = "F32"
+    qtype = gguf.GGMLQuantizationType[kind]
+    if values.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0]:
+        qtype = gguf.GGMLQuantizationType.F16
+    data = gguf.quants.quantize(values, qtype)
+    back = gguf.quants.dequantize(data, qtype).reshape(values.shape)
+    error = float(np.max(np.abs(back - values))) if values.size else 0.0
+    return data, qtype, error
+
+
+def finish(writer, tmp: Path, out: Path) -> None:
+    """Write `writer`'s header, keys and tensors into `tmp` and rename it to `out`."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     os.replace(tmp, out)
-    return report

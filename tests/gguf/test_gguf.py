@@ -400,6 +400,18 @@ def real_run(smollm2, tmp_path_factory):
     return tmp / "run"
 
 
+def _in_llama_cpp(code: str, *args):
+    """`code` run with llama_cpp's `Llama`, `json`, `sys` and numpy as `np` imported and
+    `args` as its arguments; the JSON its last line prints. In its own process:
+    llama.cpp's native code beside what a test worker has loaded (TensorFlow's
+    libraries, after tests/tf) crashed the worker once."""
+    done = subprocess.run([sys.executable, "-c", "import json, sys, numpy as np\n"
+                           "from llama_cpp import Llama\n" + code, *map(str, args)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_llama_cpp_runs_the_written_file_and_predicts_as_final(real_run, tmp_path):
     """final.gguf, and final/ written as GGUF by `folder_gguf` (frozen tensors in Q8_0),
     in llama.cpp: its tokens of a chat text (special tokens included) are the tokenizer's,
@@ -417,22 +429,15 @@ def test_llama_cpp_runs_the_written_file_and_predicts_as_final(real_run, tmp_pat
     ids = AutoTokenizer.from_pretrained(real_run / "final").encode(text)
     want = _logits(final, np.array([ids])).argmax(-1)[0]
     folder_gguf(real_run / "final", tmp_path / "folder.gguf", frozen_type="Q8_0")
-    # In its own process: llama.cpp's native code beside what a test worker has loaded
-    # (TensorFlow's libraries, after tests/tf) crashed the worker once.
-    code = ("import json, sys, numpy as np; from llama_cpp import Llama; "
-            "text, ids = sys.argv[1], json.loads(sys.argv[2]); out = []\n"
+    code = ("text, ids = sys.argv[1], json.loads(sys.argv[2]); out = []\n"
             "for path in sys.argv[3:]:\n"
             "    llm = Llama(model_path=path, logits_all=True, verbose=False, n_ctx=128, seed=0)\n"
             "    tokens = llm.tokenize(text.encode(), add_bos=False, special=True)\n"
             "    llm.eval(ids)\n"
             "    out.append([tokens, np.asarray(llm.scores[:len(ids)]).argmax(-1).tolist()])\n"
             "print(json.dumps(out))")
-    done = subprocess.run([sys.executable, "-c", code, text, json.dumps(ids),
-                           str(real_run / "final.gguf"), str(tmp_path / "folder.gguf")],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    for name, (tokens, got) in zip(("final.gguf", "folder.gguf"),
-                                   json.loads(done.stdout.strip().splitlines()[-1])):
+    for name, (tokens, got) in zip(("final.gguf", "folder.gguf"), _in_llama_cpp(
+            code, text, json.dumps(ids), real_run / "final.gguf", tmp_path / "folder.gguf")):
         assert tokens == ids, name
         assert (np.asarray(got) == want).mean() >= 0.9, (name, got, want)
 
@@ -560,18 +565,14 @@ def test_a_folder_of_each_family_runs_in_llama_cpp_as_in_transformers(family, ti
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
     # llama.cpp's cache of keys and values in F32 (type 0; its default F16 rounds them)
-    code = ("import json, sys, numpy as np; from llama_cpp import Llama; "
-            "text, ids = sys.argv[1], json.loads(sys.argv[2]); "
+    code = ("text, ids = sys.argv[1], json.loads(sys.argv[2]); "
             "llm = Llama(model_path=sys.argv[3], logits_all=True, verbose=False, n_ctx=256, "
             "type_k=0, type_v=0, seed=0); "
             "tokens = llm.tokenize(text.encode(), add_bos=False, special=True); "
             "llm.eval(ids); np.save(sys.argv[4], np.asarray(llm.scores[:len(ids)])); "
             "print(json.dumps(tokens))")
-    done = subprocess.run([sys.executable, "-c", code, text, json.dumps(ids),
-                           str(tmp_path / "m.gguf"), str(tmp_path / "scores.npy")],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == ids
+    assert _in_llama_cpp(code, text, json.dumps(ids), tmp_path / "m.gguf",
+                         tmp_path / "scores.npy") == ids
     got = np.load(tmp_path / "scores.npy")
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 1e-3 * scale, np.abs(got - want).max() / scale
