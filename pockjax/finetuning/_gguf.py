@@ -182,17 +182,15 @@ def check_save_gguf(folder: Path, source, save_gguf: str | None) -> None:
         raise FinetuneError(f"--save-gguf {save_gguf}: {e}") from None
 
 
-def final_gguf(loaded, params, out: Path, *, base, final: Path, frozen, gguf_type: str,
-               save_gguf: str | None, metadata: dict, say: Callable) -> None:
+def final_gguf(loaded, params, out: Path, *, base, source, final: Path, frozen,
+               gguf_type: str, save_gguf: str | None, metadata: dict, say: Callable) -> None:
     """`out/final.gguf` and its report `final.gguf.json` (each tensor's digest or
-    rounding): from the GGUF file the model was read from (`write_final_gguf`), or from
-    `final/` (`--save-gguf`: the frozen tensors quantized once to `save_gguf`)."""
-    import json
-
-    from pockjax.checkpoint import write_atomic
+    rounding): from `source`, the GGUF file the model was read from (`write_final_gguf`),
+    or where that is None from `final/` (`--save-gguf`: the frozen tensors quantized once
+    to `save_gguf`)."""
+    from pockjax.gguf._write import write_report
 
     written = out / "final.gguf"
-    source = gguf_file(base)
     if source is not None:
         report = write_final_gguf(loaded, params, written, base=base, frozen=frozen,
                                   gguf_type=gguf_type,
@@ -213,6 +211,4 @@ def final_gguf(loaded, params, out: Path, *, base, final: Path, frozen, gguf_typ
         said = f"{len(kept)} frozen tensors in {save_gguf}"
     say(f"{written}: {said}, {len(report) - len(kept)} trained in {gguf_type} (each "
         f"tensor's digest or rounding in final.gguf.json)")
-    write_atomic(out / "final.gguf.json", (json.dumps(
-        {name: {how: detail} for name, (how, detail) in report.items()}, indent=1)
-        + "\n").encode())
+    write_report(written, report)

@@ -540,8 +540,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
         write_final(loaded, params, final, base=model, frozen=frozen, partial=partial,
                     save_dtype=o.save_dtype)
     if (source is not None or o.save_gguf) and (hosts is None or hosts.writer):
-        final_gguf(loaded, params, Path(out), base=model, final=final, frozen=frozen,
-                   gguf_type=o.gguf_type, save_gguf=o.save_gguf,
+        final_gguf(loaded, params, Path(out), base=model, source=source, final=final,
+                   frozen=frozen, gguf_type=o.gguf_type, save_gguf=o.save_gguf,
                    say=lambda text: _say(progress, text), metadata={
                        "general.pockjax.tool": "pockjax finetune",
                        "general.pockjax.scheme": str(scheme),

@@ -23,9 +23,9 @@ def merge_final_gguf(artifact: Path, job: dict, values: dict, final: Path,
     `values`; `trained_value(name, base)` and `merged_value(name, base)` give a trained
     tensor or a LoRA kernel from its base values (`[out, in]`, float32). Returns
     `pockjax.gguf.write_gguf`'s report (also written as `final.gguf.json`)."""
-    from pockjax.checkpoint import write_atomic, write_safetensors
+    from pockjax.checkpoint import write_safetensors
     from pockjax.gguf._read import float_values, read_tensors
-    from pockjax.gguf._write import write_gguf
+    from pockjax.gguf._write import write_gguf, write_report
 
     layout = job["gguf"]
     source = Path(artifact) / "model" / layout["file"]
@@ -83,7 +83,5 @@ def merge_final_gguf(artifact: Path, job: dict, values: dict, final: Path,
     report = write_gguf(source, written, changed, save_type=layout["type"], metadata={
         "general.pockjax.tool": "pockjax run", "general.pockjax.scheme": job["scheme"],
         "general.pockjax.steps": int(job["steps"]), "general.pockjax.base_file": layout["file"]})
-    write_atomic(final.with_name(final.name + ".gguf.json"), (json.dumps(
-        {name: {how: detail} for name, (how, detail) in report.items()}, indent=1)
-        + "\n").encode())
+    write_report(written, report)
     return report

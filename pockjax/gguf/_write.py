@@ -10,6 +10,7 @@ place.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -113,6 +114,16 @@ def encoded(values: np.ndarray, kind: str):
     back = gguf.quants.dequantize(data, qtype).reshape(values.shape)
     error = float(np.max(np.abs(back - values))) if values.size else 0.0
     return data, qtype, error
+
+
+def write_report(gguf_path: Path, report: dict) -> None:
+    """`report` (a writer's `{name: (how, detail)}`) as `<gguf_path>.json` beside the file,
+    written atomically: each tensor's digest or rounding."""
+    from pockjax.checkpoint import write_atomic
+
+    write_atomic(gguf_path.with_name(gguf_path.name + ".json"), (json.dumps(
+        {name: {how: detail} for name, (how, detail) in report.items()}, indent=1)
+        + "\n").encode())
 
 
 def finish(writer, tmp: Path, out: Path) -> None:
