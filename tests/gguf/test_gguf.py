@@ -586,3 +586,32 @@ def test_a_folder_of_each_family_runs_in_llama_cpp_as_in_transformers(family, ti
         with torch.no_grad():
             unscaled = plain(torch.tensor([ids])).logits[0].numpy()
         assert np.abs(unscaled - want).max() > 1e-2 * scale
+
+
+def test_rows_no_block_divides_are_written_in_f16_and_bad_input_is_named(tmp_path):
+    """`encoded`: a vector stays F32, rows of 40 values (no Q8_0 block of 32 divides them)
+    fall back to F16 with their rounding reported, rows of 64 are Q8_0. `folder_gguf`
+    names a missing tokenizer.json and an unknown type."""
+    from pockjax.gguf import GgufError, folder_gguf
+    from pockjax.gguf._write import encoded
+
+    rng = np.random.default_rng(0)
+    for shape, want in (((40,), "F32"), ((3, 40), "F16"), ((3, 64), "Q8_0")):
+        values = rng.normal(size=shape).astype(np.float32)
+        if values.ndim == 2:  # exact zeros in a block
+            values[0, :5] = 0.0
+        data, qtype, error = encoded(values, "Q8_0")
+        assert qtype.name == want, shape
+        back = gguf.quants.dequantize(data, qtype).reshape(shape)
+        assert error == pytest.approx(float(np.abs(back - values).max()))
+        if want == "Q8_0":
+            assert 0 < error < np.abs(values).max() / 127
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 4}))
+    with pytest.raises(GgufError, match="has no tokenizer.json: a GGUF file carries its "
+                                        "tokenizer"):
+        folder_gguf(tmp_path, tmp_path / "m.gguf")
+    with pytest.raises(GgufError, match="GGUF type 'Q3_K': choose one of Q8_0, Q4_0"):
+        folder_gguf(tmp_path, tmp_path / "m.gguf", frozen_type="Q3_K")
+    assert not list(tmp_path.glob("m.gguf*"))
