@@ -16,6 +16,7 @@ import numpy as np
 from pockjax.models import _llama_rope as _rope
 from flax import nnx
 
+from pockjax.models._attention import attention, swiglu
 from pockjax.models._llama_config import LlamaConfig
 from pockjax.models._llama_precision import project
 
@@ -208,11 +209,9 @@ class Attention(nnx.Module):
         group = self.num_heads // kv
         # Query head h reads k/v head h // group: the same as repeating each k/v head
         # `group` times (HF's repeat_kv), without materialising the copies.
-        q = q.reshape(b, t, kv, group, hd)
-        scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * hd ** -0.5
-        scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+        # The backward pass recomputes the probabilities instead of keeping them
+        # (pockjax.models._attention).
+        out = attention(q.reshape(b, t, kv, group, hd), k, v, mask, hd ** -0.5)
         return self.o_proj(out.reshape(b, t, kv * group * hd))
 
 
@@ -240,7 +239,7 @@ class MLP(nnx.Module):
         Returns:
           The output, `[..., hidden_size]`.
         """
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaBlock(nnx.Module):
