@@ -281,6 +281,39 @@ def test_upstream_iree_vulkan_narrow_storage_still_needs_workaround(vulkan_devic
             "review check_storage in pockjax/export/artifact.py")
 
 
+def test_upstream_iree_vulkan_batch_grouped_conv_still_needs_workaround(vulkan_device):
+    """Ledger: "Batch-grouped convolution on Vulkan".
+
+    The kernel gradient of an 8-channel depth-wise convolution over a batch of 2 (a
+    convolution with `batch_group_count=8`) comes back wrong on lavapipe; the same
+    gradient as `legalize_for_iree` writes it (a depth-wise convolution summed over the
+    batch) is right."""
+    from jax.extend.core import jaxpr_as_fun
+
+    from pockjax.transforms.legalize import legalize_for_iree
+
+    def kernel_grad(x, dy):
+        def conv(w):
+            return lax.conv_general_dilated(x, w, (1, 1), "VALID", feature_group_count=8,
+                                            dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return jax.vjp(conv, jnp.zeros((8, 1, 3, 3), jnp.float32))[1](dy)[0]
+
+    rs = np.random.RandomState(0)
+    x, dy = rs.randn(2, 8, 8, 8).astype(np.float32), rs.randn(2, 8, 6, 6).astype(np.float32)
+    want = np.asarray(kernel_grad(x, dy))
+    mlir = _stablehlo(kernel_grad, x, dy)
+    assert "batch_group_count = 8" in mlir
+    fixed, stats = legalize_for_iree(jax.make_jaxpr(kernel_grad)(x, dy), "vulkan")
+    assert stats == {"batch_grouped_conv": 1}
+    right, = _run(_compile(_stablehlo(lambda *a: jaxpr_as_fun(fixed)(*a)[0], x, dy),
+                           _vulkan("vp_android_baseline_2022")), vulkan_device, x, dy)
+    np.testing.assert_allclose(right, want, rtol=1e-5, atol=1e-5)
+    wrong, = _run(_compile(mlir, _vulkan("vp_android_baseline_2022")), vulkan_device, x, dy)
+    assert np.abs(wrong - want).max() > 1e-2, (
+        "IREE's Vulkan code generation now computes a batch-grouped convolution right: the "
+        "batch_grouped_conv rewrite of pockjax/transforms/legalize.py can go")
+
+
 def test_upstream_iree_vulkan_to_host_still_needs_workaround(vulkan_device):
     """Ledger: "`DeviceArray.to_host` on Vulkan".
 

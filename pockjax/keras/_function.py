@@ -95,8 +95,30 @@ def _owners(model) -> dict[int, tuple[Any, str]]:
     return out
 
 
-def _paths(variables) -> list[str]:
-    paths = [v.path for v in variables]
+def _seed_paths(model) -> dict[int, str]:
+    """The path of each seed generator's state, by the state's id: its layer's path and
+    `seed_generator_state` (`_<i>` after it where the layer has several). Keras's own
+    path names the generator by a process-wide counter (`seed_generator_1/...` in the
+    second model built in a process), which would differ between two models of the
+    same structure."""
+    try:
+        every = list(model._flatten_layers(include_self=True, recursive=True))
+    except AttributeError:
+        every = [model, *getattr(model, "layers", [])]
+    out = {}
+    for layer in every:
+        generators = [g for g in getattr(layer, "_seed_generators", [])
+                      if getattr(g, "state", None) is not None]
+        base = getattr(layer, "path", None) or layer.name
+        for i, g in enumerate(generators):
+            out[id(g.state)] = (f"{base}/seed_generator_state" if len(generators) == 1
+                                else f"{base}/seed_generator_state_{i}")
+    return out
+
+
+def _paths(variables, model) -> list[str]:
+    seeds = _seed_paths(model)
+    paths = [seeds.get(id(v), v.path) for v in variables]
     seen: dict[str, int] = {}
     for p in paths:
         seen[p] = seen.get(p, 0) + 1
@@ -124,7 +146,7 @@ def layouts(model) -> dict[str, Any]:
     owners = _owners(model)
     variables = _variables(model, True)
     out = {}
-    for path, v in zip(_paths(variables), variables):
+    for path, v in zip(_paths(variables, model), variables):
         layer, name = owners.get(id(v), (None, v.name))
         layout = _layout(layer, name, len(v.shape)) if layer is not None else (
             "is a variable whose layer pockjax.keras did not find")
@@ -208,7 +230,7 @@ def functional(model) -> tuple[dict, KerasFunction]:
     if not variables:
         raise ValueError(f"the Keras model {model.name!r} has no trainable variables")
     others = _variables(model, False)
-    paths, state_paths = _paths(variables), _paths(others)
+    paths, state_paths = _paths(variables, model), _paths(others, model)
     params = _nest(paths, [jnp.array(v.value, copy=True) for v in variables])
     state = _nest(state_paths, [jnp.array(v.value, copy=True) for v in others])
     register_layouts(params, layouts(model), KERAS_NOTE)
@@ -238,7 +260,7 @@ def load_state(model, params, state=None) -> list[str]:
         if values is None:
             continue
         variables = _variables(model, trainable)
-        paths = _paths(variables)
+        paths = _paths(variables, model)
         for path, v, value in zip(paths, variables, _flat(values, paths, "values")):
             arr = np.asarray(jax.device_get(value))
             if tuple(arr.shape) != tuple(v.shape):

@@ -34,6 +34,13 @@
   broadcast mask in memory as bytes, which GPU targets without 8-bit storage
   (`vp_android_baseline_2022`) refuse (see `pockjax.export`). The two forms are equal.
 
+- A convolution with batch groups (the kernel gradient of a depth-wise or other grouped
+  convolution) becomes a depth-wise convolution with one group per batch group and
+  input feature, summed over the features (`batch_groups_as_feature_groups`). IREE 3.13
+  on Vulkan computes a grouped convolution wrong where a group reads more than one
+  feature: a depth-wise kernel's gradient over a batch of 2 came back with one tap per
+  channel and the others zero (lavapipe), where XLA and host-cpu agree.
+
 These rewrites apply to every backend. One applies to `backend="vulkan"` only:
 
 - A reduction (`reduce_sum`, `reduce_max`, `reduce_min`) over leading axes that keeps the
@@ -62,7 +69,7 @@ from jax.extend.core import primitives as P
 from pockjax._src.jaxpr import bind, call_body, interpret
 
 __all__ = ["legalize_for_iree", "select_and_scatter_add", "unbatched_gather",
-           "unbatched_scatter_add"]
+           "unbatched_scatter_add", "batch_groups_as_feature_groups"]
 
 
 def select_and_scatter_add(source, operand, select_prim, window_dimensions, window_strides,
@@ -358,6 +365,54 @@ def _reduction(ctx, e, ins):
 for _p in (lax.reduce_sum_p, lax.reduce_max_p, lax.reduce_min_p):
     _RULES[_p] = _reduction
 
+def batch_groups_as_feature_groups(lhs, rhs, params: dict):
+    """A `conv_general_dilated` with `batch_group_count` B (and one feature group) as an
+    equal depth-wise convolution: one group per (batch group, input feature) pair, each
+    reading one feature, then the sum over the features. The lhs's batch dimension (B
+    groups of b, group-major) becomes b examples whose B x F features are the groups'
+    features side by side; kernel group (g, f) holds what the output features of batch
+    group g read of feature f. The kernel gradient of a grouped (depth-wise)
+    convolution is such a convolution.
+
+    Args:
+      lhs: the convolution's input.
+      rhs: its kernel.
+      params: the equation's parameters (`conv_general_dilated_p`'s).
+
+    Returns:
+      The convolution's output, equal to the batch-grouped one's up to the order of
+        the sum over the input features.
+    """
+    dn, groups = params["dimension_numbers"], params["batch_group_count"]
+    x = jnp.transpose(lhs, dn.lhs_spec)  # [batch, features, spatial...]
+    batch, features = x.shape[:2]
+    x = x.reshape(groups, batch // groups, features, *x.shape[2:])
+    x = jnp.swapaxes(x, 0, 1).reshape(batch // groups, groups * features, *x.shape[3:])
+    k = jnp.transpose(rhs, dn.rhs_spec)  # [out, features, window...]
+    per_group = k.shape[0] // groups
+    k = k.reshape(groups, per_group, features, *k.shape[2:])
+    k = jnp.swapaxes(k, 1, 2).reshape(groups * features * per_group, 1, *k.shape[3:])
+    canonical = tuple(range(x.ndim))
+    y = lax.conv_general_dilated_p.bind(
+        x, k, **{**params, "feature_group_count": groups * features, "batch_group_count": 1,
+                 "dimension_numbers": lax.ConvDimensionNumbers(canonical, canonical,
+                                                               canonical)})
+    y = y.reshape(y.shape[0], groups, features, per_group, *y.shape[2:]).sum(axis=2)
+    y = y.reshape(y.shape[0], groups * per_group, *y.shape[3:])
+    return jnp.transpose(y, tuple(np.argsort(dn.out_spec)))
+
+
+def _conv(ctx, e, ins):
+    """A batch-grouped convolution as a feature-grouped one (see the module docstring)."""
+    p = e.params
+    if p["batch_group_count"] == 1 or p["feature_group_count"] != 1:
+        return None
+    ctx.made("batch_grouped_conv")
+    return [batch_groups_as_feature_groups(ins[0], ins[1], p)]
+
+
+_RULES[lax.conv_general_dilated_p] = _conv
+
 _CUSTOM_CALLS = (P.custom_vjp_call_p, P.custom_jvp_call_p)
 
 
@@ -394,7 +449,8 @@ def legalize_for_iree(closed: jex.ClosedJaxpr, backend: str | None = None
     Returns:
       A pair: the rewritten `ClosedJaxpr` (same inputs and outputs), and a dict from
         the kind of rewrite (`"neg_sum"`, `"select_and_scatter"`, `"batched_gather"`,
-        `"slice_of_broadcast"`, `"leading_axes_reduction"`) to how many were made;
+        `"slice_of_broadcast"`, `"batch_grouped_conv"`, `"leading_axes_reduction"`) to
+        how many were made;
         kinds with none made are absent.
     """
     stats: dict[str, int] = {}

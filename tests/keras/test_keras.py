@@ -191,6 +191,24 @@ def test_host_cpu_artifact_continues_the_jax_trainer(tmp_path):
                                    err_msg=path)
 
 
+def test_two_models_of_one_structure_share_their_state_paths():
+    """Keras names seed generators by a process-wide counter (`seed_generator_1` in the
+    second model); their state is named by the owning layer instead, so the state of one
+    model loads into another of the same structure, and an artifact exported from one
+    takes the other's state."""
+    first, second = _cnn(), _cnn()
+    _, apply_first = pk.functional(first)
+    _, apply_second = pk.functional(second)
+    assert apply_first.state_paths == apply_second.state_paths
+    assert "drop/seed_generator_state" in apply_first.state_paths
+    state = jax.tree_util.tree_map(lambda a: a + 1, apply_first.state)
+    pk.load_state(second, pk.functional(second)[0], state)
+    np.testing.assert_array_equal(second.get_layer("bn1").moving_mean.numpy(),
+                                  np.asarray(state["bn1"]["moving_mean"]))
+    np.testing.assert_array_equal(second.get_layer("drop").seed_generator.state.numpy(),
+                                  np.asarray(state["drop"]["seed_generator_state"]))
+
+
 def test_refusals_name_what_to_do():
     with pytest.raises(TypeError, match="needs a Keras model, got dict"):
         pk.functional({"w": 1})

@@ -282,3 +282,47 @@ def test_a_language_models_step_exports_at_batch_1(tmp_path):
     got = float(sess.step(jax.tree.map(np.asarray, batch))["loss"])
     _, metrics = trainer(trainer.init(params), batch)
     np.testing.assert_allclose(got, float(metrics["loss"]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("lhs_shape,rhs_shape,spec,groups,settings", [
+    ((6, 3, 7, 7), (6, 3, 3, 3), ("NCHW", "OIHW", "NCHW"), 6, {}),
+    ((12, 3, 7, 7), (6, 3, 3, 3), ("NCHW", "OIHW", "NCHW"), 6, {}),     # 2 per group
+    ((12, 7, 7, 3), (3, 3, 3, 6), ("NHWC", "HWIO", "NHWC"), 3,
+     dict(window_strides=(2, 1), padding=((1, 0), (2, 1)), rhs_dilation=(1, 2))),
+    ((4, 7, 7, 8), (3, 3, 4, 8), ("CHWN", "HWIO", "CHWN"), 4, {}),
+])
+def test_a_batch_grouped_conv_becomes_a_depthwise_one(lhs_shape, rhs_shape, spec, groups,
+                                                      settings):
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=lhs_shape), jnp.float32).at[0].set(0.0)
+    w = jnp.asarray(rng.normal(size=rhs_shape), jnp.float32)
+    settings = {"window_strides": (1, 1), "padding": ((0, 0), (0, 0)), **settings}
+
+    def f(x, w):
+        return lax.conv_general_dilated(x, w, settings["window_strides"], settings["padding"],
+                                        rhs_dilation=settings.get("rhs_dilation"),
+                                        dimension_numbers=spec, batch_group_count=groups)
+
+    fixed, stats, out = _legalized(f, x, w)
+    assert stats == {"batch_grouped_conv": 1}
+    convs = [e for e in fixed.jaxpr.eqns if e.primitive is lax.conv_general_dilated_p]
+    assert [(e.params["batch_group_count"], e.params["feature_group_count"]) for e in convs] \
+        == [(1, groups * x.shape[spec[0].index("C")])]
+    np.testing.assert_allclose(out[0], f(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_depthwise_kernel_gradient_keeps_its_value():
+    """The case that meets the rewrite in a training step: `jax.grad` of a depth-wise
+    convolution's kernel, over a batch of 3, with stride and padding."""
+    rng = np.random.default_rng(6)
+    x = jnp.asarray(rng.normal(size=(3, 9, 9, 4)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(3, 3, 1, 4)), jnp.float32)
+
+    def loss(w, x):
+        y = lax.conv_general_dilated(x, w, (2, 2), ((1, 1), (1, 1)), feature_group_count=4,
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return jnp.sum(jnp.tanh(y) ** 2)
+
+    fixed, stats, out = _legalized(jax.grad(loss), w, x)
+    assert stats.get("batch_grouped_conv") == 1
+    np.testing.assert_allclose(out[0], jax.grad(loss)(w, x), rtol=1e-5, atol=1e-5)
