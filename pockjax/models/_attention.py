@@ -3,7 +3,7 @@
 Differentiated as written, `softmax(q k^T) v` keeps three `[batch, heads, T, S]` tensors
 of every layer from the forward pass to the backward one (the scores, their shifted
 exponentials and the probabilities): at SmolLM2-135M's shape (30 layers, 9 heads, 4 x 256
-tokens) 0.8 GiB of a full step's 2.4 GiB of activations. `attention` keeps only what the
+tokens) 0.8 GiB of a full step's 2.4 GiB of temporaries. `attention` keeps only what the
 projections' gradients keep anyway (the queries, keys, values and the output) and one
 log-sum-exp per row, and computes the probabilities again in the backward pass from
 those: one more `q k^T` product per layer, against `T x S` memory per head.
