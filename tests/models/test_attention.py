@@ -94,7 +94,7 @@ def test_attention_in_bfloat16_is_as_close_to_float32_as_plain_bfloat16():
     def grads(f, args):
         def loss(q, k, v):
             return jnp.sum(f(q, k, v, mask, scale).astype(jnp.float32) * cotangent)
-        return jax.grad(loss, argnums=(0, 1, 2))(*args)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(*args)
 
     got = grads(attention, low)
     plain = grads(plain_attention, low)
@@ -120,7 +120,8 @@ def test_swiglu_equals_silu_times_up_with_its_gradients():
     np.testing.assert_array_equal(jax.jit(swiglu)(gate, up), jax.jit(
         lambda g, u: jax.nn.silu(g) * u)(gate, up))
     got = jax.jit(jax.grad(lambda g, u: jnp.sum(swiglu(g, u) * cotangent), (0, 1)))(gate, up)
-    expected = jax.grad(lambda g, u: jnp.sum(plain(g, u) * cotangent), (0, 1))(gate, up)
+    expected = jax.jit(jax.grad(lambda g, u: jnp.sum(plain(g, u) * cotangent), (0, 1)))(gate,
+                                                                                     up)
     for name, g, e in zip(("gate", "up"), got, expected):
         np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-6, err_msg=f"d{name}")
 
