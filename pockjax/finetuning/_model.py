@@ -19,11 +19,6 @@ from pockjax.finetuning._loss import (lm_loss, lm_loss_at, nll_sum,  # noqa: F40
                                       target_positions)
 from pockjax.checkpoint import numpy_dtype, safetensors_header
 
-# The Flax LLaMA's backward pass recomputes the attention probabilities and SwiGLU's
-# silu (LlamaConfig.remat="attention"): on SmolLM2-135M's full step the peak memory
-# of PyTorch's step (1.00x, from 1.21x) for 2% more time (docs/results.md).
-REMAT = "attention"
-
 
 
 @dataclasses.dataclass
@@ -294,8 +289,7 @@ def _flax_model(folder: Path, frozen_dtype: str, lora: int | None = None,
 
     try:
         model = load_llama(folder, dtype=None if frozen_dtype == "float32" else jnp.bfloat16,
-                           compute_dtype=None if frozen_dtype == "float32" else jnp.float32,
-                           remat=REMAT)
+                           compute_dtype=None if frozen_dtype == "float32" else jnp.float32)
     except CheckpointError as e:
         raise FinetuneError(str(e)) from None
     if lora is not None:
@@ -358,7 +352,7 @@ def _flax_model_stored(folder: Path, frozen_dtype: str, scheme_of: Callable) -> 
     fmt_of = lowbit.formats_by_path(frozen_formats(frozen_dtype))
     # Frozen vectors (norms): a plain array in this dtype.
     narrow = fmt.dtype if isinstance(fmt, lowbit.Cast) else jnp.bfloat16
-    kw = dict(dtype=narrow, compute_dtype=jnp.float32, remat=REMAT)
+    kw = dict(dtype=narrow, compute_dtype=jnp.float32)
     try:
         shapes, config = llama_shapes(folder, **kw)
     except CheckpointError as e:

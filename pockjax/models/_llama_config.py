@@ -16,8 +16,8 @@ from pockjax.models import _llama_rope as _rope
 from pockjax.models._llama_precision import NARROW_MATMUL
 
 # LlamaConfig.remat choices: "blocks", the word `pockjax.nnx.Trainer(remat=...)` uses for
-# the same thing ("block" is read as "blocks"), and "attention".
-REMAT = (None, "blocks", "block", "attention")
+# the same thing ("block" is read as "blocks").
+REMAT = (None, "blocks", "block")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,10 +118,6 @@ class LlamaConfig:
     Frozen blocks ahead of every trained one are not differentiated, so they keep
     nothing either way. `pockjax.nnx.Trainer(model, ..., remat="blocks")` does the
     same for a model built without it (and for any NNX model with a list of blocks).
-    `remat="attention"` recomputes only the attention probabilities (from one
-    log-sum-exp per row) and SwiGLU's `silu` (`pockjax.models._attention`): on
-    SmolLM2-135M's full step 41% less of the compiled step's temporaries for 3-5% more
-    time, on a 6 x 256 model 32% less for about 10% more; `pockjax finetune` uses it.
 
     `model_type` is the Hugging Face family (`SUPPORTED_FAMILIES`) the model is saved
     as; it fixes what that family's class cannot vary. `attention_bias` puts biases on
@@ -155,9 +151,8 @@ class LlamaConfig:
         dtypes as they promote.
       narrow_matmul: how a weight stored narrower than `dtype` multiplies: `"upcast"`
         (default, `upcast_matmul`) or `"native"` (`narrow_matmul`).
-      remat: `"blocks"` (or `"block"`) recomputes each block in the backward pass,
-        `"attention"` the attention probabilities and SwiGLU's `silu`; None (default)
-        keeps the activations.
+      remat: `"blocks"` (or `"block"`) recomputes each block in the backward pass;
+        None (default) keeps the activations.
       model_type: the Hugging Face family, one of `SUPPORTED_FAMILIES` (default
         `"llama"`).
       attention_bias: biases on all four attention projections (llama only).

@@ -153,7 +153,6 @@ class Attention(nnx.Module):
         self.k_proj = make_linear(d, config.num_kv_heads * hd, config, rngs, "k_proj" in biased)
         self.v_proj = make_linear(d, config.num_kv_heads * hd, config, rngs, "v_proj" in biased)
         self.o_proj = make_linear(config.num_heads * hd, d, config, rngs, "o_proj" in biased)
-        self.recompute = config.remat == "attention"
 
     def __call__(self, x: jax.Array, cos, sin, mask) -> jax.Array:
         """Attention of `x` over itself.
@@ -210,14 +209,9 @@ class Attention(nnx.Module):
         group = self.num_heads // kv
         # Query head h reads k/v head h // group: the same as repeating each k/v head
         # `group` times (HF's repeat_kv), without materialising the copies.
-        q = q.reshape(b, t, kv, group, hd)
-        if self.recompute:  # remat="attention": pockjax.models._attention
-            out = attention(q, k, v, mask, hd ** -0.5)
-        else:
-            scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k).astype(jnp.float32) * hd ** -0.5
-            scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-            probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-            out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+        # The backward pass recomputes the probabilities instead of keeping them
+        # (pockjax.models._attention).
+        out = attention(q.reshape(b, t, kv, group, hd), k, v, mask, hd ** -0.5)
         return self.o_proj(out.reshape(b, t, kv * group * hd))
 
 
@@ -235,7 +229,6 @@ class MLP(nnx.Module):
         self.gate_proj = make_linear(d, f, config, rngs, bias)
         self.up_proj = make_linear(d, f, config, rngs, bias)
         self.down_proj = make_linear(f, d, config, rngs, bias)
-        self.recompute = config.remat == "attention"
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """The MLP of `x`.
@@ -246,9 +239,7 @@ class MLP(nnx.Module):
         Returns:
           The output, `[..., hidden_size]`.
         """
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        hidden = swiglu(gate, up) if self.recompute else jax.nn.silu(gate) * up
-        return self.down_proj(hidden)
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class LlamaBlock(nnx.Module):
