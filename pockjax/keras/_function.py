@@ -80,16 +80,20 @@ def _variables(model, trainable: bool) -> list:
     return list(model.trainable_variables if trainable else model.non_trainable_variables)
 
 
+def _layers(model) -> list:
+    """The model and every layer inside it, outer before inner."""
+    try:
+        return list(model._flatten_layers(include_self=True, recursive=True))
+    except AttributeError:  # a Keras without the walk: the model's own layers
+        return [model, *getattr(model, "layers", [])]
+
+
 def _owners(model) -> dict[int, tuple[Any, str]]:
     """Each variable's innermost layer and its own name there, by the variable's id.
     Keras lists a layer before the layers inside it, and a layer's variables include
     theirs: the last layer to list a variable owns it."""
-    try:
-        every = list(model._flatten_layers(include_self=True, recursive=True))
-    except AttributeError:  # a Keras without the walk: the model's own layers
-        every = [model, *getattr(model, "layers", [])]
     out = {}
-    for layer in every:
+    for layer in _layers(model):
         for v in layer.weights:
             out[id(v)] = (layer, v.name)
     return out
@@ -101,12 +105,8 @@ def _seed_paths(model) -> dict[int, str]:
     path names the generator by a process-wide counter (`seed_generator_1/...` in the
     second model built in a process), which would differ between two models of the
     same structure."""
-    try:
-        every = list(model._flatten_layers(include_self=True, recursive=True))
-    except AttributeError:
-        every = [model, *getattr(model, "layers", [])]
     out = {}
-    for layer in every:
+    for layer in _layers(model):
         generators = [g for g in getattr(layer, "_seed_generators", [])
                       if getattr(g, "state", None) is not None]
         base = getattr(layer, "path", None) or layer.name
