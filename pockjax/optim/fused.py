@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pockjax._src.jaxpr import dependencies, interpret, is_var, producers
+from pockjax._src.jaxpr import as_source, bind, dependencies, interpret, is_var, producers
 from pockjax.optim.perleaf import UpdatePlan
 from pockjax._src.ties import tie_zero, tied_start, token
 from pockjax.scheme import Channels
@@ -135,7 +135,7 @@ def _value(read, atom):
 
 def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisions,
                plan: UpdatePlan, state_leaves, n_head: int, ties: str = "data",
-               reads=None, grad_shardings=None):
+               reads=None, grad_shardings=None, gathered=None):
     """Run the gradient jaxpr with each parameter's update fused in; returns
     `(head outputs, new parameter leaves, new optimizer state leaves)`.
 
@@ -156,7 +156,10 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
 
     On a mesh, `reads` are the values the forward and backward read in place of the
     parameters (FSDP: the gathered weights), and `grad_shardings` lays out each
-    trainable gradient like its slice of the sharded parameter before the update.
+    trainable gradient like its slice of the sharded parameter before the update. With
+    `gathered`, the backward pass gathers each weight again where it reads it
+    (`regather`), so no gathered weight stays alive from the forward pass to the
+    backward.
 
     Args:
       grad_jaxpr: the sparse gradient program (`GradProgram.info.jaxpr`): parameter
@@ -173,6 +176,9 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
         default): `param_leaves`.
       grad_shardings: a sharding (or None) per trainable gradient; None (the default):
         no constraint.
+      gathered: per parameter leaf, `(its sharding, the sharding `reads` gathered it
+        to)`, or None where it is read as it is; None (the default): the backward pass
+        reads `reads`.
 
     Returns:
       A tuple `(head outputs, new parameter leaves, new optimizer state leaves)`: the
@@ -229,8 +235,77 @@ def fused_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decision
             update(j, read)
 
     outs = interpret(jaxpr, grad_jaxpr.consts,
-                     [*(param_leaves if reads is None else reads), *other_leaves], after=after)
+                     [*(param_leaves if reads is None else reads), *other_leaves],
+                     override=regather(jaxpr, param_leaves, gathered), after=after)
     return outs[:n_head], new_params, new_state
+
+
+def regather(jaxpr, param_leaves, gathered):
+    """FSDP: the `interpret` override under which the backward pass gathers each sharded
+    weight again where it reads it, or None where nothing is gathered.
+
+    Without it the forward and backward passes read one gathered copy of each weight
+    (XLA merges two equal all-gathers), which then lives from its first use in the
+    forward pass to its last in the backward. An equation after the loss's (the
+    backward pass: JAX traces the forward pass first) reads the sharded weight plus an
+    exact zero computed from another of its inputs (`tie_zero`: the cotangent; the
+    previous equation's output where it has none), gathered again: a value XLA can
+    neither merge with the forward pass's gather nor gather before that input exists
+    (an optimization barrier would not do: XLA drops them before it merges).
+
+    Args:
+      jaxpr: the gradient jaxpr; its first output is the loss.
+      param_leaves: every parameter leaf as stored (sharded), in the jaxpr's input order.
+      gathered: per leaf, `(its sharding, the sharding it is read gathered to)` or None;
+        or None.
+    """
+    if gathered is None or not is_var(jaxpr.outvars[0]):
+        return None
+    sharded = {v: (p, s) for v, p, s in zip(jaxpr.invars, param_leaves, gathered)
+               if s is not None}
+    if not sharded:
+        return None
+    loss_at = producers(jaxpr).get(jaxpr.outvars[0], len(jaxpr.eqns))
+    index = {id(e): i for i, e in enumerate(jaxpr.eqns)}
+    # Views of a weight made in the forward pass (a transpose, a reshape) that the
+    # backward reads are made again from the weight gathered again.
+    chains = {v: (v, ()) for v in sharded}
+    previous, last = {}, None  # each equation's previous output
+    for i, e in enumerate(jaxpr.eqns):
+        previous[i] = last
+        last = next((v for v in e.outvars if is_var(v)), last)
+        if (i < loss_at and e.primitive.name in VIEWS and is_var(e.invars[0])
+                and e.invars[0] in chains and not any(is_var(v) for v in e.invars[1:])):
+            base, views = chains[e.invars[0]]
+            chains[e.outvars[0]] = (base, (*views, e))
+
+    def again(v, zero):
+        base, views = chains[v]
+        p, (own, whole) = sharded[base]
+        # Tied where it is stored, then gathered: tied after the gather, the gather
+        # would be the forward pass's again.
+        x = lax.with_sharding_constraint(lax.with_sharding_constraint(_plus(p, zero), own), whole)
+        for e in views:
+            with as_source(e):
+                x = bind(e, [x, *(u.val for u in e.invars[1:])])
+        return x
+
+    def override(e, ins, read):
+        i = index[id(e)]
+        hits = [k for k, v in enumerate(e.invars) if is_var(v) and v in chains]
+        if i <= loss_at or not hits:
+            return None
+        others = [x for k, (v, x) in enumerate(zip(e.invars, ins))
+                  if k not in hits and is_var(v)]
+        tie = others[0] if others else (read(previous[i]) if previous[i] is not None else None)
+        zero = None if tie is None else tie_zero([tie])
+        ins = list(ins)
+        for k in hits:
+            ins[k] = again(e.invars[k], zero)
+        outs = bind(e, ins)
+        return outs if e.primitive.multiple_results else [outs]
+
+    return override
 
 
 def _shard(g, shardings, j):
@@ -241,13 +316,13 @@ def _shard(g, shardings, j):
 
 def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisions,
                 optimizer, state, view_def, n_head: int, ties: str = "data",
-                reads=None, grad_shardings=None, skip_nonfinite: bool = False):
+                reads=None, grad_shardings=None, skip_nonfinite: bool = False, gathered=None):
     """The optimizer after the whole backward pass (for chains that need every gradient,
     such as clip_by_global_norm). Writes are ordered after the last reads as in
     `fused_step`: `ties="barrier"` puts one barrier over every gradient and trainable
     parameter; `ties="data"` adds each parameter's data tie (on IREE a barrier over
     donated parameters makes it copy them onto themselves, which its runtime rejects).
-    `reads` and `grad_shardings` as in `fused_step`.
+    `reads`, `grad_shardings` and `gathered` as in `fused_step`.
 
     With `skip_nonfinite`, a step whose loss, outputs or any gradient holds a NaN or an
     infinity keeps every parameter and the optimizer state as they were (selected, not
@@ -266,6 +341,7 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
       ties: `"data"` (the default) or `"barrier"`, as for `fused_step`.
       reads: as for `fused_step` (default None: `param_leaves`).
       grad_shardings: as for `fused_step` (default None: no constraint).
+      gathered: as for `fused_step` (default None).
       skip_nonfinite: keep everything as it was when an output or gradient is not
         finite (default False).
 
@@ -280,7 +356,8 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
     trained = [param_leaves[k] for k in train_idx]
     zeros: list = [None] * len(train_idx)
     if ties == "barrier":
-        outs = _call(grad_jaxpr, inputs)
+        outs = interpret(jaxpr, grad_jaxpr.consts, inputs,
+                         override=regather(jaxpr, param_leaves, gathered))
         grads = [_shard(g, grad_shardings, j) for j, g in enumerate(outs[n_head:])]
         grads, trained = lax.optimization_barrier((grads, trained))
     else:
@@ -293,7 +370,8 @@ def global_step(grad_jaxpr: jex.ClosedJaxpr, param_leaves, other_leaves, decisio
             for j in at.get(i, ()):
                 zeros[j] = _data_tie(placements[j], read, loop_values)
 
-        outs = interpret(jaxpr, grad_jaxpr.consts, inputs, after=after)
+        outs = interpret(jaxpr, grad_jaxpr.consts, inputs,
+                         override=regather(jaxpr, param_leaves, gathered), after=after)
         grads = [_shard(g, grad_shardings, j) for j, g in enumerate(outs[n_head:])]
     head = outs[:n_head]
     views = [kept(p, decisions[k]) for k, p in zip(train_idx, trained)]

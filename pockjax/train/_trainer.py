@@ -90,7 +90,8 @@ class SparseTrainer:
         self._grad = SparseGradFn(self._loss, scheme, 0, has_aux, with_value=True,
                                   resolved=self.decisions)
         self._plans: dict = {}
-        self._step_jit = jax.jit(self.step, donate_argnums=(0,) if donate else ())
+        self._step_jit = jax.jit(self.step, donate_argnums=(0,) if donate else (),
+                                 compiler_options=self.layout and self.layout.compiler_options())
         functools.update_wrapper(self, loss_fn)
 
     def __repr__(self) -> str:
@@ -290,12 +291,14 @@ class SparseTrainer:
 
     def _mesh_reads(self, params, decisions) -> dict:
         """FSDP-style: the step reads each weight gathered over the parameter axis
-        (other axes of a `param_specs` layout stay split) and reduces each gradient
-        straight into the weight's own layout."""
+        (other axes of a `param_specs` layout stay split), the backward pass gathering
+        it again (`fused.regather`), and reduces each gradient straight into the
+        weight's own layout."""
         layout = self.layout
         reads = jax.tree_util.tree_leaves(layout.read_gathered(params, decisions))
         grad_shardings = jax.tree_util.tree_leaves(layout.view_shardings(params, decisions))
-        return {"reads": reads, "grad_shardings": grad_shardings}
+        return {"reads": reads, "grad_shardings": grad_shardings,
+                "gathered": layout.gathered_shardings(params, decisions)}
 
     def __call__(self, state: TrainState, batch):
         """One training step, compiled on first use for each batch signature.

@@ -91,6 +91,25 @@ def test_remat_table_reports_each_sequence_with_and_without_remat(tmp_path):
         assert float(remat[5].replace(",", "")) > float(plain[5].replace(",", ""))
 
 
+def test_sharded_memory_falls_with_the_device_count(tmp_path):
+    """The sharded-memory benchmark's rows (its own process, forced host devices): each
+    device's arguments halve as the devices double, and the total falls; its table
+    names the fewest devices that fit."""
+    import json
+
+    from benchmarks.sharded_memory import main
+
+    out = tmp_path / "sharded.md"
+    main(["--llama", "smoke", "--devices", "1,2,4", "--batch", "4", "--seq", "32",
+          "--out", str(out)])
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [r["devices"] for r in rows] == [1, 2, 4], rows
+    for a, b in zip(rows, rows[1:]):
+        assert b["args_gib"] < 0.55 * a["args_gib"], rows
+        assert b["total_gib"] < a["total_gib"], rows
+    assert "- smoke, 24 GiB: 1" in out.read_text()
+
+
 def test_gpu_check_compares_an_artifact_with_the_jax_trainer(tmp_path):
     """benchmarks/gpu.py's halves on this CPU: an artifact exported for host-cpu, run by
     the runtime on local-task against the JAX trainer's recorded steps, within the export
