@@ -97,9 +97,10 @@ def write(rows: list[dict], args, wall: float) -> str:
              f"`python -m benchmarks sharded_memory`, run "
              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {wall:.0f} s.", "",
              f"The step of `pockjax finetune --mesh fsdp=N --frozen-dtype int4 --scheme "
-             f"paper:2`: PockEngine's transformer scheme (the attention and first MLP linears of the "
-             f"last 2 blocks trained in float32, AdamW; every other weight in 4 bits), global "
-             f"batch {args.batch} x {args.seq} tokens, compiled by XLA's CPU compiler on "
+             f"paper:2`: PockEngine's transformer scheme (the attention and first MLP "
+             f"linears of the last 2 blocks trained in float32, AdamW; every other weight "
+             f"in 4 bits), global batch {args.batch} x {args.seq} tokens, compiled by XLA's "
+             f"CPU compiler on "
              f"forced host devices (method: the benchmark's docstring). Per device: the "
              f"arguments (its share of the weights, the optimizer state and the batch) and "
              f"the step's temporaries.", "",
