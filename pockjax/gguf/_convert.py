@@ -4,9 +4,10 @@ LM Studio.
 
 `folder_gguf(folder, out)` writes the LLaMA family (`model_type` llama or mistral, which
 llama.cpp calls `llama`; qwen2, qwen3) with a byte-level BPE tokenizer (GPT-2's,
-SmolLM's, Llama 3's, Qwen's): the hyperparameters from `config.json` (Llama 3.1's RoPE
+SmolLM's, Llama 3's, Qwen's) or a SentencePiece-style one (BPE with byte fallback:
+Llama 2's, Mistral 7B v0.1's, TinyLlama's): the hyperparameters from `config.json` (Llama 3.1's RoPE
 scaling as the `rope_freqs.weight` llama.cpp reads), the tokenizer's tokens, types and
-merges, its special tokens and chat template (gguf's `SpecialVocab`), and every tensor
+merges (or scores), its special tokens and chat template (gguf's `SpecialVocab`), and every tensor
 under gguf's own name for it, a llama's q and k rows in llama.cpp's order. The frozen tensors
 are quantized once to one type, the trained ones written in another. Anything else is
 refused by name.
@@ -58,9 +59,46 @@ def _pre_tokenizer(tokenizer: dict, path: Path) -> str:
                     f"llama.cpp's convert_hf_to_gguf.py")
 
 
+def _space_prefix(tokenizer: dict, path: Path) -> bool:
+    """Whether a SentencePiece-style tokenizer puts "▁" before a text (llama.cpp's
+    `add_space_prefix`): Llama 2's normalizer (Prepend "▁", then spaces as "▁"), or
+    spaces as "▁" alone. A Metaspace pre-tokenizer is refused: it leaves out the "▁"
+    before a text that starts with a space, which llama.cpp cannot (measured: 547 of
+    600 lines of Python source tokenized differently)."""
+    norm, pre = tokenizer.get("normalizer") or {}, tokenizer.get("pre_tokenizer") or {}
+    steps = (norm.get("normalizers", []) if norm.get("type") == "Sequence"
+             else [norm] if norm else [])
+    kinds = [(s.get("type"), s.get("prepend"), s.get("content"),
+              (s.get("pattern") or {}).get("String")) for s in steps]
+    if not pre and kinds in ([("Prepend", "▁", None, None), ("Replace", None, "▁", " ")],
+                             [("Replace", None, "▁", " ")]):
+        return len(kinds) == 2
+    raise GgufError(f"'{path}': a SentencePiece-style tokenizer with normalizer "
+                    f"{json.dumps(norm)[:160]} and pre-tokenizer {json.dumps(pre)[:160]}, "
+                    f"which llama.cpp does not reproduce (pockjax writes Llama 2's Prepend + "
+                    f"Replace normalizer); write the GGUF file with llama.cpp's "
+                    f"convert_hf_to_gguf.py")
+
+
+def _merge_scores(model: dict, tokens: dict) -> dict:
+    """Each token's score for llama.cpp's SentencePiece tokenizer, which merges the
+    adjacent pair whose joined token scores highest: minus the rank of the first merge
+    that makes it, so that it merges in the tokenizer's merge order (gguf's
+    `LlamaHfVocab` gives every token -1000, which merges left to right instead)."""
+    ids = {text: i for i, text in tokens.items()}
+    scores: dict = {}
+    for rank, merge in enumerate(model.get("merges", [])):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        i = ids.get(left + right)
+        if i is not None and i not in scores:
+            scores[i] = -float(rank)
+    return scores
+
+
 def _tokenizer(writer, folder: Path, vocab_size: int) -> None:
     """The tokenizer's keys: model and pre-tokenizer, tokens (padded to `vocab_size`),
-    their types (added special tokens CONTROL, other added ones USER_DEFINED), merges,
+    their types (added special tokens CONTROL, other added ones USER_DEFINED), merges
+    (byte-level BPE) or scores (SentencePiece-style BPE with byte fallback, Llama 2's),
     special token ids, the BOS flag and the chat template."""
     import gguf
 
@@ -70,31 +108,44 @@ def _tokenizer(writer, folder: Path, vocab_size: int) -> None:
     tokenizer = json.loads(path.read_text(encoding="utf-8"))
     model = tokenizer.get("model", {})
     decoder = (tokenizer.get("decoder") or {}).get("type")
-    if model.get("type") != "BPE" or model.get("byte_fallback") or decoder != "ByteLevel":
+    spm = model.get("type") == "BPE" and model.get("byte_fallback") and decoder == "Sequence"
+    if not spm and (model.get("type") != "BPE" or model.get("byte_fallback")
+                    or decoder != "ByteLevel"):
         raise GgufError(f"'{path}': a {model.get('type')} tokenizer with decoder {decoder}; "
                         f"pockjax writes byte-level BPE tokenizers (GPT-2's, SmolLM's, "
-                        f"Llama 3's) only. Write the GGUF file with llama.cpp's "
+                        f"Llama 3's) and SentencePiece-style BPE with byte fallback (Llama "
+                        f"2's) only. Write the GGUF file with llama.cpp's "
                         f"convert_hf_to_gguf.py")
-    pre = _pre_tokenizer(tokenizer, path)
+    prefix = _space_prefix(tokenizer, path) if spm else False
+    pre = "default" if spm else _pre_tokenizer(tokenizer, path)
     tokens = {i: t for t, i in model["vocab"].items()}
     types = {i: gguf.TokenType.NORMAL for i in tokens}
+    if spm:
+        for i, text in tokens.items():
+            if len(text) == 6 and text.startswith("<0x") and text.endswith(">"):
+                types[i] = gguf.TokenType.BYTE
     for added in tokenizer.get("added_tokens", []):
         tokens[added["id"]] = added["content"]
         types[added["id"]] = (gguf.TokenType.CONTROL if added.get("special")
                               else gguf.TokenType.USER_DEFINED)
+    if spm and model.get("unk_token") in model["vocab"]:
+        types[model["vocab"][model["unk_token"]]] = gguf.TokenType.UNKNOWN
     n = max(vocab_size, max(tokens) + 1)
     if n != vocab_size:
         raise GgufError(f"'{path}' holds token id {max(tokens)}; config.json's vocab_size is "
                         f"{vocab_size}")
     listed = [tokens.get(i, f"[PAD{i}]") for i in range(n)]
-    special = gguf.SpecialVocab(folder, load_merges=True, n_vocab=n)
+    special = gguf.SpecialVocab(folder, load_merges=not spm, n_vocab=n)
     if "bos" not in special.add_special_token:  # as the tokenizer's post-processor does
         template = (tokenizer.get("post_processor") or {}).get("single") or [{}]
         writer.add_add_bos_token("SpecialToken" in template[0])
-    writer.add_tokenizer_model("gpt2")
-    writer.add_add_space_prefix(False)
+    writer.add_tokenizer_model("llama" if spm else "gpt2")
+    writer.add_add_space_prefix(prefix)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(listed)
+    if spm:
+        scores = _merge_scores(model, tokens)
+        writer.add_token_scores([scores.get(i, 0.0) for i in range(n)])
     writer.add_token_types([int(types.get(i, gguf.TokenType.UNUSED)) for i in range(n)])
     special.add_to_gguf(writer, quiet=True)
 

@@ -588,6 +588,95 @@ def test_a_folder_of_each_family_runs_in_llama_cpp_as_in_transformers(family, ti
         assert np.abs(unscaled - want).max() > 1e-2 * scale
 
 
+def _sentencepiece_tokenizer(texts) -> dict:
+    """A tokenizer.json of Llama 2's form (BPE with byte fallback, "▁" for spaces and
+    before the text, <unk> <s> </s> then the 256 byte tokens first) trained on
+    `texts`."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    specials = ["<unk>", "<s>", "</s>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=700, special_tokens=specials,
+                                                       show_progress=False))
+    spec = json.loads(tok.to_str())
+    learned = sorted(spec["model"]["vocab"], key=spec["model"]["vocab"].get)
+    order = specials + [f"<0x{b:02X}>" for b in range(256)] + [
+        t for t in learned if t not in specials]
+    spec["model"]["vocab"] = {t: i for i, t in enumerate(order)}
+    for added in spec["added_tokens"]:
+        added["id"] = spec["model"]["vocab"][added["content"]]
+    return spec
+
+
+def test_a_sentencepiece_style_folder_tokenizes_in_llama_cpp_as_its_tokenizer(tmp_path):
+    """Llama 2's tokenizer form (SentencePiece's BPE as tokenizer.json, byte fallback):
+    `folder_gguf` writes it as llama.cpp's `llama` tokenizer with each token scored by
+    its merge's rank. A tokenizer trained on two modules' sources tokenizes 400 lines of
+    two others (indentation, unicode outside its vocabulary, a leading space) in
+    llama.cpp as in `tokenizers`, and llama.cpp's logits of a two-block model are
+    transformers'. A Metaspace pre-tokenizer is refused."""
+    import collections
+    import difflib
+    import inspect
+    import textwrap
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from pockjax.gguf import GgufError, folder_gguf
+
+    spec = _sentencepiece_tokenizer(inspect.getsource(json).splitlines()
+                                    + inspect.getsource(textwrap).splitlines())
+    config = transformers.LlamaConfig(
+        vocab_size=len(spec["model"]["vocab"]), hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(20.0)
+    folder = tmp_path / "llama2"
+    model.save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+         "add_bos_token": True, "tokenizer_class": "LlamaTokenizerFast"}))
+    folder_gguf(folder, tmp_path / "m.gguf", frozen_type="F32")
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    lines = [line for m in (collections, difflib) for line in
+             inspect.getsource(m).splitlines() if line.strip()][:400]
+    lines += [" a leading space", "ünïcödé ĳ ﬁ ✓ 日本", "two  spaces\tand a tab", ""]
+    want = [tokenizer.encode(line, add_special_tokens=False).ids for line in lines]
+    ids = tokenizer.encode("def f(x):\n    return x + 12345  # ✓").ids  # with <s>
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].numpy()
+    code = ("lines, ids = json.loads(sys.argv[1]), json.loads(sys.argv[2]); "
+            "llm = Llama(model_path=sys.argv[3], logits_all=True, verbose=False, n_ctx=256, "
+            "type_k=0, type_v=0, seed=0); "
+            "got = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in lines]; "
+            "llm.eval(ids); np.save(sys.argv[4], np.asarray(llm.scores[:len(ids)])); "
+            "print(json.dumps(got))")
+    got = _in_llama_cpp(code, json.dumps(lines), json.dumps(ids), tmp_path / "m.gguf",
+                        tmp_path / "scores.npy")
+    wrong = [(line, w, g) for line, w, g in zip(lines, want, got) if w != g]
+    assert not wrong, (len(wrong), wrong[:3])
+    scores = np.load(tmp_path / "scores.npy")
+    assert np.abs(scores - logits).max() <= 1e-3 * np.abs(logits).max()
+    spec["normalizer"] = None
+    spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁",
+                             "prepend_scheme": "first", "split": False}
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+    with pytest.raises(GgufError, match="Metaspace.*convert_hf_to_gguf"):
+        folder_gguf(folder, tmp_path / "n.gguf", frozen_type="F32")
+
+
 def test_rows_no_block_divides_are_written_in_f16_and_bad_input_is_named(tmp_path):
     """`encoded`: a vector stays F32, rows of 40 values (no Q8_0 block of 32 divides them)
     fall back to F16 with their rounding reported, rows of 64 are Q8_0. `folder_gguf`
