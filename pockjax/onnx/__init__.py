@@ -158,6 +158,9 @@ class OnnxFunction:
                                f"{name!r})") from None
             values[name] = node
         for name, x in zip(self.inputs, inputs):
+            if np.dtype(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype).kind in "OSU":
+                raise NotImplementedError(f"the ONNX graph's input {name!r} holds strings, "
+                                          f"which JAX arrays cannot")
             x = jnp.asarray(x)  # data, never folded as a constant
             values[name] = x.astype(jnp.int32) if x.dtype == jnp.int64 else x
         for node, attrs in self._nodes:
@@ -174,6 +177,12 @@ class OnnxFunction:
                 raise NotImplementedError(f"ONNX node {node.name or node.op_type!r} "
                                           f"({node.op_type}): {e}") from None
             outs = out if isinstance(out, tuple) else (out,)
+            extra = [name for name in node.output[len(outs):] if name]
+            if extra:
+                raise NotImplementedError(
+                    f"ONNX node {node.name or node.op_type!r} ({node.op_type}): its output(s) "
+                    f"{', '.join(extra)} (after the first {len(outs)}) are not computed by "
+                    f"pockjax.onnx")
             for name, value in zip(node.output, outs):
                 if name:
                     values[name] = value

@@ -40,10 +40,31 @@ def _elementwise(fn):
     return lambda attrs, *xs: fn(_xp(*xs), *xs)
 
 
-def _cast_type(to: int):
+def _div(xp, a, b):
+    """ONNX's Div: integers divide truncating toward zero (C's `/`, not Python's `//`)."""
+    dtype = np.asarray(a).dtype if xp is np else a.dtype
+    if not np.issubdtype(dtype, np.integer):
+        return a / b
+    q = a // b
+    return q + ((a % b != 0) & ((a < 0) != (b < 0))).astype(q.dtype)
+
+
+CAST_TYPES = frozenset("bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 bfloat16 "
+                       "float32 float64".split())
+"""The types `Cast` and `CastLike` convert to: ONNX's rounding and saturation into its
+8-, 4- and 2-bit floats and 4- and 2-bit integers are not numpy's, so those are refused."""
+
+
+def _cast_type(to):
+    """The numpy dtype of ONNX type `to` (an int, or a dtype already), one of
+    `CAST_TYPES`."""
     from onnx import helper
 
-    return np.dtype(helper.tensor_dtype_to_np_dtype(to))
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(to) if isinstance(to, int) else to)
+    if dtype.name not in CAST_TYPES:
+        raise NotImplementedError(f"a cast to {dtype.name} (pockjax.onnx casts to "
+                                  f"{', '.join(sorted(CAST_TYPES))})")
+    return dtype
 
 
 # --------------------------------------------------------------------------- math
@@ -88,12 +109,32 @@ def _conv(attrs, x, w, b=None):
     return out
 
 
+def _auto_pads(attrs, spatial, kernel, strides) -> list[int]:
+    """A pool's `pads` (begins, then ends), from `auto_pad` where it is set: SAME_UPPER
+    and SAME_LOWER pad to `ceil(size / stride)` outputs, the odd cell at the end or the
+    beginning; VALID pads nothing."""
+    auto = attrs.get("auto_pad", b"NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    nd = len(spatial)
+    if auto == "VALID":
+        return [0] * (2 * nd)
+    if auto not in ("SAME_UPPER", "SAME_LOWER"):
+        return list(attrs.get("pads", [0] * (2 * nd)))
+    begins, ends = [], []
+    for size, k, s in zip(spatial, kernel, strides):
+        total = max((-(-size // s) - 1) * s + k - size, 0)
+        small, big = total // 2, total - total // 2
+        begins.append(small if auto == "SAME_UPPER" else big)
+        ends.append(big if auto == "SAME_UPPER" else small)
+    return begins + ends
+
+
 def _pool(kind):
     def pool(attrs, x):
         nd = x.ndim - 2
         k = attrs["kernel_shape"]
         strides = attrs.get("strides", [1] * nd)
-        pads = attrs.get("pads", [0] * (2 * nd))
+        pads = _auto_pads(attrs, x.shape[2:], k, strides)
         if attrs.get("ceil_mode", 0) or attrs.get("dilations", [1] * nd) != [1] * nd:
             raise NotImplementedError(f"{kind} with ceil_mode or dilations")
         window, steps = (1, 1, *k), (1, 1, *strides)
@@ -118,13 +159,15 @@ def _batch_norm(attrs, x, scale, bias, mean, var):
     return (x - r(mean)) * jax.lax.rsqrt(r(var) + attrs.get("epsilon", 1e-5)) * r(scale) + r(bias)
 
 
-def _layer_norm(attrs, x, scale, bias=None):
+def _layer_norm(attrs, x, scale, bias=None, outputs=1):
     axis = _axis(attrs.get("axis", -1), x.ndim)
     axes = tuple(range(axis, x.ndim))
     mean = jnp.mean(x, axes, keepdims=True)
     var = jnp.mean(jnp.square(x - mean), axes, keepdims=True)
-    out = (x - mean) * jax.lax.rsqrt(var + attrs.get("epsilon", 1e-5)) * scale
-    return out if bias is None else out + bias
+    inv = jax.lax.rsqrt(var + attrs.get("epsilon", 1e-5))
+    out = (x - mean) * inv * scale
+    out = out if bias is None else out + bias
+    return (out, mean, inv)[:outputs] if outputs > 1 else out
 
 
 def _softmax(fn):
@@ -149,6 +192,17 @@ def _reduce(name):
               "ReduceMin": xp.min, "ReduceProd": xp.prod}[name]
         if name == "ReduceSumSquare":
             return xp.sum(x * x, axis=tuple(axes), keepdims=keep)
+        if name in ("ReduceMax", "ReduceMin") and math.prod(np.shape(x)) == 0:
+            # The empty set's max and min: the dtype's lowest and highest values.
+            dtype = np.dtype(x.dtype)
+            if dtype.kind == "f":
+                low, high = -np.inf, np.inf
+            elif dtype.kind == "b":
+                low, high = False, True
+            else:
+                low, high = np.iinfo(dtype).min, np.iinfo(dtype).max
+            return fn(x, axis=tuple(axes), keepdims=keep,
+                      initial=low if name == "ReduceMax" else high)
         return fn(x, axis=tuple(axes), keepdims=keep)
     return op
 
@@ -320,9 +374,7 @@ OPS = {
     "Add": _elementwise(lambda xp, a, b: xp.add(a, b)),
     "Sub": _elementwise(lambda xp, a, b: xp.subtract(a, b)),
     "Mul": _elementwise(lambda xp, a, b: xp.multiply(a, b)),
-    "Div": _elementwise(lambda xp, a, b: (a // b) if np.issubdtype(np.asarray(a).dtype
-                                                                   if xp is np else a.dtype,
-                                                                   np.integer) else a / b),
+    "Div": _elementwise(_div),
     "Pow": _elementwise(lambda xp, a, b: xp.power(a, b)),
     "Sqrt": _elementwise(lambda xp, x: xp.sqrt(x)),
     "Reciprocal": _elementwise(lambda xp, x: 1 / x),
@@ -381,8 +433,8 @@ OPS = {
     "Trilu": _trilu,
     "Where": _where,
     "Cast": _cast,
-    "CastLike": lambda attrs, x, like: _xp(x).asarray(x).astype(np.asarray(like).dtype
-                                                               if _static(like) else like.dtype),
+    "CastLike": lambda attrs, x, like: _xp(x).asarray(x).astype(_cast_type(
+        np.asarray(like).dtype if _static(like) else like.dtype)),
     "Identity": lambda attrs, x: x,
     "Dropout": _dropout,
     "Equal": _elementwise(lambda xp, a, b: xp.equal(a, b)),
@@ -397,5 +449,5 @@ OPS = {
 }
 """The operators `pockjax.onnx` runs, by ONNX op type (the default domain)."""
 
-MULTI_OUTPUT = {"Split"}
+MULTI_OUTPUT = {"Split", "LayerNormalization"}
 """Operators whose output count is the node's."""
