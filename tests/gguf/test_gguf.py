@@ -412,6 +412,21 @@ def _in_llama_cpp(code: str, *args):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _llama_cpp_reads(path, texts, ids, tmp_path):
+    """llama.cpp's tokens of each of `texts` (no BOS; special tokens read as such) and its
+    logits of `ids`, its cache of keys and values in F32 (type 0; its default F16 rounds
+    them)."""
+    code = ("texts, ids = json.loads(sys.argv[1]), json.loads(sys.argv[2]); "
+            "llm = Llama(model_path=sys.argv[3], logits_all=True, verbose=False, n_ctx=256, "
+            "type_k=0, type_v=0, seed=0); "
+            "got = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in texts]; "
+            "llm.eval(ids); np.save(sys.argv[4], np.asarray(llm.scores[:len(ids)])); "
+            "print(json.dumps(got))")
+    tokens = _in_llama_cpp(code, json.dumps(texts), json.dumps(ids), path,
+                           tmp_path / "scores.npy")
+    return tokens, np.load(tmp_path / "scores.npy")
+
+
 def test_llama_cpp_runs_the_written_file_and_predicts_as_final(real_run, tmp_path):
     """final.gguf, and final/ written as GGUF by `folder_gguf` (frozen tensors in Q8_0),
     in llama.cpp: its tokens of a chat text (special tokens included) are the tokenizer's,
@@ -564,16 +579,8 @@ def test_a_folder_of_each_family_runs_in_llama_cpp_as_in_transformers(family, ti
     assert len(ids) > 64  # well past Llama 3's original context of 32
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits[0].numpy()
-    # llama.cpp's cache of keys and values in F32 (type 0; its default F16 rounds them)
-    code = ("text, ids = sys.argv[1], json.loads(sys.argv[2]); "
-            "llm = Llama(model_path=sys.argv[3], logits_all=True, verbose=False, n_ctx=256, "
-            "type_k=0, type_v=0, seed=0); "
-            "tokens = llm.tokenize(text.encode(), add_bos=False, special=True); "
-            "llm.eval(ids); np.save(sys.argv[4], np.asarray(llm.scores[:len(ids)])); "
-            "print(json.dumps(tokens))")
-    assert _in_llama_cpp(code, text, json.dumps(ids), tmp_path / "m.gguf",
-                         tmp_path / "scores.npy") == ids
-    got = np.load(tmp_path / "scores.npy")
+    tokens, got = _llama_cpp_reads(tmp_path / "m.gguf", [text], ids, tmp_path)
+    assert tokens == [ids]
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 1e-3 * scale, np.abs(got - want).max() / scale
     if family == "llama3":  # the factors matter here
@@ -657,17 +664,9 @@ def test_a_sentencepiece_style_folder_tokenizes_in_llama_cpp_as_its_tokenizer(tm
     ids = tokenizer.encode("def f(x):\n    return x + 12345  # ✓").ids  # with <s>
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0].numpy()
-    code = ("lines, ids = json.loads(sys.argv[1]), json.loads(sys.argv[2]); "
-            "llm = Llama(model_path=sys.argv[3], logits_all=True, verbose=False, n_ctx=256, "
-            "type_k=0, type_v=0, seed=0); "
-            "got = [llm.tokenize(t.encode(), add_bos=False, special=True) for t in lines]; "
-            "llm.eval(ids); np.save(sys.argv[4], np.asarray(llm.scores[:len(ids)])); "
-            "print(json.dumps(got))")
-    got = _in_llama_cpp(code, json.dumps(lines), json.dumps(ids), tmp_path / "m.gguf",
-                        tmp_path / "scores.npy")
+    got, scores = _llama_cpp_reads(tmp_path / "m.gguf", lines, ids, tmp_path)
     wrong = [(line, w, g) for line, w, g in zip(lines, want, got) if w != g]
     assert not wrong, (len(wrong), wrong[:3])
-    scores = np.load(tmp_path / "scores.npy")
     assert np.abs(scores - logits).max() <= 1e-3 * np.abs(logits).max()
     spec["normalizer"] = None
     spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "▁",
