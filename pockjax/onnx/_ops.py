@@ -134,18 +134,36 @@ def _pool(kind):
         nd = x.ndim - 2
         k = attrs["kernel_shape"]
         strides = attrs.get("strides", [1] * nd)
+        dil = attrs.get("dilations", [1] * nd)
         pads = _auto_pads(attrs, x.shape[2:], k, strides)
-        if attrs.get("ceil_mode", 0) or attrs.get("dilations", [1] * nd) != [1] * nd:
-            raise NotImplementedError(f"{kind} with ceil_mode or dilations")
-        window, steps = (1, 1, *k), (1, 1, *strides)
-        padding = ((0, 0), (0, 0), *[(pads[i], pads[i + nd]) for i in range(nd)])
+        begin, end = pads[:nd], list(pads[nd:])
+        extra = [0] * nd  # ceil_mode: a last window that starts inside the input or its pads
+        for i, size in enumerate(x.shape[2:]):
+            span = size + begin[i] + end[i] - ((k[i] - 1) * dil[i] + 1)
+            if attrs.get("ceil_mode", 0) and span % strides[i]:
+                out = -(-span // strides[i]) + 1
+                if (out - 1) * strides[i] >= size + begin[i]:
+                    out -= 1
+                extra[i] = max((out - 1) * strides[i] - span, 0)
+        window, steps, dilation = (1, 1, *k), (1, 1, *strides), (1, 1, *dil)
+        padding = ((0, 0), (0, 0), *[(begin[i], end[i] + extra[i]) for i in range(nd)])
         if kind == "MaxPool":
-            return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, steps, padding)
-        total = jax.lax.reduce_window(x, 0.0, jax.lax.add, window, steps, padding)
-        if attrs.get("count_include_pad", 0) or not any(pads):
+            return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, steps, padding,
+                                         window_dilation=dilation)
+        total = jax.lax.reduce_window(x, 0.0, jax.lax.add, window, steps, padding,
+                                      window_dilation=dilation)
+        if not any(pads) and not any(extra):
             return total / math.prod(k)
-        ones = jnp.ones((1, 1) + x.shape[2:], x.dtype)
-        count = jax.lax.reduce_window(ones, 0.0, jax.lax.add, window, steps, padding)
+        # The cells each window averages: the input's, and with count_include_pad its
+        # explicit pads' too; never the cells ceil_mode adds.
+        if attrs.get("count_include_pad", 0):
+            ones = jnp.ones((1, 1) + tuple(s + b + e for s, b, e in zip(x.shape[2:], begin, end)),
+                            x.dtype)
+            spread = ((0, 0), (0, 0), *[(0, e) for e in extra])
+        else:
+            ones, spread = jnp.ones((1, 1) + x.shape[2:], x.dtype), padding
+        count = jax.lax.reduce_window(ones, 0.0, jax.lax.add, window, steps, spread,
+                                      window_dilation=dilation)
         return total / count
     return pool
 
