@@ -13,7 +13,7 @@ import contextlib
 import signal
 import threading
 
-__all__ = ["InterruptAfter", "Terminated", "signal_name", "stop_on_sigterm"]
+__all__ = ["InterruptAfter", "Terminated", "noted_signals", "signal_name", "stop_on_sigterm"]
 
 
 class Terminated(KeyboardInterrupt):
@@ -84,3 +84,41 @@ class InterruptAfter:
             signum, frame = self.pending
             self.previous[signum](signum, frame)
         return False
+
+
+class _Noted:
+    """The stop a signal asked for: 0 none, 1 Ctrl-C, 2 SIGTERM (`noted_signals`)."""
+
+    def __init__(self):
+        self.code = 0
+
+    def note(self, signum, frame):
+        code = 2 if signum == signal.SIGTERM else 1
+        if self.code:  # a second signal: at once, as `InterruptAfter` does
+            raise self.error(code)
+        self.code = code
+
+    def error(self, code: int) -> KeyboardInterrupt:
+        """The exception a stop of kind `code` (1 or 2) raises."""
+        return Terminated() if code == 2 else KeyboardInterrupt()
+
+
+@contextlib.contextmanager
+def noted_signals():
+    """Within the block, Ctrl-C and SIGTERM only note that a stop was asked for (the
+    yielded object's `code`); the loop decides when to stop. A run over several processes
+    uses it: each process's signal comes at its own moment, and every process must stop
+    after the same step (a collective step cannot run in some of them). A second signal
+    raises at once. Outside the main thread nothing changes; the handlers before are put
+    back after."""
+    noted = _Noted()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(sig) not in (signal.SIG_IGN, None):
+                previous[sig] = signal.signal(sig, noted.note)
+    try:
+        yield noted
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

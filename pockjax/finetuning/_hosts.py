@@ -73,6 +73,14 @@ class Hosts:
 
         return multihost_utils.process_allgather(tree, tiled=True)
 
+    def agree_stop(self, code: int) -> int:
+        """The largest of every process's `code` (a collective: all processes call it):
+        the stop any process's signal asked for (`fit`'s `agree_stop`)."""
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        return int(np.max(multihost_utils.process_allgather(np.int32(code))))
+
     def lost(self, error: Exception, checkpoints) -> ProcessLost | None:
         """`error` as the loss of another process of the run, or None where it is not
         one: the message names the last complete checkpoint of `checkpoints` (`(step,

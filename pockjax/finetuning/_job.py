@@ -509,7 +509,8 @@ def finetune(model, data, out, *, options: FinetuneOptions | None = None,
                                  evaluate=evaluate if held is not None else None,
                                  eval_every=eval_every, save=save, save_every=save_every,
                                  on_record=record, stop_nonfinite=True, tokens=tokens_of,
-                                 compile_cache=o.compile_cache)
+                                 compile_cache=o.compile_cache,
+                                 agree_stop=hosts.agree_stop if hosts is not None else None)
     except jax.errors.JaxRuntimeError as e:  # another process stopped, or not ours
         raise (hosts and hosts.lost(e, run.checkpoints())) or e from None
     except StepNotFinite as e:

@@ -5,6 +5,8 @@ stop on a NaN loss and `peak_rss_gib` the memory figure it shows. Re-exported fr
 """
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import itertools
 import time
@@ -15,7 +17,7 @@ import jax
 import numpy as np
 
 from pockjax._src.errors import NonFiniteLoss
-from pockjax._src.interrupt import InterruptAfter, signal_name, stop_on_sigterm
+from pockjax._src.interrupt import InterruptAfter, noted_signals, signal_name, stop_on_sigterm
 from pockjax.train._state import TrainState
 
 if TYPE_CHECKING:
@@ -127,7 +129,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
         save: Callable | None = None, save_every: int | None = None,
         on_record: Callable[[dict], None] | None = None, stop_nonfinite: bool = False,
         tokens: Callable[[int], int] | None = None,
-        compile_cache: bool = True, **unknown) -> tuple[TrainState, History]:
+        compile_cache: bool = True, agree_stop: Callable[[int], int] | None = None,
+        **unknown) -> tuple[TrainState, History]:
     """Run `trainer` (a `SparseTrainer`, or any `step(state, batch) -> (state, metrics)`)
     from step `start` to step `steps`, or until the batches run out.
 
@@ -175,6 +178,11 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
       compile_cache: use JAX's persistent compilation cache (`use_compile_cache`: a
         folder under the user's cache directory), so a second run of the same shapes
         does not compile again; default True. False leaves JAX's settings as they are.
+      agree_stop: for a run over several processes: called by every process after every
+        step with the stop its own signals asked for (0 none, 1 Ctrl-C, 2 SIGTERM),
+        it returns the largest over the processes (a collective); every process then
+        stops after the same step, which each saves. None (the default): a signal stops
+        this process after its step in flight.
 
     Returns:
       `(state, History)`: the state after the last completed step and what the run did.
@@ -262,7 +270,8 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
     compiled_at_first = [0.0]  # the first step's compilation, seconds
     stopped_by = None
     saved_at = start
-    with stop_on_sigterm():  # a scheduler's SIGTERM saves as Ctrl-C does
+    agreed = noted_signals() if agree_stop is not None else contextlib.nullcontext()
+    with stop_on_sigterm(), agreed as noted:  # a scheduler's SIGTERM saves as Ctrl-C does
         try:
             if evaluate is not None and start == 0:
                 evaluation(state, 0)
@@ -294,6 +303,10 @@ def fit(trainer: SparseTrainer, state: TrainState, batches: Iterable | Callable,
                         read_all()
                         save(state)
                         saved_at = step
+                if noted is not None and not last:  # every process stops after one step
+                    code = agree_stop(noted.code)
+                    if code:
+                        raise noted.error(code)
                 if evaluate is not None and eval_every and step % eval_every == 0 and not last:
                     read_all()
                     evaluation(state, step)

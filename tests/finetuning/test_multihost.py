@@ -163,3 +163,43 @@ def test_only_a_lost_process_is_reported_as_one():
     kept = [(5, Path("c/step-00000005.safetensors")), (10, Path("c/step-00000010.safetensors"))]
     assert "the last complete checkpoint is step-00000010.safetensors (step 10)." in str(
         hosts.lost(RuntimeError("UNAVAILABLE: The following tasks are unhealthy"), kept))
+
+
+def test_sigterm_to_one_process_stops_every_process_after_one_step_and_resume_ends_bit_for_bit(
+        setup, tmp_path):
+    """A scheduler's SIGTERM reaches the processes at different moments; here process 0
+    alone gets one. Every process stops after the same step, the checkpoint of that step
+    is saved once, each exits with 143; `--resume` on both ends bit for bit where an
+    uninterrupted run ends. Before the processes agreed on the step (with process 1's
+    SIGTERM 0.5 s after process 0's), process 0 waited in its checkpoint's gather and
+    process 1 in its next step, both until killed."""
+    import signal
+
+    (tmp_path / "whole-logs").mkdir()
+    whole = tmp_path / "whole"
+    _finish(_start(setup, whole, 30, tmp_path / "whole-logs"), tmp_path / "whole-logs")
+    cut = tmp_path / "cut"
+    procs = _start(setup, cut, 30, tmp_path, "--save-every", "100")
+    deadline = time.time() + 300
+    while time.time() < deadline and not ((cut / "metrics.jsonl").exists() and sum(
+            '"loss"' in x for x in (cut / "metrics.jsonl").read_text().splitlines()) >= 3):
+        time.sleep(0.02)
+    procs[0].send_signal(signal.SIGTERM)
+    try:
+        for p in procs:
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    logs = [(tmp_path / f"p{i}.txt").read_text() for i in range(2)]
+    assert [p.returncode for p in procs] == [143, 143], [x[-2000:] for x in logs]
+    saved = sorted((cut / "checkpoints").glob("step-*.safetensors"))
+    assert len(saved) == 1, saved
+    stopped = int(saved[0].name[5:13])
+    assert 3 <= stopped < 30
+    assert [r["step"] for r in _records(cut) if "loss" in r] == list(range(1, stopped + 1))
+    _finish(_start(setup, cut, 30, tmp_path, "--resume"), tmp_path)
+    a, b = (load_file(str(p / "final" / "model.safetensors")) for p in (whole, cut))
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    assert [r["step"] for r in _records(cut) if "loss" in r] == list(range(1, 31))
