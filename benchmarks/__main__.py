@@ -1,4 +1,4 @@
-"""`python -m benchmarks [paper|profile|sparse_grad|train_step|export|real_size|matmul_peak|remat_table|finetune_speed|pretrain|quality|gpu|prefix_cache|moments|lowbit_load|frozen_formats|cache_quality|edge_speed|device_job|logits_targets|gguf_real|tf_peer|sharded_memory] [args...]`: run one benchmark."""
+"""`python -m benchmarks [paper|profile|sparse_grad|train_step|export|real_size|matmul_peak|remat_table|finetune_speed|pretrain|quality|gpu|prefix_cache|moments|lowbit_load|frozen_formats|cache_quality|edge_speed|device_job|logits_targets|gguf_real|tf_peer|sharded_memory|onnx_node_cases] [args...]`: run one benchmark."""
 import runpy
 import sys
 
@@ -10,7 +10,7 @@ SCRIPTS = {"paper": "paper_table", "profile": "profile_step", "sparse_grad": "sp
            "lowbit_load": "lowbit_load",
            "frozen_formats": "frozen_formats", "cache_quality": "cache_quality",
            "edge_speed": "edge_speed", "device_job": "device_job",
-           "logits_targets": "logits_targets", "gguf_real": "gguf_real", "tf_peer": "tf_peer",
+           "logits_targets": "logits_targets", "gguf_real": "gguf_real", "tf_peer": "tf_peer", "onnx_node_cases": "onnx_node_cases",
            "sharded_memory": "sharded_memory"}
 
 if len(sys.argv) < 2 or sys.argv[1] not in SCRIPTS:
