@@ -231,13 +231,15 @@ class Layout:
         """The XLA options a step on this mesh is compiled with (`jax.jit`'s
         `compiler_options`), or None for XLA's own.
 
-        On CPU devices, two of XLA's CPU defaults undo a sharded step's memory saving
-        (measured on LLaMA-2-7B's shape over 4 devices: 4.8 GiB of temporaries per
-        device with both, 0.49 GiB without): its concurrency-optimized scheduler
-        gathers every weight at the start of the step, and its all-reduce combiner
-        merges every gradient's reduction into one at the end, so every full-size
-        gradient is alive at once. Both are turned off there; other platforms
-        schedule and combine collectives against a memory limit of their own.
+        On CPU devices, two of XLA's CPU defaults undo a sharded step's memory saving:
+        its concurrency-optimized scheduler gathers every weight at the start of the
+        step, and its all-reduce combiner merges every gradient's reduction into one at
+        the end, so every full-size gradient is alive at once. Both are turned off there
+        (the memory-optimized scheduler instead); other platforms schedule and combine
+        collectives against a memory limit of their own. Measured on LLaMA-2-7B's int4
+        step over 4 devices (8 x 128 tokens), temporaries per device: 4.8 GiB with
+        XLA's defaults, 2.4 GiB with the scheduler alone, 0.49 GiB with both changes
+        and the backward pass's second gathers (`fused.regather`).
         """
         if self.mesh.devices.flat[0].platform != "cpu":
             return None

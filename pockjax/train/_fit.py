@@ -6,7 +6,6 @@ stop on a NaN loss and `peak_rss_gib` the memory figure it shows. Re-exported fr
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import itertools
 import time
