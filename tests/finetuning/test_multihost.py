@@ -47,13 +47,18 @@ def _start(setup, out, steps, logs, *extra):
     return procs
 
 
-def _finish(procs, logs, timeout=300):
+def _wait(procs, timeout):
+    """Wait for every process (raising on a timeout), and kill any left after."""
     try:
         for p in procs:
             p.wait(timeout=timeout)
     finally:
         for p in procs:
             p.kill()
+
+
+def _finish(procs, logs, timeout=300):
+    _wait(procs, timeout)
     for i, p in enumerate(procs):
         assert p.returncode == 0, (logs / f"p{i}.txt").read_text()[-3000:]
 
@@ -185,12 +190,7 @@ def test_sigterm_to_one_process_stops_every_process_after_one_step_and_resume_en
             '"loss"' in x for x in (cut / "metrics.jsonl").read_text().splitlines()) >= 3):
         time.sleep(0.02)
     procs[0].send_signal(signal.SIGTERM)
-    try:
-        for p in procs:
-            p.wait(timeout=60)
-    finally:
-        for p in procs:
-            p.kill()
+    _wait(procs, 60)
     logs = [(tmp_path / f"p{i}.txt").read_text() for i in range(2)]
     assert [p.returncode for p in procs] == [143, 143], [x[-2000:] for x in logs]
     saved = sorted((cut / "checkpoints").glob("step-*.safetensors"))
